@@ -1,0 +1,196 @@
+"""The catalog: which models a worker keeps resident, which system prompts it pre-fills,
+which remote endpoints it warms, and which peaks beat warms ahead of.
+
+It is a TOML file (``PREHEAT_CATALOG``, default ``preheat.toml``)::
+
+    [models.tiny-llama]
+    path = ".preheat/models/tiny-llama"     # a local directory, or a hub id such as "org/name"
+
+    [templates.support]
+    model = "tiny-llama"
+    system_prompt = "You are the support assistant of …"   # or system_prompt_file = "prompts/support.txt"
+    probe = "Where is my order?"
+
+    [endpoints.vllm-main]
+    base_url = "http://vllm:8000/v1"
+    templates = ["support"]
+
+    [schedules.weekday-morning]
+    cron = "50 8 * * 1-5"
+    templates = ["support"]
+
+Relative paths are resolved against the catalog file's folder, as docker-compose does,
+so the same file works from any working directory.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from preheat.errors import ConfigError, UnknownNameError
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    path: str = Field(min_length=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    trust_remote_code: bool = False
+
+    def is_local(self) -> bool:
+        return self.path.startswith(("/", ".", "~")) or Path(self.path).exists()
+
+
+class TemplateSpec(_Strict):
+    model: str
+    system_prompt: str | None = None
+    system_prompt_file: str | None = None
+    probe: str = Field("Hello! What can you help me with today?", min_length=1)
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> TemplateSpec:
+        if (self.system_prompt is None) == (self.system_prompt_file is None):
+            raise ValueError("give exactly one of system_prompt or system_prompt_file")
+        if self.system_prompt is not None and not self.system_prompt.strip():
+            raise ValueError("system_prompt is empty")
+        return self
+
+
+class EndpointSpec(_Strict):
+    base_url: str = Field(pattern=r"^https?://[^/\s]+")
+    kind: Literal["openai", "vllm", "preheat"] = "openai"
+    api_key_env: str | None = None
+    min_connections: int = Field(1, ge=0)
+    max_connections: int = Field(10, ge=1)
+    keepalive_expiry_s: float = Field(60.0, gt=0)
+    http2: bool = False
+    ca_bundle: str | None = None
+    templates: list[str] = []
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> EndpointSpec:
+        if self.min_connections > self.max_connections:
+            raise ValueError("min_connections exceeds max_connections")
+        return self
+
+
+class ScheduleSpec(_Strict):
+    cron: str
+    templates: list[str] = Field(min_length=1)
+
+    @field_validator("cron")
+    @classmethod
+    def _five_fields(cls, value: str) -> str:
+        from celery.schedules import crontab
+
+        fields = value.split()
+        if len(fields) != 5:
+            raise ValueError(f"cron {value!r} must have 5 fields (minute hour day month weekday)")
+        try:
+            crontab(*fields[:2], day_of_month=fields[2], month_of_year=fields[3], day_of_week=fields[4])
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"cron {value!r} is invalid: {exc}") from None
+        return value
+
+
+class Catalog(_Strict):
+    folder: Path = Path(".")
+    models: dict[str, ModelSpec] = {}
+    templates: dict[str, TemplateSpec] = {}
+    endpoints: dict[str, EndpointSpec] = {}
+    schedules: dict[str, ScheduleSpec] = {}
+
+    @model_validator(mode="after")
+    def _names_resolve(self) -> Catalog:
+        import re
+
+        for section in ("models", "templates", "endpoints", "schedules"):
+            for name in getattr(self, section):
+                if not re.match(NAME_PATTERN, name):
+                    raise ValueError(f"{section}.{name}: names are letters, digits, '.', '_' or '-'")
+        for name, template in self.templates.items():
+            if template.model not in self.models:
+                raise ValueError(f"templates.{name}.model: unknown model {template.model!r}")
+        for section in ("endpoints", "schedules"):
+            for name, spec in getattr(self, section).items():
+                for template in spec.templates:
+                    if template not in self.templates:
+                        raise ValueError(f"{section}.{name}.templates: unknown template {template!r}")
+        return self
+
+    # Lookups that give the caller one clear error -------------------------------
+
+    def model(self, name: str) -> ModelSpec:
+        try:
+            return self.models[name]
+        except KeyError:
+            raise UnknownNameError(f"unknown model {name!r} (catalog has: {_listing(self.models)})") from None
+
+    def template(self, name: str) -> TemplateSpec:
+        try:
+            return self.templates[name]
+        except KeyError:
+            raise UnknownNameError(f"unknown template {name!r} (catalog has: {_listing(self.templates)})") from None
+
+    def templates_for(self, model: str) -> list[str]:
+        return [name for name, spec in self.templates.items() if spec.model == model]
+
+    def model_path(self, name: str) -> str:
+        spec = self.model(name)
+        if not spec.is_local():
+            return spec.path
+        return str((self.folder / Path(spec.path).expanduser()).resolve())
+
+    def system_prompt(self, name: str) -> str:
+        spec = self.template(name)
+        if spec.system_prompt is not None:
+            return spec.system_prompt
+        path = (self.folder / spec.system_prompt_file).resolve()
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"template {name!r}: cannot read system_prompt_file {path}: {exc}") from None
+
+    def check_model_paths(self, names: list[str] | None = None) -> None:
+        """Fail early, with the path, on a local model directory that is missing or incomplete."""
+        for name in names if names is not None else list(self.models):
+            if not self.model(name).is_local():
+                continue
+            path = Path(self.model_path(name))
+            if not path.is_dir():
+                raise ConfigError(f"model {name!r}: directory {path} does not exist")
+            if not (path / "config.json").is_file():
+                raise ConfigError(f"model {name!r}: {path} has no config.json (not a saved transformers model)")
+
+
+def _listing(mapping: dict) -> str:
+    return ", ".join(sorted(mapping)) or "nothing"
+
+
+def _location(loc: tuple) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def load_catalog(path: Path) -> Catalog:
+    """Read and validate a catalog file."""
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"catalog {path} does not exist (set PREHEAT_CATALOG)") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"catalog {path}: not valid TOML: {exc}") from None
+    try:
+        return Catalog.model_validate({**raw, "folder": path.resolve().parent})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = _location(first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"catalog {path}: {where + ': ' if where else ''}{message}") from None

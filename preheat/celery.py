@@ -1,0 +1,158 @@
+"""The Celery app, its configuration, and the base task every preheat task uses.
+
+``celery -A preheat worker|beat|flower`` finds ``app`` here.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+
+from celery import Celery, Task
+from celery.schedules import crontab
+from celery.signals import celeryd_after_setup, worker_process_init
+from sqlalchemy.exc import OperationalError
+
+from preheat.errors import ConfigError
+from preheat.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+TASK_MODULES = ["tasks.warmup"]
+DEFAULT_QUEUE = "preheat"
+
+
+def worker_queue(nodename: str) -> str:
+    """Each worker's own durable queue: a warmup sent there waits for that worker, even
+    one that is restarting (Redis fanout would drop it). The filesystem transport allows
+    only [A-Za-z0-9._-] in names, so '@' and the like become '_' on every transport."""
+    return "preheat.w." + re.sub(r"[^A-Za-z0-9._-]", "_", nodename)
+
+
+def route_task(name, args, kwargs, options, task=None, **_):
+    if name == "preheat.warm_worker":
+        return {"queue": worker_queue(kwargs["worker"])}
+    return None
+
+
+def _transport_options(settings: Settings) -> dict:
+    if settings.is_embedded:
+        folder = settings.broker_folder
+        for sub in ("queue", "control", "processed"):
+            (folder / sub).mkdir(parents=True, exist_ok=True)
+        return {
+            "data_folder_in": str(folder / "queue"),
+            "data_folder_out": str(folder / "queue"),
+            "control_folder": str(folder / "control"),
+            "processed_folder": str(folder / "processed"),
+            "store_processed": False,
+            "polling_interval": 0.2,
+        }
+    return {"visibility_timeout": settings.visibility_timeout_s}
+
+
+def beat_schedule(settings: Settings) -> dict:
+    """Peaks from the catalog's [schedules.*] tables, in the app's time zone."""
+    from preheat.catalog import load_catalog
+
+    if not settings.catalog.exists():
+        return {}
+    entries = {}
+    for name, spec in load_catalog(settings.catalog).schedules.items():
+        minute, hour, day_of_month, month, day_of_week = spec.cron.split()
+        entries[f"schedule:{name}"] = {
+            "task": "preheat.warm_fleet",
+            "schedule": crontab(minute, hour, day_of_week, day_of_month, month),
+            "kwargs": {"templates": spec.templates, "trigger": "schedule", "detail": {"schedule": name},
+                       "requested_by": "beat"},
+        }
+    return entries
+
+
+def celery_config(settings: Settings) -> dict:
+    return {
+        "broker_url": settings.broker,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": _transport_options(settings),
+        # JSON only: a pickled message from anyone who can reach the broker is code execution.
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "event_serializer": "json",
+        # History lives in Postgres; no result backend to keep in sync.
+        "task_ignore_result": True,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_default_queue": DEFAULT_QUEUE,
+        "task_create_missing_queues": True,
+        "task_routes": (route_task,),
+        "task_time_limit": settings.warmup_time_limit_s + 60,
+        "task_soft_time_limit": settings.warmup_time_limit_s,
+        "task_track_started": True,
+        "task_send_sent_event": True,
+        "worker_send_task_events": True,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "timezone": settings.timezone,
+        "enable_utc": True,
+        "beat_schedule": beat_schedule(settings),
+        "beat_schedule_filename": str((settings.home / "celerybeat-schedule").resolve()),
+    }
+
+
+class PreheatTask(Task):
+    """The plumbing every task shares, so task bodies are only domain work:
+    timing and logging, and failed jobs recorded in history when a task raises."""
+
+    abstract = True
+    typing = True
+
+    def __call__(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            log.info("%s[%s] took %.0f ms", self.name, self.request.id, (time.perf_counter() - started) * 1000)
+
+    def on_failure(self, exc, task_id, args, kwargs, einfo):
+        from preheat import history
+        from preheat.db import session_scope
+
+        try:
+            with session_scope() as session:
+                history.fail_task_jobs(session, task_id, f"{type(exc).__name__}: {exc}")
+        except OperationalError:
+            log.exception("could not record the failure of %s[%s] in history", self.name, task_id)
+
+
+def create_app(settings: Settings | None = None) -> Celery:
+    settings = settings or get_settings()
+    celery_app = Celery("preheat", include=TASK_MODULES, task_cls=PreheatTask)
+    celery_app.conf.update(celery_config(settings))
+    return celery_app
+
+
+@celeryd_after_setup.connect
+def _consume_own_queue(sender, instance, **_):
+    queue = worker_queue(sender)
+    instance.app.amqp.queues.select_add(queue)
+    log.info("worker %s consumes its own queue %s", sender, queue)
+
+
+@worker_process_init.connect
+def _fresh_connections_after_fork(**_):
+    # A forked child must not reuse the parent's DB connections.
+    from preheat.db import reset_engine
+
+    reset_engine()
+
+
+try:
+    app = create_app()
+except ConfigError as exc:
+    # `celery -A preheat …` imports this module: one clear line instead of a traceback.
+    print(f"preheat: {exc}", file=sys.stderr)
+    sys.exit(exc.exit_code)

@@ -1,0 +1,82 @@
+"""`preheat dev …`: tools for development, demos and tests."""
+
+from pathlib import Path
+
+import typer
+from rich import print
+
+from preheat.errors import ConfigError
+
+app = typer.Typer(no_args_is_help=True, help="Development tools.")
+
+
+@app.command("make-model")
+def make_model(
+    folder: Path = typer.Argument(..., help="Empty or new folder to write the model into."),
+    arch: str = typer.Option("llama", help="Architecture: llama or qwen2."),
+    seed: int = typer.Option(0, help="Seed for the random weights."),
+) -> None:
+    """Write a small causal LM (random weights, real architecture and tokenizer) to FOLDER."""
+    from workers.devmodel import make_model as build
+
+    if arch not in ("llama", "qwen2"):
+        raise ConfigError(f"unknown architecture {arch!r} (expected llama or qwen2)")
+    try:
+        build(folder, arch=arch, seed=seed)
+    except FileExistsError as exc:
+        raise ConfigError(str(exc)) from None
+    size = sum(f.stat().st_size for f in folder.iterdir()) / 1e6
+    print(f"wrote {arch} model to [bold]{folder}[/] ({size:.1f} MB)")
+
+
+@app.command()
+def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for the warmup.")) -> None:
+    """The main job end to end on this machine: build the small model if missing, migrate,
+    start a worker and beat, warm every template, print the run read back from history, stop."""
+    import os
+    import socket
+
+    from rich.console import Console
+
+    from preheat import history, migrate, procs
+    from preheat.catalog import load_catalog
+    from preheat.cli import render
+    from preheat.cli.warm import wait_for_run
+    from preheat.db import session_scope
+    from preheat.settings import get_settings
+    from tasks.fleet import dispatch_warmup
+    from workers.devmodel import make_model as build
+
+    console = render.console()
+    settings = get_settings()
+    catalog = load_catalog(settings.catalog)
+    for name in catalog.models:
+        path = Path(catalog.model_path(name))
+        if catalog.model(name).is_local() and not (path / "config.json").exists():
+            console.print(f"building the small model {name!r} in {path} …")
+            build(path)
+    catalog.check_model_paths()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    migrate.upgrade(settings.database)
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    logs = settings.home / "logs"
+    nodename = f"demo@{socket.gethostname()}"
+    worker = procs.start_worker(nodename, env, logs)
+    beat = procs.start("beat", procs.celery_command("beat", "--loglevel=INFO"), env, logs)
+    with procs.running(worker, beat):
+        procs.wait_for_log(worker, f"{nodename} ready.")
+        procs.wait_for_log(beat, "beat: Starting")
+        console.print(f"worker {nodename} and beat are up (logs in {logs})")
+        dispatched = dispatch_warmup(workers=[nodename], requested_by="make demo")
+        console.print(f"run {dispatched.run_id.hex[:8]}: warming {', '.join(dispatched.templates)} …")
+        run = wait_for_run(dispatched.run_id, timeout, show_progress=True)
+    with session_scope() as session:
+        run = history.get_run(session, run.id)  # read back from the history DB, not from memory
+    console.print(render.jobs_table(run))
+    for line in render.errors_of(run):
+        console.print(f"[red]{line}[/]", highlight=False)
+    console.print(f"history: {settings.database if settings.database.startswith('sqlite') else 'configured DB'}; "
+                  f"see it again with `preheat history {run.id.hex[:8]}`")
+    if str(run.status) != "succeeded":
+        raise typer.Exit(1)

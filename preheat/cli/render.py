@@ -1,0 +1,103 @@
+"""How runs and jobs look at the terminal and in --json."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from rich.console import Console
+from rich.table import Table
+
+from preheat.models import WarmupJob, WarmupRun
+
+
+def short_id(run: WarmupRun) -> str:
+    return run.id.hex[:8]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def saved_pct(job: WarmupJob) -> float | None:
+    """Share of the cold TTFT that the cached prefix saved."""
+    if not job.ttft_cold_ms or job.ttft_warm_ms is None:
+        return None
+    return 100.0 * (1 - job.ttft_warm_ms / job.ttft_cold_ms)
+
+
+def _when(value: dt.datetime | None) -> str:
+    return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _kib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 1024:,.0f}"
+
+
+JOB_COLUMNS = ("target", "template", "status", "load ms", "prefill ms", "TTFT cold", "TTFT warm", "TTFT bare",
+               "saved", "tokens", "KiB")
+
+
+def jobs_table(run: WarmupRun) -> Table:
+    models = sorted({f"{job.model} on {job.device}" if job.device else job.model for job in run.jobs})
+    table = Table(title=f"run {short_id(run)} · {run.trigger} · {run.status}", title_justify="left",
+                  caption=f"{'; '.join(models)} · TTFT in ms, median of the probe runs; "
+                          "bare = the probe with no system prompt", caption_justify="left")
+    for header in JOB_COLUMNS:
+        table.add_column(header, justify="left" if header in JOB_COLUMNS[:3] else "right", no_wrap=True)
+    for job in run.jobs:
+        saved = saved_pct(job)
+        table.add_row(job.target, job.template, str(job.status), _ms(job.load_ms), _ms(job.prefill_ms),
+                      _ms(job.ttft_cold_ms), _ms(job.ttft_warm_ms), _ms(job.ttft_bare_ms),
+                      "-" if saved is None else f"{saved:.0f}%",
+                      "-" if job.cached_tokens is None else str(job.cached_tokens), _kib(job.cache_bytes))
+    return table
+
+
+def errors_of(run: WarmupRun) -> list[str]:
+    return [f"{job.target} · {job.template}: {job.error}" for job in run.jobs if job.error]
+
+
+def runs_table(runs: list[WarmupRun]) -> Table:
+    table = Table(title="warmup runs, newest first", title_justify="left")
+    for header in ("run", "created (UTC)", "trigger", "detail", "requested by", "status", "jobs", "finished (UTC)"):
+        table.add_column(header)
+    for run in runs:
+        done = sum(1 for job in run.jobs if job.status.is_final)
+        detail = ", ".join(f"{k}={v}" for k, v in (run.trigger_detail or {}).items()) or "-"
+        table.add_row(short_id(run), _when(run.created_at), str(run.trigger), detail, run.requested_by,
+                      str(run.status), f"{done}/{len(run.jobs)}", _when(run.finished_at))
+    return table
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def run_json(run: WarmupRun) -> dict:
+    return {
+        "id": str(run.id),
+        "trigger": str(run.trigger),
+        "trigger_detail": run.trigger_detail,
+        "requested_by": run.requested_by,
+        "status": str(run.status),
+        "created_at": _iso(run.created_at),
+        "finished_at": _iso(run.finished_at),
+        "jobs": [
+            {
+                "target": job.target, "target_kind": str(job.target_kind), "model": job.model,
+                "template": job.template, "status": str(job.status), "celery_task_id": job.celery_task_id,
+                "device": job.device, "started_at": _iso(job.started_at), "finished_at": _iso(job.finished_at),
+                "load_ms": job.load_ms, "prefill_ms": job.prefill_ms, "ttft_cold_ms": job.ttft_cold_ms,
+                "ttft_warm_ms": job.ttft_warm_ms, "ttft_bare_ms": job.ttft_bare_ms,
+                "saved_pct": saved_pct(job), "cached_tokens": job.cached_tokens,
+                "cache_bytes": job.cache_bytes, "error": job.error,
+            }
+            for job in run.jobs
+        ],
+    }
+
+
+def console() -> Console:
+    """Rich console; when output is piped, wide enough that tables are not squeezed to 80 columns."""
+    plain = Console()
+    return plain if plain.is_terminal else Console(width=160)

@@ -1,0 +1,160 @@
+"""History service: every warmup run and job, written as it happens, read by the CLI.
+
+Functions take a session and ids; callers own the transaction (``session_scope``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Iterable, Sequence
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from preheat.db import utcnow
+from preheat.models import JobStatus, RunStatus, TargetKind, TriggerKind, WarmupJob, WarmupRun
+
+# A job in one of these states counts for the run as…
+_SUCCESS = {JobStatus.warm, JobStatus.skipped}
+_FAILURE = {JobStatus.failed, JobStatus.lost}
+
+
+def create_run(
+    session: Session, *, trigger: TriggerKind, requested_by: str, detail: dict | None = None
+) -> WarmupRun:
+    run = WarmupRun(trigger=trigger, trigger_detail=detail or {}, requested_by=requested_by)
+    session.add(run)
+    session.flush()
+    return run
+
+
+def add_jobs(
+    session: Session,
+    run: WarmupRun,
+    *,
+    target: str,
+    model_templates: Iterable[tuple[str, str]],
+    task_id: str,
+    target_kind: TargetKind = TargetKind.worker,
+) -> list[WarmupJob]:
+    jobs = [
+        WarmupJob(run=run, target_kind=target_kind, target=target, model=model, template=template,
+                  celery_task_id=task_id)
+        for model, template in model_templates
+    ]
+    session.add_all(jobs)
+    session.flush()
+    return jobs
+
+
+def _jobs_of(session: Session, run_id: uuid.UUID, target: str, templates: Sequence[str]) -> list[WarmupJob]:
+    query = select(WarmupJob).where(
+        WarmupJob.run_id == run_id, WarmupJob.target == target, WarmupJob.template.in_(templates)
+    )
+    return list(session.scalars(query.with_for_update()))
+
+
+def start_jobs(
+    session: Session, run_id: uuid.UUID, *, target: str, templates: Sequence[str], task_id: str
+) -> list[WarmupJob]:
+    """Mark a target's jobs running. Returns [] when the run is gone (deleted meanwhile)."""
+    run = session.get(WarmupRun, run_id)
+    if run is None:
+        return []
+    jobs = _jobs_of(session, run_id, target, templates)
+    now = utcnow()
+    for job in jobs:
+        # A re-delivered message (worker died, visibility timeout) restarts its own row.
+        job.status, job.started_at, job.finished_at, job.error = JobStatus.running, now, None, None
+        job.celery_task_id = task_id
+    if run.status == RunStatus.queued:
+        run.status = RunStatus.running
+    return jobs
+
+
+def finish_job(session: Session, run_id: uuid.UUID, *, target: str, template: str, status: JobStatus,
+               measured: dict) -> WarmupJob | None:
+    jobs = _jobs_of(session, run_id, target, [template])
+    if not jobs:
+        return None
+    job = jobs[0]
+    for column, value in measured.items():
+        setattr(job, column, value)
+    job.status, job.finished_at = status, utcnow()
+    session.flush()
+    refresh_run_status(session, run_id)
+    return job
+
+
+def fail_task_jobs(session: Session, task_id: str, error: str) -> int:
+    """A task died with an exception: its unfinished jobs are failed with the reason."""
+    jobs = session.scalars(
+        select(WarmupJob).where(
+            WarmupJob.celery_task_id == task_id, WarmupJob.status.in_([JobStatus.queued, JobStatus.running])
+        )
+    ).all()
+    for job in jobs:
+        job.status, job.finished_at, job.error = JobStatus.failed, utcnow(), error
+    session.flush()
+    for run_id in {job.run_id for job in jobs}:
+        refresh_run_status(session, run_id)
+    return len(jobs)
+
+
+def derive_run_status(statuses: Sequence[JobStatus]) -> RunStatus:
+    if not statuses or all(s == JobStatus.queued for s in statuses):
+        return RunStatus.queued
+    if not all(s.is_final for s in statuses):
+        return RunStatus.running
+    if any(s in _FAILURE for s in statuses):
+        return RunStatus.failed
+    if all(s in _SUCCESS for s in statuses):
+        return RunStatus.succeeded
+    return RunStatus.degraded
+
+
+def refresh_run_status(session: Session, run_id: uuid.UUID) -> RunStatus:
+    run = session.get(WarmupRun, run_id)
+    statuses = list(session.scalars(select(WarmupJob.status).where(WarmupJob.run_id == run_id)))
+    run.status = derive_run_status(statuses)
+    if run.status in (RunStatus.succeeded, RunStatus.degraded, RunStatus.failed):
+        run.finished_at = run.finished_at or utcnow()
+    return run.status
+
+
+def get_run(session: Session, run_id: uuid.UUID) -> WarmupRun | None:
+    return session.scalars(
+        select(WarmupRun).where(WarmupRun.id == run_id).options(selectinload(WarmupRun.jobs))
+    ).first()
+
+
+def find_run(session: Session, prefix: str) -> WarmupRun | None:
+    """A run by full id or by a unique prefix of its hex form, as printed by the CLI."""
+    try:
+        return get_run(session, uuid.UUID(prefix))
+    except ValueError:
+        pass
+    hex_prefix = prefix.replace("-", "").lower()
+    if not hex_prefix or any(c not in "0123456789abcdef" for c in hex_prefix):
+        return None
+    matches = [run for run in session.scalars(select(WarmupRun)) if run.id.hex.startswith(hex_prefix)]
+    return get_run(session, matches[0].id) if len(matches) == 1 else None
+
+
+def list_runs(
+    session: Session,
+    *,
+    trigger: TriggerKind | None = None,
+    status: RunStatus | None = None,
+    since: dt.datetime | None = None,
+    limit: int = 20,
+) -> list[WarmupRun]:
+    query = select(WarmupRun).options(selectinload(WarmupRun.jobs)).order_by(WarmupRun.created_at.desc())
+    if trigger is not None:
+        query = query.where(WarmupRun.trigger == trigger)
+    if status is not None:
+        query = query.where(WarmupRun.status == status)
+    if since is not None:
+        query = query.where(WarmupRun.created_at >= since)
+    return list(session.scalars(query.limit(limit)))

@@ -1,0 +1,141 @@
+"""One typed settings object for every preheat process.
+
+Values come from the environment (prefix ``PREHEAT_``) or a ``.env`` file; the model
+catalog (models, system-prompt templates, endpoints) comes from a TOML file named by
+``PREHEAT_CATALOG``. Anything invalid fails at start with one line naming the setting:
+a worker that starts on a typo'd broker URL and then retries forever is worse than one
+that refuses to start.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from preheat.errors import ConfigError
+
+BROKER_SCHEMES = {"filesystem", "redis", "rediss", "sentinel", "amqp", "amqps", "memory"}
+DATABASE_DRIVERS = {"sqlite", "postgresql", "postgresql+psycopg"}
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PREHEAT_", env_file=".env", extra="ignore")
+
+    home: Path = Field(Path(".preheat"), description="State of the embedded default: broker folders, SQLite DB.")
+    catalog: Path = Field(Path("preheat.toml"), description="TOML file naming models, templates and endpoints.")
+    broker_url: SecretStr | None = Field(None, description="Celery broker; default: filesystem transport in home.")
+    database_url: SecretStr | None = Field(None, description="History DB; default: SQLite in home.")
+    timezone: str = "UTC"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # The longest warmup we expect; Redis redelivers unacked messages after the visibility
+    # timeout, so it must be larger or a slow warmup runs twice.
+    warmup_time_limit_s: int = Field(1800, gt=0)
+    visibility_timeout_s: int = Field(7200, gt=0)
+    probe_repeats: int = Field(3, ge=1, le=50, description="Probe runs per TTFT figure; the median is kept.")
+    # A probe is `warm` when its TTFT is within this factor of the no-system-prompt TTFT.
+    warm_factor: float = Field(1.5, gt=1.0)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    ping_timeout_s: float = Field(2.0, gt=0)
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker_url_is_usable(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return value
+        parts = urlsplit(value.get_secret_value())
+        if parts.scheme not in BROKER_SCHEMES:
+            raise ValueError(f"scheme {parts.scheme or '(none)'!r} is not one of {sorted(BROKER_SCHEMES)}")
+        if parts.scheme in {"redis", "rediss", "amqp", "amqps"}:
+            if not parts.hostname:
+                raise ValueError("has no host (expected e.g. redis://127.0.0.1:6379/0)")
+            try:
+                parts.port  # noqa: B018 - raises on a non-numeric port
+            except ValueError as exc:
+                raise ValueError(f"has an invalid port ({exc})") from None
+            db = parts.path.lstrip("/")
+            if parts.scheme.startswith("redis") and db and not db.isdigit():
+                raise ValueError(f"database index {db!r} is not a number")
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url_is_usable(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return value
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            url = make_url(value.get_secret_value())
+        except ArgumentError:
+            raise ValueError("is not a database URL (expected postgresql+psycopg://… or sqlite:///…)") from None
+        if url.drivername not in DATABASE_DRIVERS:
+            raise ValueError(f"driver {url.drivername!r} is not one of {sorted(DATABASE_DRIVERS)}")
+        return value
+
+    @field_validator("timezone")
+    @classmethod
+    def _timezone_exists(cls, value: str) -> str:
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {value!r}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _visibility_outlasts_warmup(self) -> Settings:
+        if self.visibility_timeout_s <= self.warmup_time_limit_s:
+            raise ValueError(
+                f"visibility_timeout_s ({self.visibility_timeout_s}) must exceed warmup_time_limit_s "
+                f"({self.warmup_time_limit_s}), or Redis re-delivers warmups that are still running"
+            )
+        return self
+
+    # Derived values ---------------------------------------------------------------
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.broker_url is None
+
+    @property
+    def broker_folder(self) -> Path:
+        return (self.home / "broker").resolve()
+
+    @property
+    def broker(self) -> str:
+        return self.broker_url.get_secret_value() if self.broker_url else "filesystem://"
+
+    @property
+    def database(self) -> str:
+        if self.database_url:
+            return self.database_url.get_secret_value()
+        return f"sqlite:///{(self.home / 'preheat.db').resolve()}"
+
+
+def _format_error(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    field = str(first["loc"][0]) if first["loc"] else ""
+    name = f"PREHEAT_{field.upper()}" if field else "settings"
+    message = first["msg"].removeprefix("Value error, ")
+    value = first.get("input")
+    shown = "" if field.endswith("_url") or isinstance(value, dict) else f" (got {value!r})"
+    return f"invalid setting {name}: {message}{shown}"
+
+
+def load_settings(**overrides) -> Settings:
+    """Build settings from the environment, raising ConfigError with one readable line."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+@functools.cache
+def get_settings() -> Settings:
+    return load_settings()

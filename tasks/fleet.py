@@ -1,0 +1,89 @@
+"""Sending one warmup to each worker: the service behind `preheat warm` and `preheat.warm_fleet`.
+
+Each worker holds its own model copy and cache, so a warmup must reach every replica:
+one message per worker, on that worker's own durable queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+from preheat import history
+from preheat.catalog import load_catalog
+from preheat.celery import app
+from preheat.db import session_scope
+from preheat.errors import ConfigError, NoWorkersError, UnknownNameError
+from preheat.models import TriggerKind
+from preheat.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    run_id: uuid.UUID
+    workers: list[str]
+    templates: list[str]
+
+
+def live_workers(timeout: float) -> list[str]:
+    """Nodenames that answered a ping. A solo worker busy with a task cannot answer."""
+    return sorted({name for reply in app.control.ping(timeout=timeout) for name in reply})
+
+
+def _choose_targets(requested: list[str] | None, live: list[str]) -> list[str]:
+    if requested:
+        missing = sorted(set(requested) - set(live))
+        if missing:
+            raise UnknownNameError(f"worker(s) not live: {', '.join(missing)} (live: {', '.join(live) or 'none'})")
+        return sorted(set(requested))
+    if not live:
+        raise NoWorkersError("no live preheat worker answered; start one with `celery -A preheat worker`")
+    return live
+
+
+def dispatch_warmup(
+    *,
+    templates: list[str] | None = None,
+    workers: list[str] | None = None,
+    trigger: TriggerKind = TriggerKind.manual,
+    requested_by: str,
+    detail: dict | None = None,
+    also_live: tuple[str, ...] = (),
+) -> Dispatched:
+    """Validate the request, record the run and its queued jobs, then send one task per worker."""
+    settings = get_settings()
+    catalog = load_catalog(settings.catalog)
+    templates = list(dict.fromkeys(templates or catalog.templates))
+    if not templates:
+        raise ConfigError(f"catalog {settings.catalog} has no templates to warm")
+    model_templates = [(catalog.template(name).model, name) for name in templates]
+    targets = _choose_targets(workers, sorted(set(live_workers(settings.ping_timeout_s)) | set(also_live)))
+
+    sends: list[tuple[str, str]] = []
+    with session_scope() as session:
+        run = history.create_run(session, trigger=trigger, requested_by=requested_by, detail=detail)
+        for worker in targets:
+            task_id = str(uuid.uuid4())
+            history.add_jobs(session, run, target=worker, model_templates=model_templates, task_id=task_id)
+            sends.append((worker, task_id))
+        run_id = run.id
+    # Sent only after the commit: a worker never gets a job whose row was rolled back.
+    for worker, task_id in sends:
+        _send(run_id, worker, templates, task_id)
+    return Dispatched(run_id, targets, templates)
+
+
+def _send(run_id: uuid.UUID, worker: str, templates: list[str], task_id: str) -> None:
+    try:
+        app.send_task(
+            "preheat.warm_worker",
+            kwargs={"run_id": str(run_id), "worker": worker, "templates": templates},
+            task_id=task_id,
+        )
+    except Exception as exc:  # broker unreachable after kombu's own retries
+        log.error("could not enqueue warmup for %s: %s", worker, exc)
+        with session_scope() as session:
+            history.fail_task_jobs(session, task_id, f"could not enqueue: {type(exc).__name__}: {exc}")

@@ -1,0 +1,51 @@
+"""Warmup tasks: `preheat.warm_worker` runs on one worker; `preheat.warm_fleet` fans out."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from sqlalchemy.exc import OperationalError
+
+from preheat import history
+from preheat.celery import app
+from preheat.db import session_scope
+from preheat.models import JobStatus, TriggerKind
+from tasks.fleet import dispatch_warmup
+from tasks.runtime import get_runtime
+
+log = logging.getLogger(__name__)
+
+# History writes retry while the database is briefly away; the warmup itself is idempotent.
+DB_RETRY = {"autoretry_for": (OperationalError,), "retry_backoff": 2, "retry_backoff_max": 60, "max_retries": 8}
+
+
+@app.task(bind=True, name="preheat.warm_worker", **DB_RETRY)
+def warm_worker(self, run_id: str, worker: str, templates: list[str]) -> dict:
+    """Make this worker warm for `templates`: model resident, prefixes pre-filled, probe measured."""
+    run_uuid = uuid.UUID(run_id)
+    with session_scope() as session:
+        if not history.start_jobs(session, run_uuid, target=worker, templates=templates, task_id=self.request.id):
+            log.info("run %s is gone; nothing to warm", run_id)
+            return {}
+    statuses = {}
+    for template in templates:
+        result = get_runtime().warm_template(template)
+        with session_scope() as session:
+            history.finish_job(session, run_uuid, target=worker, template=template,
+                               status=JobStatus(result.status), measured=result.as_record())
+        statuses[template] = result.status
+    return statuses
+
+
+@app.task(bind=True, name="preheat.warm_fleet", **DB_RETRY)
+def warm_fleet(self, templates: list[str] | None = None, trigger: str = "schedule", detail: dict | None = None,
+               requested_by: str = "beat", workers: list[str] | None = None) -> str:
+    """List live workers and send each its own warm_worker job (what beat fires)."""
+    dispatched = dispatch_warmup(
+        templates=templates, workers=workers, trigger=TriggerKind(trigger), requested_by=requested_by,
+        detail=detail,
+        # This worker is busy running us, so it cannot answer the ping; it is alive all the same.
+        also_live=(self.request.hostname,) if self.request.hostname else (),
+    )
+    return str(dispatched.run_id)
