@@ -4,7 +4,7 @@ which remote endpoints it warms, and which peaks beat warms ahead of.
 It is a TOML file (``PREHEAT_CATALOG``, default ``preheat.toml``)::
 
     [models.tiny-llama]
-    path = ".preheat/models/tiny-llama"     # a local directory, or a hub id such as "org/name"
+    path = ".preheat/models/tiny-llama"     # a local folder; or hub_id = "org/name"
 
     [templates.support]
     model = "tiny-llama"
@@ -41,12 +41,22 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    path: str = Field(min_length=1)
+    """A model is a local folder (`path`, relative to the catalog) or a hub id (`hub_id`), never both:
+    guessing which one "org/name" means would turn a typo'd folder into a download."""
+
+    path: str | None = Field(None, min_length=1)
+    hub_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+    revision: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.path is None) == (self.hub_id is None):
+            raise ValueError("give exactly one of path (a local folder) or hub_id")
+        return self
 
     def is_local(self) -> bool:
-        return self.path.startswith(("/", ".", "~")) or Path(self.path).exists()
+        return self.path is not None
 
 
 class TemplateSpec(_Strict):
@@ -144,9 +154,10 @@ class Catalog(_Strict):
         return [name for name, spec in self.templates.items() if spec.model == model]
 
     def model_path(self, name: str) -> str:
+        """What from_pretrained loads: an absolute folder, or the hub id."""
         spec = self.model(name)
         if not spec.is_local():
-            return spec.path
+            return spec.hub_id
         return str((self.folder / Path(spec.path).expanduser()).resolve())
 
     def system_prompt(self, name: str) -> str:

@@ -6,12 +6,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import time
 
 from celery import Celery, Task
-from celery.schedules import crontab
 from celery.signals import celeryd_after_setup, worker_process_init
 from sqlalchemy.exc import OperationalError
 
@@ -53,24 +53,6 @@ def _transport_options(settings: Settings) -> dict:
     return {"visibility_timeout": settings.visibility_timeout_s}
 
 
-def beat_schedule(settings: Settings) -> dict:
-    """Peaks from the catalog's [schedules.*] tables, in the app's time zone."""
-    from preheat.catalog import load_catalog
-
-    if not settings.catalog.exists():
-        return {}
-    entries = {}
-    for name, spec in load_catalog(settings.catalog).schedules.items():
-        minute, hour, day_of_month, month, day_of_week = spec.cron.split()
-        entries[f"schedule:{name}"] = {
-            "task": "preheat.warm_fleet",
-            "schedule": crontab(minute, hour, day_of_week, day_of_month, month),
-            "kwargs": {"templates": spec.templates, "trigger": "schedule", "detail": {"schedule": name},
-                       "requested_by": "beat"},
-        }
-    return entries
-
-
 def celery_config(settings: Settings) -> dict:
     return {
         "broker_url": settings.broker,
@@ -98,7 +80,8 @@ def celery_config(settings: Settings) -> dict:
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "timezone": settings.timezone,
         "enable_utc": True,
-        "beat_schedule": beat_schedule(settings),
+        # By name: the scheduler lives in schedules/, which may import preheat, not the reverse.
+        "beat_scheduler": "schedules.beat:CatalogScheduler",
         "beat_schedule_filename": str((settings.home / "celerybeat-schedule").resolve()),
     }
 
@@ -150,7 +133,17 @@ def _fresh_connections_after_fork(**_):
     reset_engine()
 
 
+def refuse_open_flower(argv: list[str], environ: dict[str, str]) -> None:
+    """Flower can run tasks and shut workers down: it never starts here without auth."""
+    if "flower" not in argv[1:]:
+        return
+    configured = any(a.startswith(("--basic-auth", "--basic_auth", "--auth")) for a in argv)
+    if not (configured or environ.get("FLOWER_BASIC_AUTH") or environ.get("FLOWER_AUTH")):
+        raise ConfigError("Flower needs auth: set FLOWER_BASIC_AUTH=user:password (or --auth with an OAuth provider)")
+
+
 try:
+    refuse_open_flower(sys.argv, dict(os.environ))
     app = create_app()
 except ConfigError as exc:
     # `celery -A preheat …` imports this module: one clear line instead of a traceback.

@@ -92,7 +92,7 @@ class Settings(BaseSettings):
     def _visibility_outlasts_warmup(self) -> Settings:
         if self.visibility_timeout_s <= self.warmup_time_limit_s:
             raise ValueError(
-                f"visibility_timeout_s ({self.visibility_timeout_s}) must exceed warmup_time_limit_s "
+                f"PREHEAT_VISIBILITY_TIMEOUT_S ({self.visibility_timeout_s}) must exceed PREHEAT_WARMUP_TIME_LIMIT_S "
                 f"({self.warmup_time_limit_s}), or Redis re-delivers warmups that are still running"
             )
         return self
@@ -120,12 +120,13 @@ class Settings(BaseSettings):
 
 def _format_error(exc: ValidationError) -> str:
     first = exc.errors()[0]
-    field = str(first["loc"][0]) if first["loc"] else ""
-    name = f"PREHEAT_{field.upper()}" if field else "settings"
     message = first["msg"].removeprefix("Value error, ")
-    value = first.get("input")
-    shown = "" if field.endswith("_url") or isinstance(value, dict) else f" (got {value!r})"
-    return f"invalid setting {name}: {message}{shown}"
+    if not first["loc"]:  # a rule across settings; its message names them
+        return f"invalid setting {message}"
+    field = str(first["loc"][0])
+    # URLs carry passwords: never echo them.
+    shown = "" if field.endswith("_url") else f" (got {first.get('input')!r})"
+    return f"invalid setting PREHEAT_{field.upper()}: {message}{shown}"
 
 
 def load_settings(**overrides) -> Settings:

@@ -41,14 +41,15 @@ class ModelRegistry:
     _errors: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def ensure(self, name: str, path: str, dtype: str = "auto") -> tuple[ResidentModel, float]:
+    def ensure(self, name: str, path: str, dtype: str = "auto", revision: str | None = None,
+               ) -> tuple[ResidentModel, float]:
         """Return the resident model and the milliseconds this call spent loading it (0 if resident)."""
         with self._lock:
             if name in self._models:
                 return self._models[name], 0.0
             started = time.perf_counter()
             try:
-                resident = _load(name, path, pick_placement(self.device_preference, dtype))
+                resident = _load(name, path, revision, pick_placement(self.device_preference, dtype))
             except Exception as exc:
                 self._errors[name] = f"{type(exc).__name__}: {exc}"
                 raise ModelLoadError(f"model {name!r} failed to load from {path}: {self._errors[name]}") from exc
@@ -70,13 +71,14 @@ class ModelRegistry:
         return dict(self._errors)
 
 
-def _load(name: str, path: str, placement: Placement) -> ResidentModel:
+def _load(name: str, path: str, revision: str | None, placement: Placement) -> ResidentModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=placement.dtype)
+    pinned = {"revision": revision} if revision else {}
+    tokenizer = AutoTokenizer.from_pretrained(path, **pinned)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=placement.dtype, **pinned)
     model.to(placement.device).eval()
     forward_params = inspect.signature(model.forward).parameters
     return ResidentModel(

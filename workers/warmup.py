@@ -59,9 +59,9 @@ class WorkerRuntime:
         return result
 
     def _warm(self, model: str, template: str, result: TemplateWarmup) -> None:
-        resident, result.load_ms = self.registry.ensure(
-            model, self.catalog.model_path(model), self.catalog.model(model).dtype
-        )
+        spec = self.catalog.model(model)
+        resident, result.load_ms = self.registry.ensure(model, self.catalog.model_path(model), spec.dtype,
+                                                        spec.revision)
         result.device = resident.placement.describe()
         system_prompt = self.catalog.system_prompt(template)
         prefix, result.prefill_ms = self._ensure_prefix(resident, template, system_prompt)

@@ -1,7 +1,6 @@
 """`preheat config check`: validate settings, the catalog and local model folders."""
 
 import typer
-from rich import print
 
 from preheat.catalog import load_catalog
 from preheat.settings import get_settings
@@ -15,6 +14,6 @@ def check() -> None:
     settings = get_settings()
     catalog = load_catalog(settings.catalog)
     catalog.check_model_paths()
-    print(f"settings ok; broker {'embedded filesystem' if settings.is_embedded else 'configured'}; "
+    typer.echo(f"settings ok; broker {'embedded filesystem' if settings.is_embedded else 'configured'}; "
           f"catalog {settings.catalog}: {len(catalog.models)} model(s), {len(catalog.templates)} template(s), "
           f"{len(catalog.endpoints)} endpoint(s), {len(catalog.schedules)} schedule(s)")

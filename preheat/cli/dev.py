@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import typer
-from rich import print
 
 from preheat.errors import ConfigError
 
@@ -26,7 +25,7 @@ def make_model(
     except FileExistsError as exc:
         raise ConfigError(str(exc)) from None
     size = sum(f.stat().st_size for f in folder.iterdir()) / 1e6
-    print(f"wrote {arch} model to [bold]{folder}[/] ({size:.1f} MB)")
+    typer.echo(f"wrote {arch} model to {folder} ({size:.1f} MB)")
 
 
 @app.command()

@@ -1,0 +1,17 @@
+# preheat image for GPU hosts. TORCH_INDEX selects the CUDA build of torch; the default
+# image is CPU-only so that it also builds where no GPU is present.
+FROM python:3.11-slim
+ARG TORCH_SPEC="torch==2.13.0"
+ARG TORCH_INDEX=""
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+WORKDIR /app
+RUN useradd --create-home --uid 10001 preheat
+COPY pyproject.toml README.md ./
+COPY preheat ./preheat
+COPY tasks ./tasks
+COPY workers ./workers
+COPY schedules ./schedules
+COPY migrations ./migrations
+RUN pip install ${TORCH_INDEX:+--index-url $TORCH_INDEX} "$TORCH_SPEC" && pip install .
+USER preheat
+CMD ["celery", "-A", "preheat", "worker", "--pool=solo", "--loglevel=INFO"]

@@ -1,0 +1,36 @@
+# Two commands for a fresh machine: `make demo` (the main job, end to end, no servers)
+# and `make test`. Everything else here serves those two.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# A CPU build of torch that lies on these machines' disk; a GPU host passes its CUDA build
+# (see README, "On a GPU host").
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install demo test test-fast clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+## The main job: build the small model, migrate, start a worker and beat, warm, read history, stop.
+demo: install
+	$(BIN)/preheat dev demo
+
+## Every test, slow end-to-end ones included (real Redis, Postgres, worker processes).
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## The quick loop: skips tests marked slow.
+test-fast: install
+	$(BIN)/python -m pytest --skip-slow $(PYTEST_ARGS)
+
+clean:
+	rm -rf .preheat .pytest_cache .hypothesis

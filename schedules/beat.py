@@ -1,0 +1,42 @@
+"""The beat scheduler: the catalog's ``[schedules.*]`` peaks, fired as ``preheat.warm_fleet``.
+
+Each entry fires one fleet warmup whose run records the trigger (``schedule``) and the
+schedule's name. Cron fields are read in the app's time zone (``PREHEAT_TIMEZONE``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery.beat import PersistentScheduler
+from celery.schedules import crontab
+
+from preheat.catalog import Catalog, load_catalog
+from preheat.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+ENTRY_PREFIX = "schedule:"
+
+
+def catalog_entries(catalog: Catalog, app=None) -> dict:
+    entries = {}
+    for name, spec in catalog.schedules.items():
+        minute, hour, day_of_month, month, day_of_week = spec.cron.split()
+        entries[f"{ENTRY_PREFIX}{name}"] = {
+            "task": "preheat.warm_fleet",
+            "schedule": crontab(minute, hour, day_of_week, day_of_month, month, app=app),
+            "kwargs": {"templates": spec.templates, "trigger": "schedule", "detail": {"schedule": name},
+                       "requested_by": "beat"},
+        }
+    return entries
+
+
+class CatalogScheduler(PersistentScheduler):
+    """Celery's persistent scheduler, with the catalog's schedules added at start."""
+
+    def setup_schedule(self):
+        entries = catalog_entries(load_catalog(get_settings().catalog), app=self.app)
+        self.app.conf.beat_schedule = {**self.app.conf.beat_schedule, **entries}
+        log.info("beat: %d catalog schedule(s): %s", len(entries), ", ".join(sorted(entries)) or "none")
+        super().setup_schedule()

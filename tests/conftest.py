@@ -1,0 +1,212 @@
+"""Shared fixtures: a real small model on disk, a real Postgres database, a real Redis db
+index, and the two stacks preheat runs on (embedded default, and Redis + Postgres).
+
+Nothing here mocks a service. Each session creates its own Postgres database and uses its
+own Redis db index, and removes what it made.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+from sqlalchemy import text
+
+REPO = Path(__file__).resolve().parents[1]
+PG_ADMIN_URL = os.environ.get("PREHEAT_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("PREHEAT_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
+PREHEAT_CLI = str(Path(sys.executable).parent / "preheat")
+
+SUPPORT_PROMPT = (
+    "You are the support assistant of Acme Parcel. Be concise and polite. Always ask for the tracking "
+    "number first. Never promise a delivery date the tracking system does not show. Offer an "
+    "investigation when a parcel is more than three working days late."
+)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--skip-slow", action="store_true", help="skip end-to-end tests that start processes")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--skip-slow"):
+        skip = pytest.mark.skip(reason="--skip-slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+
+
+# A real model, built once per session --------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from workers.devmodel import make_model
+
+    return make_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+# Real services ------------------------------------------------------------------------
+
+
+def _pg_url(database: str) -> str:
+    base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1)
+    return f"{base}/{database}"
+
+
+@pytest.fixture(scope="session")
+def pg_admin():
+    try:
+        connection = psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        pytest.fail(f"PostgreSQL is not reachable at {PG_ADMIN_URL} ({exc}); .ci/run starts it")
+    yield connection
+    connection.close()
+
+
+@pytest.fixture(scope="session")
+def make_pg_database(pg_admin):
+    """Create throw-away databases; all are dropped at the end of the session."""
+    created: list[str] = []
+
+    def make() -> str:
+        name = f"preheat_test_{uuid.uuid4().hex[:10]}"
+        pg_admin.execute(f'CREATE DATABASE "{name}"')
+        created.append(name)
+        return _pg_url(name)
+
+    yield make
+    for name in created:
+        pg_admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def pg_migrated(make_pg_database) -> str:
+    """One migrated database for the session; tests empty its tables (see `stack`)."""
+    from preheat import migrate
+
+    url = make_pg_database()
+    migrate.upgrade(url)
+    return url
+
+
+@pytest.fixture(scope="session")
+def redis_client():
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.ConnectionError as exc:
+        pytest.fail(f"Redis is not reachable at {REDIS_URL} ({exc}); .ci/run starts it")
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+# Settings applied to this process ---------------------------------------------------
+
+
+@pytest.fixture
+def apply_env(monkeypatch):
+    """Set PREHEAT_* for this process (and nothing inherited), with the cached settings and engine reset."""
+    from preheat.db import reset_engine
+    from preheat.settings import get_settings
+
+    def apply(env: dict[str, str]) -> None:
+        for key in [k for k in os.environ if k.startswith("PREHEAT_")]:
+            monkeypatch.delenv(key)
+        for key, value in env.items():
+            if key.startswith("PREHEAT_"):
+                monkeypatch.setenv(key, value)
+        get_settings.cache_clear()
+        reset_engine()
+
+    yield apply
+    get_settings.cache_clear()
+    reset_engine()
+
+
+def write_catalog(folder: Path, model_dir: Path | str, extra: str = "") -> Path:
+    path = folder / "preheat.toml"
+    path.write_text(
+        f'[models.tiny]\npath = "{model_dir}"\n\n'
+        f'[templates.support]\nmodel = "tiny"\nsystem_prompt = "{SUPPORT_PROMPT}"\nprobe = "Where is my parcel?"\n'
+        f"{extra}"
+    )
+    return path
+
+
+# The two stacks ----------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    kind: str  # embedded | services
+    home: Path
+    catalog: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def cli(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        return subprocess.run([PREHEAT_CLI, *args], env=self.env, capture_output=True, text=True,
+                              timeout=timeout, cwd=self.home)
+
+
+def _base_env(home: Path, catalog: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREHEAT_")}
+    env.update(PREHEAT_HOME=str(home), PREHEAT_CATALOG=str(catalog), PREHEAT_PROBE_REPEATS="2",
+               PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    return env
+
+
+def _empty_tables(url: str) -> None:
+    from preheat.db import make_engine
+
+    engine = make_engine(url)
+    with engine.begin() as connection:
+        connection.execute(text("TRUNCATE warmup_jobs, warmup_runs, schedules"))
+    engine.dispose()
+
+
+def _make_stack(kind: str, request, tmp_path: Path, model_dir: Path, apply_env) -> Stack:
+    from preheat import migrate
+    from preheat.settings import get_settings
+
+    home = tmp_path / "home"
+    home.mkdir()
+    catalog = write_catalog(tmp_path, model_dir)
+    env = _base_env(home, catalog)
+    if kind == "services":
+        redis_client = request.getfixturevalue("redis_client")
+        database_url = request.getfixturevalue("pg_migrated")
+        redis_client.flushdb()
+        _empty_tables(database_url)
+        env.update(PREHEAT_BROKER_URL=REDIS_URL, PREHEAT_DATABASE_URL=database_url)
+    apply_env(env)
+    if kind == "embedded":
+        migrate.upgrade(get_settings().database)
+    return Stack(kind, home, catalog, env)
+
+
+@pytest.fixture(params=["embedded", "services"])
+def stack(request, tmp_path, tiny_model, apply_env) -> Stack:
+    """The embedded default (filesystem broker, SQLite) and the real services (Redis, Postgres)."""
+    return _make_stack(request.param, request, tmp_path, tiny_model, apply_env)
+
+
+@pytest.fixture
+def embedded_stack(request, tmp_path, tiny_model, apply_env) -> Stack:
+    """The embedded default alone, for what does not depend on the services."""
+    return _make_stack("embedded", request, tmp_path, tiny_model, apply_env)
+
+
+@pytest.fixture
+def services_stack(request, tmp_path, tiny_model, apply_env) -> Stack:
+    """Redis + Postgres alone, for what reads the services directly."""
+    return _make_stack("services", request, tmp_path, tiny_model, apply_env)

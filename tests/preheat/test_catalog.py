@@ -1,0 +1,96 @@
+from pathlib import Path
+
+import pytest
+
+from preheat.catalog import load_catalog
+from preheat.errors import ConfigError, UnknownNameError
+
+GOOD = """
+[models.tiny]
+path = "models/tiny"
+
+[templates.support]
+model = "tiny"
+system_prompt = "You are helpful."
+
+[templates.code]
+model = "tiny"
+system_prompt_file = "prompts/code.txt"
+
+[endpoints.vllm]
+base_url = "http://10.0.0.1:8000/v1"
+templates = ["support"]
+
+[schedules.morning]
+cron = "50 8 * * 1-5"
+templates = ["support", "code"]
+"""
+
+
+def write(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "preheat.toml"
+    path.write_text(body)
+    return path
+
+
+def test_paths_resolve_against_the_catalog_folder(tmp_path, monkeypatch):
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "code.txt").write_text("You write Python.")
+    monkeypatch.chdir("/")
+    catalog = load_catalog(write(tmp_path, GOOD))
+    assert catalog.model_path("tiny") == str(tmp_path / "models" / "tiny")
+    assert catalog.system_prompt("code") == "You write Python."
+    assert catalog.templates_for("tiny") == ["support", "code"]
+
+
+def test_hub_ids_are_passed_through(tmp_path):
+    catalog = load_catalog(write(tmp_path, '[models.llama]\nhub_id = "meta-llama/Llama-3.1-8B-Instruct"\n'))
+    assert catalog.model_path("llama") == "meta-llama/Llama-3.1-8B-Instruct"
+    catalog.check_model_paths()  # nothing local to check
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ('[templates.a]\nmodel = "nope"\nsystem_prompt = "x"\n', "templates.a.model: unknown model 'nope'"),
+        ('[models.m]\npath = "/m"\n[templates.a]\nmodel = "m"\n', "give exactly one of system_prompt"),
+        ('[models.m]\npath = "/m"\n[templates.a]\nmodel = "m"\nsystem_prompt = "  "\n', "system_prompt is empty"),
+        ('[models.m]\npath = "/m"\ncolour = "red"\n', "models.m.colour: Extra inputs are not permitted"),
+        ('[models.m]\npath = "/m"\ndtype = "int3"\n', "models.m.dtype"),
+        ('[models.m]\npath = "/m"\nhub_id = "org/m"\n', "models.m: give exactly one of path (a local folder) or hub_id"),
+        ('[models.m]\nhub_id = "../etc"\n', "models.m.hub_id"),
+        ('[schedules.s]\ncron = "61 8 * * *"\ntemplates = ["a"]\n', "cron '61 8 * * *' is invalid"),
+        ('[schedules.s]\ncron = "8 * * *"\ntemplates = ["a"]\n', "must have 5 fields"),
+        ('[endpoints.e]\nbase_url = "ftp://x"\n', "endpoints.e.base_url"),
+        ('[endpoints.e]\nbase_url = "http://x"\nmin_connections = 5\nmax_connections = 2\n', "min_connections exceeds"),
+        ('[models."bad name"]\npath = "/m"\n', "names are letters, digits"),
+        ("[models\n", "not valid TOML"),
+    ],
+)
+def test_invalid_catalogs_fail_with_the_location(tmp_path, body, expected):
+    with pytest.raises(ConfigError) as raised:
+        load_catalog(write(tmp_path, body))
+    assert expected in str(raised.value)
+    assert str(raised.value).startswith(f"catalog {tmp_path / 'preheat.toml'}")
+
+
+def test_missing_catalog_names_the_setting(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist \\(set PREHEAT_CATALOG\\)"):
+        load_catalog(tmp_path / "absent.toml")
+
+
+def test_missing_or_incomplete_model_folder(tmp_path):
+    catalog = load_catalog(write(tmp_path, GOOD))
+    with pytest.raises(ConfigError, match=f"model 'tiny': directory {tmp_path / 'models' / 'tiny'} does not exist"):
+        catalog.check_model_paths()
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="has no config.json"):
+        catalog.check_model_paths()
+
+
+def test_unknown_names_list_what_exists(tmp_path):
+    catalog = load_catalog(write(tmp_path, GOOD))
+    with pytest.raises(UnknownNameError, match="unknown template 'chat' \\(catalog has: code, support\\)"):
+        catalog.template("chat")
+    with pytest.raises(UnknownNameError, match="unknown model 'big'"):
+        catalog.model("big")

@@ -1,0 +1,92 @@
+"""The Celery app's configuration: the reliability and security settings the design relies on."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from preheat.celery import (
+    PreheatTask,
+    celery_config,
+    create_app,
+    refuse_open_flower,
+    route_task,
+    worker_queue,
+)
+from preheat.errors import ConfigError
+from preheat.settings import load_settings
+from tests.conftest import write_catalog
+
+
+@pytest.fixture
+def settings(tmp_path, tiny_model, apply_env):
+    catalog = write_catalog(tmp_path, tiny_model, '\n[schedules.morning]\ncron = "50 8 * * 1-5"\ntemplates = ["support"]\n')
+    apply_env({"PREHEAT_HOME": str(tmp_path / "home"), "PREHEAT_CATALOG": str(catalog),
+               "PREHEAT_TIMEZONE": "Europe/Berlin"})
+    return load_settings()
+
+
+def test_json_only_late_acks_one_at_a_time(settings):
+    config = celery_config(settings)
+    assert config["accept_content"] == ["json"] and config["result_accept_content"] == ["json"]
+    assert config["task_serializer"] == "json"
+    assert config["task_acks_late"] and config["task_reject_on_worker_lost"]
+    assert config["worker_prefetch_multiplier"] == 1
+    assert config["broker_connection_retry_on_startup"] is True
+    assert config["timezone"] == "Europe/Berlin"
+
+
+def test_redis_visibility_timeout_outlasts_the_longest_warmup(settings, apply_env, tmp_path):
+    apply_env({"PREHEAT_BROKER_URL": "redis://127.0.0.1:6379/11", "PREHEAT_HOME": str(tmp_path)})
+    redis_settings = load_settings()
+    options = celery_config(redis_settings)["broker_transport_options"]
+    assert options == {"visibility_timeout": 7200}
+    assert options["visibility_timeout"] > celery_config(redis_settings)["task_time_limit"]
+
+
+def test_embedded_broker_folders_are_created(settings):
+    options = celery_config(settings)["broker_transport_options"]
+    for key in ("data_folder_in", "data_folder_out", "control_folder", "processed_folder"):
+        assert Path(options[key]).is_dir()
+        assert Path(options[key]).parent == (settings.home / "broker").resolve()
+
+
+def test_every_worker_has_its_own_queue_with_a_transport_safe_name():
+    assert worker_queue("gpu0@node-a.cluster.local") == "preheat.w.gpu0_node-a.cluster.local"
+    assert route_task("preheat.warm_worker", (), {"worker": "gpu0@a"}, {}) == {"queue": "preheat.w.gpu0_a"}
+    assert route_task("preheat.warm_fleet", (), {}, {}) is None
+
+
+def test_beat_uses_the_catalog_scheduler_with_its_state_in_home(settings):
+    config = celery_config(settings)
+    assert config["beat_scheduler"] == "schedules.beat:CatalogScheduler"
+    assert config["beat_schedule_filename"] == str((settings.home / "celerybeat-schedule").resolve())
+
+
+def test_tasks_are_named_under_preheat_and_share_the_base_task(settings):
+    app = create_app(settings)
+    app.loader.import_default_modules()
+    names = {name for name in app.tasks if not name.startswith("celery.")}
+    assert names == {"preheat.warm_worker", "preheat.warm_fleet"}
+    for name in names:
+        assert PreheatTask in type(app.tasks[name]).__mro__
+
+
+def test_flower_is_refused_without_auth():
+    refuse_open_flower(["celery", "-A", "preheat", "worker"], {})
+    refuse_open_flower(["celery", "-A", "preheat", "flower", "--basic-auth=a:b"], {})
+    refuse_open_flower(["celery", "-A", "preheat", "flower"], {"FLOWER_BASIC_AUTH": "a:b"})
+    with pytest.raises(ConfigError, match="Flower needs auth"):
+        refuse_open_flower(["celery", "-A", "preheat", "flower"], {})
+
+
+@pytest.mark.parametrize("command", ["worker", "beat"])
+def test_celery_refuses_to_start_on_a_malformed_broker_url(command, apply_env):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREHEAT_")}
+    env["PREHEAT_BROKER_URL"] = "redis:/no-host"
+    done = subprocess.run([sys.executable, "-m", "celery", "-A", "preheat", command], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "preheat: invalid setting PREHEAT_BROKER_URL: has no host (expected e.g. redis://127.0.0.1:6379/0)"

@@ -1,0 +1,90 @@
+"""The `preheat` command as a user runs it: one clear line and a non-zero exit on bad input."""
+
+import subprocess
+
+import pytest
+
+from tests.conftest import PREHEAT_CLI
+
+
+def run(*args, env, cwd=None):
+    return subprocess.run([PREHEAT_CLI, *args], env=env, capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def one_error_line(done) -> str:
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def embedded(embedded_stack):
+    return embedded_stack
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("PREHEAT_BROKER_URL", "redis:/nohost", "error: invalid setting PREHEAT_BROKER_URL: has no host"),
+        ("PREHEAT_DEVICE", "tpu", "error: invalid setting PREHEAT_DEVICE"),
+        ("PREHEAT_CATALOG", "/nonexistent.toml", "error: catalog /nonexistent.toml does not exist"),
+    ],
+)
+def test_bad_settings_exit_2_with_one_line(embedded, variable, value, expected):
+    done = run("config", "check", env={**embedded.env, variable: value})
+    assert done.returncode == 2
+    assert one_error_line(done).startswith(expected)
+
+
+def test_a_missing_model_folder_exits_2(embedded, tmp_path):
+    catalog = tmp_path / "broken.toml"
+    catalog.write_text('[models.m]\npath = "/no/such/model"\n[templates.t]\nmodel = "m"\nsystem_prompt = "x"\n')
+    done = run("config", "check", env={**embedded.env, "PREHEAT_CATALOG": str(catalog)})
+    assert done.returncode == 2
+    assert one_error_line(done) == "error: model 'm': directory /no/such/model does not exist"
+
+
+def test_config_check_passes_on_a_good_catalog(embedded):
+    done = run("config", "check", env=embedded.env)
+    assert done.returncode == 0 and "1 model(s), 1 template(s)" in done.stdout
+
+
+def test_warm_refuses_unknown_templates_and_absent_workers_writing_nothing(embedded):
+    unknown = run("warm", "--template", "nope", env=embedded.env)
+    assert unknown.returncode == 2
+    assert one_error_line(unknown) == "error: unknown template 'nope' (catalog has: support)"
+
+    nobody = run("warm", env=embedded.env)
+    assert nobody.returncode == 3
+    assert "no live preheat worker answered" in one_error_line(nobody)
+
+    ghost = run("warm", "--worker", "ghost@nowhere", env=embedded.env)
+    assert ghost.returncode == 2
+    assert one_error_line(ghost) == "error: worker(s) not live: ghost@nowhere (live: none)"
+
+    history = run("history", "--json", env=embedded.env)
+    assert history.returncode == 0 and history.stdout.strip() == "[]"  # nothing half-written
+
+
+def test_history_input_errors(embedded):
+    assert run("history", env=embedded.env).stdout.strip() == "no warmup runs recorded yet"
+    bad_since = run("history", "--since", "yesterday", env=embedded.env)
+    assert bad_since.returncode == 2 and "--since 'yesterday'" in one_error_line(bad_since)
+    missing = run("history", "deadbeef", env=embedded.env)
+    assert missing.returncode == 2 and one_error_line(missing) == "error: no run matches 'deadbeef'"
+    bad_status = run("history", "--status", "sleepy", env=embedded.env)
+    assert bad_status.returncode == 2 and "sleepy" in bad_status.stderr
+
+
+def test_make_model_refuses_a_non_empty_folder(embedded, tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    done = run("dev", "make-model", str(tmp_path / "full"), env=embedded.env)
+    assert done.returncode == 2 and "exists and is not empty" in one_error_line(done)
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+def test_db_upgrade_and_check(embedded):
+    assert run("db", "upgrade", env=embedded.env).returncode == 0
+    done = run("db", "check", env=embedded.env)
+    assert done.returncode == 0 and "models and migrations agree" in done.stdout

@@ -1,0 +1,75 @@
+"""End to end on real processes: a `celery worker` subprocess, the `preheat` CLI, and the
+history database, on the embedded default and on Redis + Postgres."""
+
+import json
+
+import pytest
+
+from preheat import history, procs
+from preheat.db import session_scope
+from preheat.models import JobStatus, RunStatus, TriggerKind
+
+pytestmark = pytest.mark.slow
+
+WORKER = "w1@preheat-test"
+
+
+@pytest.fixture
+def worker(stack, tmp_path):
+    proc = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
+    with procs.running(proc):
+        procs.wait_for_log(proc, f"{WORKER} ready.")
+        yield proc
+
+
+def test_warm_wait_records_what_the_worker_measured(stack, worker):
+    done = stack.cli("warm", "--wait", "--json", "--timeout", "120")
+    assert done.returncode == 0, done.stderr + worker.log()[-3000:]
+    printed = json.loads(done.stdout)
+    assert printed["status"] == "succeeded" and printed["trigger"] == "manual"
+
+    with session_scope() as session:
+        run = history.find_run(session, printed["id"])
+        assert run.status == RunStatus.succeeded and run.trigger == TriggerKind.manual
+        assert run.requested_by and run.finished_at is not None
+        [job] = run.jobs
+    assert (job.target, job.model, job.template, job.status) == (WORKER, "tiny", "support", JobStatus.warm)
+    assert job.device == "cpu/float32" and job.celery_task_id
+    for column in ("load_ms", "prefill_ms", "ttft_cold_ms", "ttft_warm_ms", "ttft_bare_ms"):
+        assert getattr(job, column) > 0, column
+        assert printed["jobs"][0][column] == pytest.approx(getattr(job, column))  # the CLI shows the DB
+    assert job.cached_tokens > 20 and job.cache_bytes > 0
+    assert f"preheat.warm_worker[{job.celery_task_id}]" in worker.log()
+
+
+def test_the_model_stays_resident_across_warmups(stack, worker):
+    first = stack.cli("warm", "--wait", "--json")
+    second = stack.cli("warm", "--wait", "--json", "--template", "support", "--worker", WORKER)
+    assert first.returncode == second.returncode == 0, second.stderr
+    first_job, second_job = json.loads(first.stdout)["jobs"][0], json.loads(second.stdout)["jobs"][0]
+    assert first_job["load_ms"] > 0 and first_job["prefill_ms"] > 0
+    assert second_job["load_ms"] == 0.0 and second_job["prefill_ms"] == 0.0
+    assert second_job["cache_bytes"] == first_job["cache_bytes"]
+
+    listing = stack.cli("history", "--json")
+    assert [run["status"] for run in json.loads(listing.stdout)] == ["succeeded", "succeeded"]
+    shown = stack.cli("history", json.loads(second.stdout)["id"][:8])
+    assert shown.returncode == 0 and "support" in shown.stdout and "warm" in shown.stdout
+
+
+def test_warm_fleet_reaches_the_worker_that_runs_it(stack, worker):
+    """What beat sends: the dispatcher runs on a (solo) worker that cannot answer its own ping."""
+    from preheat.celery import create_app
+    from preheat.settings import get_settings
+
+    app = create_app(get_settings())
+    app.send_task("preheat.warm_fleet", kwargs={"templates": ["support"], "trigger": "schedule",
+                                                "detail": {"schedule": "morning"}, "requested_by": "beat"})
+    procs.wait_for_log(worker, "preheat.warm_worker[", timeout_s=60)
+    procs.wait_for_log(worker, "succeeded in", timeout_s=60)
+    listing = stack.cli("history", "--trigger", "schedule", "--json")
+    deadline_runs = json.loads(listing.stdout)
+    assert len(deadline_runs) == 1
+    run = deadline_runs[0]
+    assert run["trigger_detail"] == {"schedule": "morning"} and run["requested_by"] == "beat"
+    assert [job["target"] for job in run["jobs"]] == [WORKER]

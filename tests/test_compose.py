@@ -1,0 +1,69 @@
+"""docker-compose.yml and the Dockerfile describe the services a user deploys: every command
+in them must be a real preheat or celery command with options that exist."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import PREHEAT_CLI, REPO
+
+SERVICES = {"redis", "postgres", "migrate", "gpu-worker", "beat", "flower"}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def preheat_commands(compose) -> dict[str, list[str]]:
+    return {name: service["command"] for name, service in compose["services"].items()
+            if service.get("image", "").startswith("preheat")}
+
+
+def test_the_services_are_all_there(compose):
+    assert set(compose["services"]) == SERVICES
+    assert set(preheat_commands(compose)) == {"migrate", "gpu-worker", "beat", "flower"}
+
+
+@pytest.mark.parametrize("service", ["migrate", "gpu-worker", "beat", "flower"])
+def test_each_command_is_a_real_command_with_real_options(compose, service, embedded_stack):
+    argv = compose["services"][service]["command"]
+    assert argv[0] in {"celery", "preheat"}
+    if argv[0] == "celery":
+        assert argv[1:3] == ["-A", "preheat"] and argv[3] in {"worker", "beat", "flower"}
+        full = [sys.executable, "-m", "celery", *argv[1:]]
+    else:
+        full = [PREHEAT_CLI, *argv[1:]]
+    # The variables compose requires, with stand-in values.
+    env = {**embedded_stack.env, "FLOWER_BASIC_AUTH": "ci:ci"}
+    # --help is answered only once every other option on the line has parsed.
+    done = subprocess.run([*full, "--help"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "Usage:" in done.stdout
+
+
+def test_gpu_worker_is_solo_with_an_nvidia_reservation(compose):
+    worker = compose["services"]["gpu-worker"]
+    assert "--pool=solo" in worker["command"]
+    [device] = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+
+
+def test_no_default_passwords_and_flower_requires_auth(compose):
+    text = (REPO / "docker-compose.yml").read_text()
+    for variable in ("REDIS_PASSWORD", "POSTGRES_PASSWORD", "FLOWER_BASIC_AUTH"):
+        assert f"${{{variable}:?" in text and f"${{{variable}:-" not in text
+    flower = compose["services"]["flower"]
+    assert flower["environment"]["FLOWER_BASIC_AUTH"].startswith("${FLOWER_BASIC_AUTH:?")
+    assert all(port.startswith("127.0.0.1:") for port in flower["ports"])
+    assert compose["services"]["beat"]["deploy"]["replicas"] == 1
+
+
+def test_the_dockerfile_copies_every_package():
+    dockerfile = (REPO / "Dockerfile").read_text()
+    for package in ("preheat", "tasks", "workers", "schedules", "migrations"):
+        assert f"COPY {package} ./{package}" in dockerfile
+        assert (REPO / package / "__init__.py").exists()
