@@ -74,7 +74,6 @@ def celery_config(settings: Settings) -> dict:
         "task_routes": (route_task,),
         "task_time_limit": settings.warmup_time_limit_s + 60,
         "task_soft_time_limit": settings.warmup_time_limit_s,
-        "task_track_started": True,
         "task_send_sent_event": True,
         "worker_send_task_events": True,
         "worker_cancel_long_running_tasks_on_connection_loss": True,

@@ -131,15 +131,14 @@ def get_run(session: Session, run_id: uuid.UUID) -> WarmupRun | None:
 
 def find_run(session: Session, prefix: str) -> WarmupRun | None:
     """A run by full id or by a unique prefix of its hex form, as printed by the CLI."""
-    try:
-        return get_run(session, uuid.UUID(prefix))
-    except ValueError:
-        pass
     hex_prefix = prefix.replace("-", "").lower()
-    if not hex_prefix or any(c not in "0123456789abcdef" for c in hex_prefix):
+    if not 1 <= len(hex_prefix) <= 32 or any(c not in "0123456789abcdef" for c in hex_prefix):
         return None
-    matches = [run for run in session.scalars(select(WarmupRun)) if run.id.hex.startswith(hex_prefix)]
-    return get_run(session, matches[0].id) if len(matches) == 1 else None
+    # UUIDs order like their hex digits on Postgres (uuid) and SQLite (char(32)): a prefix is a range.
+    low = uuid.UUID(hex_prefix.ljust(32, "0"))
+    high = uuid.UUID(hex_prefix.ljust(32, "f"))
+    matches = session.scalars(select(WarmupRun.id).where(WarmupRun.id.between(low, high)).limit(2)).all()
+    return get_run(session, matches[0]) if len(matches) == 1 else None
 
 
 def list_runs(

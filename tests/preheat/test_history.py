@@ -121,3 +121,15 @@ def test_runs_are_listed_newest_first_with_filters_and_found_by_prefix(db):
 )
 def test_run_status_follows_from_its_jobs(statuses, expected):
     assert history.derive_run_status(statuses) == expected
+
+
+def test_an_ambiguous_prefix_finds_nothing(db):
+    from preheat.models import WarmupRun
+
+    with session_scope() as session:
+        for tail in ("0" * 28, "f" * 28):
+            session.add(WarmupRun(id=uuid.UUID("abcd" + tail), trigger=TriggerKind.manual, requested_by="t"))
+    with session_scope() as session:
+        assert history.find_run(session, "abcd") is None
+        assert history.find_run(session, "abcd0").id == uuid.UUID("abcd" + "0" * 28)
+        assert history.find_run(session, "abcdf").id == uuid.UUID("abcd" + "f" * 28)
