@@ -89,7 +89,6 @@ class PreheatTask(Task):
     """The plumbing every task shares, so task bodies are only domain work:
     timing and logging, and failed jobs recorded in history when a task raises."""
 
-    abstract = True
     typing = True
 
     def __call__(self, *args, **kwargs):
