@@ -82,9 +82,9 @@ class WorkerRuntime:
     def _ensure_prefix(self, resident, template: str, system_prompt: str) -> tuple[Prefix, float]:
         """Reuse the cached prefix when the prompt is unchanged; else pre-fill. Returns ms spent."""
         cached = self.prefixes.get((resident.name, template))
-        if cached is not None:
-            if cached.key == prefix_key(resident.name, encode(resident, system_prompt, with_bos=True)):
-                return cached, 0.0
+        current_key = prefix_key(resident.name, encode(resident, system_prompt, with_bos=True))
+        if cached is not None and cached.key == current_key:
+            return cached, 0.0
         prefix = prefill(resident, template, system_prompt)
         self.prefixes[(resident.name, template)] = prefix
         return prefix, prefix.prefill_ms
