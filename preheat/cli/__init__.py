@@ -31,9 +31,35 @@ def _register() -> None:
 _register()
 
 
+EXIT_UNAVAILABLE = 5
+
+
+def service_error(exc: Exception) -> str | None:
+    """One line for a broker or database that cannot be used, or None if `exc` is something else."""
+    from kombu.exceptions import OperationalError as BrokerError
+    from sqlalchemy.exc import OperationalError as DatabaseError
+    from sqlalchemy.exc import ProgrammingError
+
+    if isinstance(exc, BrokerError):
+        return f"cannot reach the broker: {exc}"
+    if isinstance(exc, DatabaseError | ProgrammingError):
+        # The driver's first line says what went wrong; the rest is SQL and parameters.
+        reason = str(exc.orig or exc).strip().splitlines()[0]
+        if "no such table" in reason or ('relation "' in reason and "does not exist" in reason):
+            return "the history database has no preheat tables yet: run `preheat db upgrade`"
+        return f"cannot use the history database: {reason}"
+    return None
+
+
 def main() -> None:
     try:
         app()
     except PreheatError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
+    except Exception as exc:
+        message = service_error(exc)
+        if message is None:
+            raise
+        err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+        sys.exit(EXIT_UNAVAILABLE)

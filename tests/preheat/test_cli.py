@@ -88,3 +88,32 @@ def test_db_upgrade_and_check(embedded):
     assert run("db", "upgrade", env=embedded.env).returncode == 0
     done = run("db", "check", env=embedded.env)
     assert done.returncode == 0 and "models and migrations agree" in done.stdout
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed again when the block ends: nothing listens there
+
+
+def test_unreachable_services_exit_5_with_one_line(embedded, tmp_path):
+    port = _closed_port()
+    broker_down = run("warm", env={**embedded.env, "PREHEAT_BROKER_URL": f"redis://:pw@127.0.0.1:{port}/0"})
+    assert broker_down.returncode == 5
+    line = one_error_line(broker_down)
+    assert line.startswith("error: cannot reach the broker:") and "Connection refused" in line
+    assert "pw" not in line
+
+    db_down = run("history", env={**embedded.env,
+                                  "PREHEAT_DATABASE_URL": f"postgresql+psycopg://u:secret@127.0.0.1:{port}/x"})
+    assert db_down.returncode == 5
+    assert one_error_line(db_down).startswith("error: cannot use the history database: connection failed")
+    assert "secret" not in db_down.stderr
+
+
+def test_an_unmigrated_database_says_what_to_run(embedded, tmp_path):
+    done = run("history", env={**embedded.env, "PREHEAT_HOME": str(tmp_path / "fresh")})
+    assert done.returncode == 5
+    assert one_error_line(done) == "error: the history database has no preheat tables yet: run `preheat db upgrade`"
