@@ -92,22 +92,28 @@ class EndpointSpec(_Strict):
         return self
 
 
+def parse_cron(expression: str, app=None):
+    """A five-field cron expression as a Celery crontab (minute hour day-of-month month weekday)."""
+    from celery.schedules import crontab
+
+    fields = expression.split()
+    if len(fields) != 5:
+        raise ValueError(f"cron {expression!r} must have 5 fields (minute hour day month weekday)")
+    minute, hour, day_of_month, month, day_of_week = fields
+    try:
+        return crontab(minute, hour, day_of_week, day_of_month, month, app=app)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"cron {expression!r} is invalid: {exc}") from None
+
+
 class ScheduleSpec(_Strict):
     cron: str
     templates: list[str] = Field(min_length=1)
 
     @field_validator("cron")
     @classmethod
-    def _five_fields(cls, value: str) -> str:
-        from celery.schedules import crontab
-
-        fields = value.split()
-        if len(fields) != 5:
-            raise ValueError(f"cron {value!r} must have 5 fields (minute hour day month weekday)")
-        try:
-            crontab(*fields[:2], day_of_month=fields[2], month_of_year=fields[3], day_of_week=fields[4])
-        except (ValueError, KeyError) as exc:
-            raise ValueError(f"cron {value!r} is invalid: {exc}") from None
+    def _valid_cron(cls, value: str) -> str:
+        parse_cron(value)
         return value
 
 
@@ -149,9 +155,6 @@ class Catalog(_Strict):
             return self.templates[name]
         except KeyError:
             raise UnknownNameError(f"unknown template {name!r} (catalog has: {_listing(self.templates)})") from None
-
-    def templates_for(self, model: str) -> list[str]:
-        return [name for name, spec in self.templates.items() if spec.model == model]
 
     def model_path(self, name: str) -> str:
         """What from_pretrained loads: an absolute folder, or the hub id."""

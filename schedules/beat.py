@@ -9,9 +9,7 @@ from __future__ import annotations
 import logging
 
 from celery.beat import PersistentScheduler
-from celery.schedules import crontab
-
-from preheat.catalog import Catalog, load_catalog
+from preheat.catalog import Catalog, load_catalog, parse_cron
 from preheat.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -22,10 +20,9 @@ ENTRY_PREFIX = "schedule:"
 def catalog_entries(catalog: Catalog, app=None) -> dict:
     entries = {}
     for name, spec in catalog.schedules.items():
-        minute, hour, day_of_month, month, day_of_week = spec.cron.split()
         entries[f"{ENTRY_PREFIX}{name}"] = {
             "task": "preheat.warm_fleet",
-            "schedule": crontab(minute, hour, day_of_week, day_of_month, month, app=app),
+            "schedule": parse_cron(spec.cron, app=app),
             "kwargs": {"templates": spec.templates, "trigger": "schedule", "detail": {"schedule": name},
                        "requested_by": "beat"},
         }

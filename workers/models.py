@@ -59,13 +59,6 @@ class ModelRegistry:
             log.info("model %s resident on %s after %.0f ms", name, resident.placement.describe(), resident.load_ms)
             return resident, resident.load_ms
 
-    def get(self, name: str) -> ResidentModel | None:
-        return self._models.get(name)
-
-    @property
-    def resident(self) -> dict[str, ResidentModel]:
-        return dict(self._models)
-
     @property
     def unavailable(self) -> dict[str, str]:
         return dict(self._errors)

@@ -69,6 +69,7 @@ def encode(resident: ResidentModel, text: str, *, with_bos: bool) -> torch.Tenso
 
 
 def check_context(resident: ResidentModel, num_tokens: int, what: str) -> None:
+    # `>=`: a prompt that fills the whole context leaves no position for the first new token.
     if resident.max_context and num_tokens >= resident.max_context:
         raise ValueError(
             f"{what} is {num_tokens} tokens; model {resident.name!r} has a context of {resident.max_context}"

@@ -40,7 +40,7 @@ def test_paths_resolve_against_the_catalog_folder(tmp_path, monkeypatch):
     catalog = load_catalog(write(tmp_path, GOOD))
     assert catalog.model_path("tiny") == str(tmp_path / "models" / "tiny")
     assert catalog.system_prompt("code") == "You write Python."
-    assert catalog.templates_for("tiny") == ["support", "code"]
+    assert list(catalog.templates) == ["support", "code"]
 
 
 def test_hub_ids_are_passed_through(tmp_path):
