@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from celery.beat import PersistentScheduler
+
 from preheat.catalog import Catalog, load_catalog, parse_cron
 from preheat.settings import get_settings
 
