@@ -15,25 +15,40 @@ from celery import Celery, Task
 from celery.signals import celeryd_after_setup, worker_process_init
 from sqlalchemy.exc import OperationalError
 
-from preheat.errors import ConfigError
+from preheat.errors import ConfigError, exit_with
 from preheat.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
-TASK_MODULES = ["tasks.warmup"]
+TASK_MODULES = ["tasks.warmup", "tasks.infer", "tasks.worker"]
 DEFAULT_QUEUE = "preheat"
+
+
+def _queue_name(prefix: str, name: str) -> str:
+    # The filesystem transport allows only [A-Za-z0-9._-] in names, so '@' and the like
+    # become '_' on every transport.
+    return prefix + re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
 def worker_queue(nodename: str) -> str:
     """Each worker's own durable queue: a warmup sent there waits for that worker, even
-    one that is restarting (Redis fanout would drop it). The filesystem transport allows
-    only [A-Za-z0-9._-] in names, so '@' and the like become '_' on every transport."""
-    return "preheat.w." + re.sub(r"[^A-Za-z0-9._-]", "_", nodename)
+    one that is restarting (Redis fanout would drop it)."""
+    return _queue_name("preheat.w.", nodename)
+
+
+def infer_queue(model: str) -> str:
+    """Requests for one model; a worker consumes it only once that model is warm."""
+    return _queue_name("preheat.infer.", model)
 
 
 def route_task(name, args, kwargs, options, task=None, **_):
     if name == "preheat.warm_worker":
         return {"queue": worker_queue(kwargs["worker"])}
+    if name == "preheat.infer":
+        from preheat.catalog import load_catalog
+
+        template = kwargs["template"] if "template" in kwargs else args[0]
+        return {"queue": infer_queue(load_catalog(get_settings().catalog).template(template).model)}
     return None
 
 
@@ -42,6 +57,7 @@ def _transport_options(settings: Settings) -> dict:
         folder = settings.broker_folder
         for sub in ("queue", "control", "processed"):
             (folder / sub).mkdir(parents=True, exist_ok=True)
+        (settings.home / "results").mkdir(parents=True, exist_ok=True)  # infer results, when not overridden
         return {
             "data_folder_in": str(folder / "queue"),
             "data_folder_out": str(folder / "queue"),
@@ -64,8 +80,12 @@ def celery_config(settings: Settings) -> dict:
         "accept_content": ["json"],
         "result_accept_content": ["json"],
         "event_serializer": "json",
-        # History lives in Postgres; no result backend to keep in sync.
+        # History lives in Postgres; only `preheat.infer` returns a result to its caller.
         "task_ignore_result": True,
+        "result_backend": settings.result_backend,
+        "result_expires": 3600,
+        # GPU workers run one process per GPU, with the models in it (see tasks/worker.py).
+        "worker_pool": "solo",
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
@@ -145,5 +165,4 @@ try:
     app = create_app()
 except ConfigError as exc:
     # `celery -A preheat …` imports this module: one clear line instead of a traceback.
-    print(f"preheat: {exc}", file=sys.stderr)
-    sys.exit(exc.exit_code)
+    exit_with(exc)

@@ -1,5 +1,8 @@
 """Errors that carry a message meant for the person at the terminal."""
 
+import sys
+from typing import NoReturn
+
 
 class PreheatError(Exception):
     """Base for errors preheat reports as one line and a non-zero exit."""
@@ -27,3 +30,10 @@ class NoWorkersError(PreheatError):
 
 class ModelLoadError(PreheatError):
     """A catalog model could not be loaded (missing directory, corrupt weights, …)."""
+
+
+def exit_with(exc: PreheatError) -> NoReturn:
+    """One line on stderr and the error's exit code, for processes `celery` starts, where a
+    traceback would bury the message."""
+    print(f"preheat: {exc}", file=sys.stderr, flush=True)
+    raise SystemExit(exc.exit_code)

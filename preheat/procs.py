@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,13 @@ def wait_for_log(proc: Proc, text: str, timeout_s: float = 60.0) -> None:
             raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log()[-4000:]}")
         time.sleep(0.1)
     raise TimeoutError(f"{proc.name} did not log {text!r} within {timeout_s:.0f} s:\n{proc.log()[-4000:]}")
+
+
+def health_url(proc: Proc, timeout_s: float = 60.0) -> str:
+    """The worker's health server, as it logged it (PREHEAT_HEALTH_PORT=0 picks a free port)."""
+    wait_for_log(proc, "health server on http://", timeout_s)
+    port = re.search(r"health server on http://[^:]+:(\d+)", proc.log()).group(1)
+    return f"http://127.0.0.1:{port}"
 
 
 def stop(proc: Proc, timeout_s: float = 15.0) -> int:

@@ -15,7 +15,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import ByteSize, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from preheat.errors import ConfigError
@@ -42,6 +42,17 @@ class Settings(BaseSettings):
     warm_factor: float = Field(1.5, gt=1.0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     ping_timeout_s: float = Field(2.0, gt=0)
+    # The KV prefix cache of each worker process (see workers/kvcache.py).
+    kv_cache_max_entries: int = Field(10, ge=1, description="Most cached prefixes per worker process.")
+    kv_cache_max_bytes: ByteSize = Field(ByteSize(4 * 1024**3), gt=0,
+                                         description="Byte budget of the cached key/value tensors (e.g. 4GiB).")
+    kv_cache_pinned_share: float = Field(0.5, ge=0.0, le=1.0,
+                                         description="Share of either budget that pinned templates may hold.")
+    # The worker's health server (/health/live, /health/ready, /metrics); 0 picks a free port.
+    health_host: str = "0.0.0.0"  # noqa: S104 - probes come from the kubelet, not from localhost
+    health_port: int = Field(9440, ge=0, le=65535)
+    # Where `preheat.infer` results go; default: Redis when the broker is Redis, else files in home.
+    result_backend_url: SecretStr | None = None
 
     @field_validator("broker_url")
     @classmethod
@@ -110,6 +121,14 @@ class Settings(BaseSettings):
     @property
     def broker(self) -> str:
         return self.broker_url.get_secret_value() if self.broker_url else "filesystem://"
+
+    @property
+    def result_backend(self) -> str:
+        if self.result_backend_url:
+            return self.result_backend_url.get_secret_value()
+        if self.broker.startswith(("redis://", "rediss://")):
+            return self.broker
+        return f"file://{(self.home / 'results').resolve()}"
 
     @property
     def database(self) -> str:

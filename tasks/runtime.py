@@ -1,7 +1,7 @@
 """The one WorkerRuntime of this worker process, built on first use.
 
-Built lazily inside the process that runs tasks, never at import: with a prefork pool
-the model must be loaded after the fork (CUDA cannot be re-initialised in a child).
+Built lazily inside the process that runs tasks, never at import: CUDA must not be
+initialised in a process that forks afterwards.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import functools
 
 from preheat.catalog import load_catalog
 from preheat.settings import get_settings
-from workers.warmup import WorkerRuntime
+from workers.kvcache import CacheBudget
+from workers.runtime import WorkerRuntime
 
 
 @functools.cache
@@ -20,4 +21,6 @@ def get_runtime() -> WorkerRuntime:
         catalog=load_catalog(settings.catalog),
         device_preference=settings.device,
         probe_repeats=settings.probe_repeats,
+        cache_budget=CacheBudget(settings.kv_cache_max_entries, int(settings.kv_cache_max_bytes),
+                                 settings.kv_cache_pinned_share),
     )

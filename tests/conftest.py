@@ -53,6 +53,21 @@ def tiny_model(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    """A second architecture (bias on q/k/v, another rope base): reuse must not depend on Llama."""
+    from workers.devmodel import make_model
+
+    return make_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", arch="qwen2")
+
+
+def load_resident(model_dir: Path, name: str = "tiny"):
+    from workers.models import ModelRegistry, ModelSource
+
+    resident, _ = ModelRegistry("cpu").ensure(ModelSource(name, str(model_dir)))
+    return resident
+
+
 # Real services ------------------------------------------------------------------------
 
 
@@ -160,7 +175,7 @@ class Stack:
 
 def _base_env(home: Path, catalog: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREHEAT_")}
-    env.update(PREHEAT_HOME=str(home), PREHEAT_CATALOG=str(catalog), PREHEAT_PROBE_REPEATS="2",
+    env.update(PREHEAT_HOME=str(home), PREHEAT_CATALOG=str(catalog), PREHEAT_PROBE_REPEATS="2", PREHEAT_HEALTH_PORT="0",
                PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     return env
 

@@ -11,9 +11,11 @@ import inspect
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from preheat.errors import ModelLoadError
+from workers import attention
 from workers.device import Placement, pick_placement
 
 log = logging.getLogger(__name__)
@@ -32,51 +34,91 @@ class ResidentModel:
     max_context: int = 0
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a catalog model is loaded from."""
+
+    name: str
+    path: str
+    dtype: str = "auto"
+    revision: str | None = None
+
+
 @dataclass
 class ModelRegistry:
-    """Per-process registry of resident models (thread-safe; loads each name once)."""
+    """Per-process registry of resident models. Thread-safe: different models load in
+    parallel, a second caller for the same model waits for the first load."""
 
     device_preference: str = "auto"
     _models: dict[str, ResidentModel] = field(default_factory=dict)
     _errors: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _loading: dict[str, threading.Lock] = field(default_factory=dict)
 
-    def ensure(self, name: str, path: str, dtype: str = "auto", revision: str | None = None,
-               ) -> tuple[ResidentModel, float]:
+    def ensure(self, source: ModelSource) -> tuple[ResidentModel, float]:
         """Return the resident model and the milliseconds this call spent loading it (0 if resident)."""
         with self._lock:
-            if name in self._models:
-                return self._models[name], 0.0
+            name_lock = self._loading.setdefault(source.name, threading.Lock())
+        with name_lock:
+            if source.name in self._models:
+                return self._models[source.name], 0.0
             started = time.perf_counter()
             try:
-                resident = _load(name, path, revision, pick_placement(self.device_preference, dtype))
+                resident = _load(source, pick_placement(self.device_preference, source.dtype))
             except Exception as exc:
-                self._errors[name] = f"{type(exc).__name__}: {exc}"
-                raise ModelLoadError(f"model {name!r} failed to load from {path}: {self._errors[name]}") from exc
+                self._errors[source.name] = f"{type(exc).__name__}: {exc}"
+                raise ModelLoadError(
+                    f"model {source.name!r} failed to load from {source.path}: {self._errors[source.name]}"
+                ) from exc
             resident.load_ms = (time.perf_counter() - started) * 1000
-            self._models[name] = resident
-            self._errors.pop(name, None)
-            log.info("model %s resident on %s after %.0f ms", name, resident.placement.describe(), resident.load_ms)
+            self._models[source.name] = resident
+            self._errors.pop(source.name, None)
+            log.info("model %s resident on %s after %.0f ms", source.name, resident.placement.describe(),
+                     resident.load_ms)
             return resident, resident.load_ms
+
+    def preload(self, sources: list[ModelSource], max_parallel: int = 4) -> dict[str, str]:
+        """Load every model at once (threads: loading is I/O and torch ops that release the
+        GIL). A model that fails is left unavailable; the others load. Returns the failures."""
+        if not sources:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(max_parallel, len(sources)), thread_name_prefix="preload") as pool:
+            futures = {source.name: pool.submit(self.ensure, source) for source in sources}
+        failures = {}
+        for name, future in futures.items():
+            if future.exception() is not None:
+                failures[name] = str(future.exception())
+                log.error("%s; the worker serves the other models", future.exception())
+        return failures
+
+    def get(self, name: str) -> ResidentModel | None:
+        return self._models.get(name)
+
+    @property
+    def resident(self) -> dict[str, ResidentModel]:
+        return dict(self._models)
 
     @property
     def unavailable(self) -> dict[str, str]:
         return dict(self._errors)
 
 
-def _load(name: str, path: str, revision: str | None, placement: Placement) -> ResidentModel:
+def _load(source: ModelSource, placement: Placement) -> ResidentModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    pinned = {"revision": revision} if revision else {}
-    tokenizer = AutoTokenizer.from_pretrained(path, **pinned)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=placement.dtype, **pinned)
+    pinned = {"revision": source.revision} if source.revision else {}
+    tokenizer = AutoTokenizer.from_pretrained(source.path, **pinned)
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=placement.dtype, **pinned)
+    if placement.device.type == "cpu" and model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(attention.register())
     model.to(placement.device).eval()
+    model.requires_grad_(False)  # inference only: no autograd bookkeeping on any forward
     forward_params = inspect.signature(model.forward).parameters
     return ResidentModel(
-        name=name,
-        path=path,
+        name=source.name,
+        path=source.path,
         model=model,
         tokenizer=tokenizer,
         placement=placement,

@@ -1,137 +1,114 @@
-"""Pre-filled system prompts and requests that start from them.
+"""Tensor-level pieces of prefix reuse: token ids, forward passes, cache bytes and clones.
 
 A prefix is the KV cache of a system prompt, computed once with no decoding. A request
-with that system prompt starts from a *shallow clone* of it: new layer objects pointing
-at the same key/value tensors. That is safe for a transformers ``DynamicCache`` because it
-grows by ``torch.cat`` (a new tensor per step), so the shared prefix tensors are never
-written; it costs no tensor copy, unlike ``copy.deepcopy``.
+starts from a *clone* of it. For a transformers ``DynamicCache`` the clone is shallow (new
+layer objects pointing at the same key/value tensors): its layers grow by ``torch.cat``, a
+new tensor per step, so the shared prefix tensors are never written. Layer types that
+write in place (``StaticCache`` and friends) get a deep copy instead.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import statistics
-import time
-from collections.abc import Callable
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from workers.device import synchronize
+from workers.kvcache import CacheKey
 from workers.models import ResidentModel
 
-# Between the system prompt and the user's text; tokenized separately and appended, so the
-# prompt's first tokens are exactly the cached prefix ids.
+# Between the system prompt and the user's text. The two are tokenized separately and
+# concatenated, so a template request's first ids are exactly the cached prefix: BPE never
+# merges across the boundary (tokenizing the joined text can, and would miss the cache).
 SEPARATOR = "\n\n"
-
-
-@dataclass
-class Prefix:
-    model: str
-    template: str
-    key: str  # model + sha256 of the token ids
-    token_ids: torch.Tensor  # shape [1, n]
-    cache: object  # transformers DynamicCache
-    nbytes: int
-    prefill_ms: float
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.token_ids.shape[-1])
-
-
-def prefix_key(model: str, token_ids: torch.Tensor) -> str:
-    digest = hashlib.sha256(token_ids.to("cpu", torch.int64).numpy().tobytes()).hexdigest()
-    return f"{model}:{digest[:32]}"
 
 
 def cache_nbytes(cache) -> int:
     """Exact bytes held by a cache: the storage behind every key and value tensor."""
     total = 0
     for layer in cache.layers:
-        for tensor in (layer.keys, layer.values):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
             if tensor is not None:
                 total += tensor.untyped_storage().nbytes()
     return total
 
 
-def shallow_clone(cache):
-    """A cache that shares the prefix tensors but appends to its own layer objects."""
-    clone = copy.copy(cache)
-    clone.layers = [copy.copy(layer) for layer in cache.layers]
+@functools.cache
+def _layers_that_grow_by_concatenation() -> tuple[type, ...]:
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    # Exact types: subclasses (quantized, linear-attention) keep state they update in place.
+    return DynamicLayer, DynamicSlidingWindowLayer
+
+
+def _shallow(obj):
+    # What copy.copy does for a plain object, without its reduce protocol (~10x faster;
+    # this is on every request's critical path).
+    clone = object.__new__(type(obj))
+    clone.__dict__.update(obj.__dict__)
+    return clone
+
+
+def clone_for_request(cache):
+    """A cache a request may extend without touching the prefix it came from."""
+    safe = _layers_that_grow_by_concatenation()
+    if not all(type(layer) in safe for layer in cache.layers):
+        return copy.deepcopy(cache)
+    clone = _shallow(cache)
+    clone.layers = [_shallow(layer) for layer in cache.layers]
     return clone
 
 
 def encode(resident: ResidentModel, text: str, *, with_bos: bool) -> torch.Tensor:
-    ids = resident.tokenizer(text, add_special_tokens=with_bos, return_tensors="pt")["input_ids"]
-    return ids.to(resident.placement.device)
+    """Token ids of `text`, shape [1, n], on the CPU: ids are hashed and compared there, and
+    `forward` moves what it feeds to the model's device."""
+    return resident.tokenizer(text, add_special_tokens=with_bos, return_tensors="pt")["input_ids"]
 
 
-def check_context(resident: ResidentModel, num_tokens: int, what: str) -> None:
-    # `>=`: a prompt that fills the whole context leaves no position for the first new token.
-    if resident.max_context and num_tokens >= resident.max_context:
+@dataclass(frozen=True)
+class TemplatePrefix:
+    """A system prompt tokenized once: its ids and its cache key."""
+
+    model: str
+    system_prompt: str
+    ids: torch.Tensor  # [1, n], CPU
+    key: CacheKey
+
+    @classmethod
+    def of(cls, resident: ResidentModel, system_prompt: str) -> TemplatePrefix:
+        ids = encode(resident, system_prompt, with_bos=True)
+        return cls(resident.name, system_prompt, ids, CacheKey.of(resident.name, ids[0].numpy()))
+
+    def prompt_ids(self, resident: ResidentModel, user_input: str) -> torch.Tensor:
+        """The request's ids: the prefix, then the user's turn. Empty input is the prefix alone."""
+        if not user_input:
+            return self.ids
+        return torch.cat([self.ids, encode(resident, SEPARATOR + user_input, with_bos=False)], dim=-1)
+
+
+def template_prompt(resident: ResidentModel, system_prompt: str, user_input: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prefix ids, prompt ids) of a template request."""
+    prefix = TemplatePrefix.of(resident, system_prompt)
+    return prefix.ids, prefix.prompt_ids(resident, user_input)
+
+
+def check_context(resident: ResidentModel, num_tokens: int, what: str, new_tokens: int = 1) -> None:
+    """A prompt plus the tokens it will generate must fit the model's context."""
+    if resident.max_context and num_tokens + new_tokens > resident.max_context:
         raise ValueError(
-            f"{what} is {num_tokens} tokens; model {resident.name!r} has a context of {resident.max_context}"
+            f"{what} is {num_tokens} tokens (+{new_tokens} to generate); model {resident.name!r} has a context "
+            f"of {resident.max_context}"
         )
 
 
-def _forward(resident: ResidentModel, input_ids: torch.Tensor, cache=None):
+def forward(resident: ResidentModel, input_ids: torch.Tensor, cache=None):
+    """One forward pass extending `cache` (a new DynamicCache when None); last logits only."""
     from transformers import DynamicCache
 
     cache = cache if cache is not None else DynamicCache(config=resident.model.config)
+    input_ids = input_ids.to(resident.placement.device, non_blocking=True)
     with torch.inference_mode():
         out = resident.model(input_ids=input_ids, use_cache=True, logits_to_keep=1,
                              **{resident.cache_kwarg: cache})
     return out.logits[0, -1], cache
-
-
-def prefill(resident: ResidentModel, template: str, system_prompt: str) -> Prefix:
-    """Compute the system prompt's KV cache (no decoding) and time it."""
-    token_ids = encode(resident, system_prompt, with_bos=True)
-    check_context(resident, token_ids.shape[-1], f"template {template!r}")
-    synchronize(resident.placement.device)
-    started = time.perf_counter()
-    _, cache = _forward(resident, token_ids)
-    synchronize(resident.placement.device)
-    prefill_ms = (time.perf_counter() - started) * 1000
-    return Prefix(resident.name, template, prefix_key(resident.name, token_ids), token_ids, cache,
-                  cache_nbytes(cache), prefill_ms)
-
-
-@dataclass(frozen=True)
-class FirstToken:
-    token_id: int
-    ms: float
-
-
-def first_token_cold(resident: ResidentModel, system_prompt: str | None, user_input: str) -> FirstToken:
-    """What a cold server does: tokenize the whole prompt and prefill all of it."""
-    started = time.perf_counter()
-    if system_prompt is None:
-        ids = encode(resident, user_input, with_bos=True)
-    else:
-        ids = torch.cat([encode(resident, system_prompt, with_bos=True),
-                         encode(resident, SEPARATOR + user_input, with_bos=False)], dim=-1)
-    check_context(resident, ids.shape[-1], "prompt")
-    logits, _ = _forward(resident, ids)
-    token = int(logits.argmax())  # .item() waits for the device
-    return FirstToken(token, (time.perf_counter() - started) * 1000)
-
-
-def first_token_warm(resident: ResidentModel, prefix: Prefix, user_input: str) -> FirstToken:
-    """Start from the cached prefix: only the user's tokens are computed."""
-    started = time.perf_counter()
-    suffix = encode(resident, SEPARATOR + user_input, with_bos=False)
-    check_context(resident, prefix.num_tokens + suffix.shape[-1], "prompt")
-    logits, _ = _forward(resident, suffix, shallow_clone(prefix.cache))
-    token = int(logits.argmax())
-    return FirstToken(token, (time.perf_counter() - started) * 1000)
-
-
-def median_first_token(measure: Callable[[], FirstToken], repeats: int) -> FirstToken:
-    """Median time over `repeats` runs; the token must be the same every time (greedy)."""
-    runs = [measure() for _ in range(repeats)]
-    if len({run.token_id for run in runs}) != 1:
-        raise RuntimeError(f"greedy first token changed between identical runs: {[r.token_id for r in runs]}")
-    return FirstToken(runs[0].token_id, statistics.median(run.ms for run in runs))

@@ -19,8 +19,9 @@ err = Console(stderr=True)
 
 
 def _register() -> None:
-    from preheat.cli import config, db, dev, history, warm
+    from preheat.cli import bench, config, db, dev, history, warm
 
+    app.add_typer(bench.app, name="bench")
     app.add_typer(db.app, name="db")
     app.add_typer(dev.app, name="dev")
     app.add_typer(config.app, name="config")

@@ -28,6 +28,19 @@ def make_model(
     typer.echo(f"wrote {arch} model to {folder} ({size:.1f} MB)")
 
 
+def build_missing_models(catalog, console) -> None:
+    """Build the small model wherever the catalog names a local folder that has none yet
+    (a fresh clone), then check every model path."""
+    from workers.devmodel import make_model as build
+
+    for name in catalog.models:
+        path = Path(catalog.model_path(name))
+        if catalog.model(name).is_local() and not (path / "config.json").exists():
+            console.print(f"building the small model {name!r} in {path} …")
+            build(path)
+    catalog.check_model_paths()
+
+
 @app.command()
 def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for the warmup.")) -> None:
     """The main job end to end on this machine: build the small model if missing, migrate,
@@ -44,17 +57,11 @@ def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait fo
     from preheat.db import session_scope
     from preheat.settings import get_settings
     from tasks.fleet import dispatch_warmup
-    from workers.devmodel import make_model as build
 
     console = render.console()
     settings = get_settings()
     catalog = load_catalog(settings.catalog)
-    for name in catalog.models:
-        path = Path(catalog.model_path(name))
-        if catalog.model(name).is_local() and not (path / "config.json").exists():
-            console.print(f"building the small model {name!r} in {path} …")
-            build(path)
-    catalog.check_model_paths()
+    build_missing_models(catalog, console)
     settings.home.mkdir(parents=True, exist_ok=True)
     migrate.upgrade(settings.database)
 

@@ -101,3 +101,25 @@ def console() -> Console:
     """Rich console; when output is piped, wide enough that tables are not squeezed to 80 columns."""
     plain = Console()
     return plain if plain.is_terminal else Console(width=160)
+
+
+def ttft_table(report: dict) -> Table:
+    """`preheat bench ttft`: one row per system prompt length."""
+    model = report["model"]
+    table = Table(title=f"TTFT with and without the cached prefix · {model['name']} ({model['architecture']}, "
+                        f"{model['parameters'] / 1e6:.1f} M params) on {report['device']}",
+                  title_justify="left",
+                  caption=f"ms, median of {report['repeats']} interleaved rounds; user input "
+                          f"{report['rows'][0]['user_tokens']} tokens; bare = no system prompt; overhead = "
+                          "lookup + id check + clone, as a share of warm",
+                  caption_justify="left")
+    headers = ("system tokens", "prefill", "TTFT cold", "TTFT warm", "TTFT bare", "saved", "warm/bare", "reuse",
+               "overhead", "cache MiB", "same token")
+    for header in headers:
+        table.add_column(header, justify="right", no_wrap=True)
+    for row in report["rows"]:
+        table.add_row(f"{row['system_tokens']:,}", _ms(row["prefill_ms"]), _ms(row["ttft_cold_ms"]),
+                      _ms(row["ttft_warm_ms"]), _ms(row["ttft_bare_ms"]), f"{row['saved_pct']:.1f}%",
+                      f"{row['warm_over_bare']:.2f}", f"{row['reuse_ms']:.3f}", f"{row['reuse_overhead_pct']:.2f}%",
+                      f"{row['cache_bytes'] / 2**20:,.1f}", "yes" if row["same_first_token"] else "NO")
+    return table

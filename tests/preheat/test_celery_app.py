@@ -15,7 +15,7 @@ from preheat.celery import (
     route_task,
     worker_queue,
 )
-from preheat.errors import ConfigError
+from preheat.errors import ConfigError, UnknownNameError
 from preheat.settings import load_settings
 from tests.conftest import write_catalog
 
@@ -59,6 +59,22 @@ def test_every_worker_has_its_own_queue_with_a_transport_safe_name():
     assert route_task("preheat.warm_fleet", (), {}, {}) is None
 
 
+def test_requests_go_to_their_models_inference_queue_and_unknown_templates_are_refused(settings):
+    assert route_task("preheat.infer", (), {"template": "support", "user_input": "hi"}, {}) == {
+        "queue": "preheat.infer.tiny"}
+    assert route_task("preheat.infer", ("support", "hi"), {}, {}) == {"queue": "preheat.infer.tiny"}
+    with pytest.raises(UnknownNameError, match="unknown template 'nope'"):
+        route_task("preheat.infer", (), {"template": "nope"}, {})
+
+
+def test_results_only_for_requests_in_redis_or_files(settings, tmp_path):
+    assert celery_config(settings)["task_ignore_result"] is True
+    assert celery_config(settings)["result_backend"] == f"file://{(tmp_path / 'home' / 'results').resolve()}"
+    redis = load_settings(broker_url="redis://127.0.0.1:6379/11")
+    assert celery_config(redis)["result_backend"] == "redis://127.0.0.1:6379/11"
+    assert celery_config(settings)["worker_pool"] == "solo"
+
+
 def test_beat_uses_the_catalog_scheduler_with_its_state_in_home(settings):
     config = celery_config(settings)
     assert config["beat_scheduler"] == "schedules.beat:CatalogScheduler"
@@ -69,7 +85,7 @@ def test_tasks_are_named_under_preheat_and_share_the_base_task(settings):
     app = create_app(settings)
     app.loader.import_default_modules()
     names = {name for name in app.tasks if not name.startswith("celery.")}
-    assert names == {"preheat.warm_worker", "preheat.warm_fleet"}
+    assert names == {"preheat.warm_worker", "preheat.warm_fleet", "preheat.infer"}
     for name in names:
         assert PreheatTask in type(app.tasks[name]).__mro__
 

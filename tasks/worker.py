@@ -1,0 +1,59 @@
+"""What a preheat worker does around its tasks: warm from the start, observable, gated.
+
+A bootstep, so it lives and dies with the worker: at start the health server comes up at
+once and a background thread loads every catalog model in parallel and pre-fills every
+template, while the worker already consumes its own warmup queue. A model's inference
+queue is consumed only once its templates are warm, so no request lands on a cold model.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from celery import bootsteps
+
+from preheat.celery import app, infer_queue
+from preheat.errors import ConfigError, exit_with
+from preheat.settings import get_settings
+from tasks.runtime import get_runtime
+from workers.health import HealthServer
+
+log = logging.getLogger(__name__)
+
+# Pools that run tasks in this process, where the models are. A prefork parent would load
+# them (and initialise CUDA) before forking its children.
+IN_PROCESS_POOLS = ("solo", "threads")
+
+
+class WorkerRuntimeStep(bootsteps.StartStopStep):
+    requires = {"celery.worker.components:Pool"}
+
+    def __init__(self, worker, **kwargs) -> None:
+        super().__init__(worker, **kwargs)
+        self.health: HealthServer | None = None
+
+    def create(self, worker) -> None:
+        pool = getattr(worker.pool_cls, "__module__", str(worker.pool_cls)).rsplit(".", 1)[-1]
+        if pool not in IN_PROCESS_POOLS:
+            exit_with(ConfigError(f"preheat workers hold models in the process that runs tasks: start them "
+                                  f"with --pool=solo (one process per GPU), not --pool={pool}"))
+
+    def start(self, worker) -> None:
+        settings, runtime = get_settings(), get_runtime()
+        consumer = worker.consumer
+        runtime.on_model_warm = lambda model: consumer.call_soon(consumer.add_task_queue, infer_queue(model))
+        try:
+            self.health = HealthServer(runtime, settings.health_host, settings.health_port).start()
+        except OSError as exc:
+            exit_with(ConfigError(f"health server cannot listen on {settings.health_host}:{settings.health_port} "
+                                  f"({exc.strerror}); set PREHEAT_HEALTH_PORT"))
+        threading.Thread(target=runtime.preload, name="preheat-preload", daemon=True).start()
+
+    def stop(self, worker) -> None:
+        if self.health is not None:
+            self.health.stop()
+            self.health = None
+
+
+app.steps["worker"].add(WorkerRuntimeStep)

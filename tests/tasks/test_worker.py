@@ -1,0 +1,63 @@
+"""A real worker process: warm from start, health served, inference gated until warm."""
+
+import subprocess
+
+import httpx
+import pytest
+
+from preheat import procs
+
+pytestmark = pytest.mark.slow
+
+WORKER = "w1@preheat-test"
+
+
+def send_infer(template="support", user_input="Where is my parcel?", max_new_tokens=4):
+    from preheat.celery import create_app
+    from preheat.settings import get_settings
+
+    app = create_app(get_settings())
+    return app.send_task("preheat.infer", kwargs={"template": template, "user_input": user_input,
+                                                  "max_new_tokens": max_new_tokens})
+
+
+def test_a_request_sent_before_the_worker_exists_is_served_only_once_it_is_warm(stack, tmp_path):
+    early = send_infer()
+    worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
+    with procs.running(worker):
+        answer = early.get(timeout=120)
+        health = procs.health_url(worker)
+        log = worker.log()
+        assert log.index("model tiny resident") < log.index("Started consuming from preheat.infer.tiny")
+        assert log.index("Started consuming from preheat.infer.tiny") < log.index(f"preheat.infer[{early.id}] received")
+        assert answer["cached_tokens"] > 20 and answer["prompt_tokens"] > answer["cached_tokens"]
+        assert len(answer["token_ids"]) >= 1 and answer["ttft_ms"] > 0
+
+        assert httpx.get(f"{health}/health/ready").json() == {"status": "ready"}
+        second = send_infer(user_input="And when will it arrive?").get(timeout=60)
+        assert second["cached_tokens"] == answer["cached_tokens"]
+        metrics = httpx.get(f"{health}/metrics").text.splitlines()
+        assert "preheat_kv_cache_hits_total 2.0" in metrics and "preheat_kv_cache_misses_total 0.0" in metrics
+        assert 'preheat_prefills_total{model="tiny"} 1.0' in metrics  # pre-filled once, at start
+
+
+def test_a_worker_with_a_broken_model_starts_serves_the_others_and_says_why_not_ready(stack, tmp_path):
+    with stack.catalog.open("a") as catalog:
+        catalog.write('\n[models.gone]\npath = "does/not/exist"\n'
+                      '[templates.orphan]\nmodel = "gone"\nsystem_prompt = "You are lost."\n')
+    worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
+    with procs.running(worker):
+        procs.wait_for_log(worker, "preload done", timeout_s=90)
+        ready = httpx.get(f"{procs.health_url(worker)}/health/ready")
+        assert ready.status_code == 503
+        assert ready.json()["reasons"][0].startswith("model gone unavailable: ")
+        assert send_infer().get(timeout=60)["cached_tokens"] > 20  # tiny is warm and served
+
+
+def test_a_prefork_pool_is_refused_in_one_line(stack):
+    done = subprocess.run(procs.celery_command("worker", "--pool=processes", "-n", "bad@preheat-test"),
+                          env=stack.env, cwd=stack.home, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "preheat: preheat workers hold models in the process that runs tasks: start them with --pool=solo "
+        "(one process per GPU), not --pool=prefork")

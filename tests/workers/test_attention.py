@@ -1,0 +1,25 @@
+"""The grouped-KV SDPA gives transformers' own SDPA results on the cached-prefix path."""
+
+import torch
+
+from tests.conftest import SUPPORT_PROMPT, load_resident
+from workers import attention
+from workers.prefix import clone_for_request, encode, forward, template_prompt
+
+
+def test_cached_prefix_logits_match_stock_sdpa_and_the_model_uses_it(tiny_model):
+    resident = load_resident(tiny_model)
+    assert resident.model.config._attn_implementation == attention.NAME
+    assert resident.model.config.num_key_value_heads < resident.model.config.num_attention_heads  # grouped
+    prefix_ids, prompt_ids = template_prompt(resident, SUPPORT_PROMPT, "Where is my parcel? It is late.")
+    _, prefix = forward(resident, prefix_ids)
+    suffix = prompt_ids[:, prefix_ids.shape[-1]:]
+
+    grouped, _ = forward(resident, suffix, clone_for_request(prefix))
+    resident.model.set_attn_implementation("sdpa")
+    try:
+        stock, _ = forward(resident, suffix, clone_for_request(prefix))
+    finally:
+        resident.model.set_attn_implementation(attention.NAME)
+    torch.testing.assert_close(grouped, stock, rtol=1e-5, atol=1e-5)
+    assert encode(resident, "x", with_bos=False).device.type == "cpu"

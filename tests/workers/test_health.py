@@ -1,0 +1,55 @@
+"""The health server over real HTTP, in front of a real runtime."""
+
+import httpx
+import pytest
+
+from preheat.catalog import load_catalog
+from tests.conftest import write_catalog
+from workers.health import PATHS, HealthServer
+from workers.runtime import WorkerRuntime
+
+
+@pytest.fixture
+def served(tmp_path, tiny_model):
+    runtime = WorkerRuntime(load_catalog(write_catalog(tmp_path, tiny_model)), "cpu", probe_repeats=1)
+    server = HealthServer(runtime, "127.0.0.1", 0).start()
+    with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=10) as client:
+        yield runtime, client
+    server.stop()
+
+
+def test_ready_is_503_with_reasons_until_preloaded_then_200(served):
+    runtime, client = served
+    assert client.get("/health/live").json() == {"status": "live"}
+    before = client.get("/health/ready")
+    assert before.status_code == 503
+    assert before.json() == {"status": "not ready",
+                             "reasons": ["model tiny not loaded yet", "template support: not pre-filled yet"]}
+    runtime.preload()
+    after = client.get("/health/ready")
+    assert (after.status_code, after.json()) == (200, {"status": "ready"})
+
+
+def test_metrics_expose_cache_models_and_ttft(served):
+    runtime, client = served
+    runtime.preload()
+    runtime.infer("support", "Where is my parcel?", max_new_tokens=2)
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    lines = set(response.text.splitlines())
+    stats = runtime.cache.stats()
+    assert "preheat_kv_cache_hits_total 1.0" in lines and "preheat_kv_cache_misses_total 0.0" in lines
+    assert f"preheat_kv_cache_bytes {float(stats.bytes)}" in lines and "preheat_kv_cache_entries 1.0" in lines
+    assert "preheat_kv_cache_evictions_total 0.0" in lines and "preheat_worker_ready 1.0" in lines
+    assert 'preheat_model_resident{model="tiny"} 1.0' in lines
+    assert any(line.startswith('preheat_model_load_seconds{model="tiny"} ') for line in lines)
+    assert 'preheat_ttft_seconds_count{cache="hit",model="tiny"} 1.0' in lines
+    assert 'preheat_prefills_total{model="tiny"} 1.0' in lines
+
+
+def test_unknown_paths_and_methods_are_refused_with_a_reason(served):
+    _, client = served
+    missing = client.get("/healthz")
+    assert missing.status_code == 404 and str(list(PATHS)) in missing.json()["error"]
+    post = client.post("/health/ready")
+    assert post.status_code == 405 and post.headers["allow"] == "GET"

@@ -1,0 +1,147 @@
+"""WorkerRuntime without Celery: eager preload, readiness, warmups, requests through the cache."""
+
+import shutil
+
+import pytest
+
+from preheat.catalog import load_catalog
+from preheat.errors import UnknownNameError
+from tests.conftest import write_catalog
+from workers.kvcache import CacheBudget, CacheBudgetError
+from workers.runtime import WorkerRuntime
+
+SUMMARY = '\n[templates.summarise]\nmodel = "tiny"\nsystem_prompt = "Summarise the text in three bullet points."\n'
+BROKEN = ('\n[models.gone]\npath = "does/not/exist"\n'
+          '[templates.orphan]\nmodel = "gone"\nsystem_prompt = "You are lost."\n')
+
+
+def make_runtime(tmp_path, model_dir, extra="", **kwargs) -> WorkerRuntime:
+    return WorkerRuntime(load_catalog(write_catalog(tmp_path, model_dir, extra)), "cpu", probe_repeats=2, **kwargs)
+
+
+@pytest.fixture
+def runtime(tmp_path, tiny_model):
+    return make_runtime(tmp_path, tiny_model, SUMMARY + BROKEN)
+
+
+def test_preload_loads_what_it_can_prefills_and_pins_its_templates_and_says_why_not_ready(runtime):
+    warm_models = []
+    runtime.on_model_warm = warm_models.append
+    assert runtime.readiness() == ["model tiny not loaded yet", "model gone not loaded yet",
+                                   "template support: not pre-filled yet", "template summarise: not pre-filled yet",
+                                   "template orphan: not pre-filled yet"]
+    reasons = runtime.preload()
+    assert reasons == runtime.readiness() == [
+        f"model gone unavailable: {runtime.registry.unavailable['gone']}", "template orphan: not pre-filled yet"]
+    assert "does/not/exist" in reasons[0]
+    assert warm_models == ["tiny"]  # announced once, when its last template was pre-filled
+    assert sorted(e.label for e in runtime.cache.entries()) == ["summarise", "support"]
+    assert all(e.pinned for e in runtime.cache.entries())
+    assert runtime.registry.resident["tiny"].load_ms > 0
+
+
+def test_a_worker_whose_models_all_load_is_ready(tmp_path, tiny_model):
+    runtime = make_runtime(tmp_path, tiny_model, SUMMARY)
+    assert runtime.preload() == [] and runtime.describe()["ready"]
+
+
+def test_first_warmup_reports_the_start_up_load_then_reuses_model_and_prefix(runtime):
+    runtime.preload()
+    first = runtime.warm_template("support")
+    assert first.status == "warm", first.error
+    assert first.load_ms == runtime.registry.resident["tiny"].load_ms > 0  # the preload's, reported once
+    assert first.prefill_ms > 0  # pre-filled at start, reported by the first job
+    assert first.ttft_cold_ms > 0 and first.ttft_warm_ms > 0 and first.ttft_bare_ms > 0
+    assert first.cached_tokens > 20 and first.cache_bytes > 0 and first.device == "cpu/float32"
+
+    again = runtime.warm_template("support")
+    assert (again.status, again.load_ms, again.prefill_ms) == ("warm", 0.0, 0.0)
+    assert runtime.cache.stats().queries == 0  # probes are not traffic
+
+
+def test_a_warmup_without_preload_loads_and_prefills(runtime):
+    result = runtime.warm_template("support")
+    assert result.status == "warm" and result.load_ms > 0 and result.prefill_ms > 0
+
+
+def test_a_changed_system_prompt_is_prefilled_again(runtime):
+    first = runtime.warm_template("support")
+    runtime.catalog = runtime.catalog.model_copy(update={"templates": {
+        **runtime.catalog.templates,
+        "support": runtime.catalog.templates["support"].model_copy(update={"system_prompt": "Be brief."}),
+    }})
+    result = runtime.warm_template("support")
+    assert result.prefill_ms > 0 and result.cached_tokens < first.cached_tokens
+
+
+def test_a_missing_model_fails_the_job_and_the_runtime_keeps_serving(runtime):
+    broken = runtime.warm_template("orphan")
+    assert broken.status == "failed"
+    assert "model 'gone' failed to load from" in broken.error and "does/not/exist" in broken.error
+    assert runtime.registry.unavailable.keys() == {"gone"}
+    assert runtime.warm_template("support").status == "warm"
+
+
+def test_an_unknown_template_is_a_failed_result_and_an_error_for_a_request(runtime):
+    result = runtime.warm_template("nope")
+    assert result.status == "failed" and "unknown template 'nope'" in result.error
+    with pytest.raises(UnknownNameError, match="unknown template 'nope'"):
+        runtime.infer("nope", "hi")
+
+
+def test_truncated_weights_fail_with_the_loader_error(tmp_path, tiny_model):
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_model, corrupt)
+    weights = corrupt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    runtime = make_runtime(tmp_path, corrupt)
+    result = runtime.warm_template("support")
+    assert result.status == "failed"
+    assert result.error.startswith(f"model 'tiny' failed to load from {corrupt}: ")
+    assert runtime.preload() and not runtime.describe()["ready"]
+
+
+def test_a_warm_worker_answers_from_the_cache_and_never_prefills_again(runtime):
+    runtime.preload()
+    prefills = runtime.metrics.prefills.labels(model="tiny")._value.get()
+    answers = [runtime.infer("support", question, max_new_tokens=6) for question in ("Hi", "Where?", "When?")]
+    assert all(a.cached_tokens > 20 and len(a.token_ids) >= 1 for a in answers)
+    assert runtime.metrics.prefills.labels(model="tiny")._value.get() == prefills
+    stats = runtime.cache.stats()
+    assert (stats.hits, stats.misses) == (3, 0)
+
+
+def test_an_evicted_template_is_prefilled_again_by_the_next_request(runtime):
+    runtime.preload()
+    entry = next(e for e in runtime.cache.entries() if e.label == "support")
+    runtime.cache.unpin(entry.key)
+    runtime.cache.remove(entry.key)
+    answer = runtime.infer("support", "Hello", max_new_tokens=3)
+    assert answer.cached_tokens == entry.num_tokens
+    assert any(e.label == "support" for e in runtime.cache.entries())
+
+
+def test_a_budget_smaller_than_one_prefix_fails_clearly_and_leaves_the_cache_consistent(tmp_path, tiny_model):
+    runtime = make_runtime(tmp_path, tiny_model, SUMMARY, cache_budget=CacheBudget(max_entries=4, max_bytes=200_000))
+    reasons = runtime.preload()
+    assert any(r.startswith("template support: prefix support needs") and "the whole cache budget is 200,000"
+               in r for r in reasons)
+    result = runtime.warm_template("support")
+    assert result.status == "failed" and "the whole cache budget is 200,000 bytes" in result.error
+    stats = runtime.cache.stats()
+    assert stats.bytes <= 200_000 and stats.bytes == sum(e.nbytes for e in runtime.cache.entries())
+    assert [e.label for e in runtime.cache.entries()] == ["summarise"]
+    # A request still gets an answer, computed without the cache.
+    assert runtime.infer("support", "Hello", max_new_tokens=2).cached_tokens == 0
+    with pytest.raises(CacheBudgetError):
+        runtime.prefill_template("support")
+
+
+def test_a_system_prompt_longer_than_the_context_fails_the_warmup(tmp_path, tiny_model):
+    huge = "\n[templates.huge]\nmodel = \"tiny\"\nsystem_prompt = \"" + "word " * 5000 + "\"\n"
+    runtime = make_runtime(tmp_path, tiny_model, huge)
+    result = runtime.warm_template("huge")
+    assert result.status == "failed" and "model 'tiny' has a context of 4096" in result.error
+    assert len(runtime.cache) == 0 and runtime.cache.stats().bytes == 0
+    with pytest.raises(ValueError, match="has a context of 4096"):
+        runtime.infer("huge", "hi")

@@ -1,0 +1,74 @@
+"""Prometheus metrics of one worker process.
+
+Cache and model figures are read from their owners at scrape time (a collector, not a
+second set of counters kept in step); only TTFT and pre-fill counts are observed as they
+happen. Each runtime has its own registry, so tests and several runtimes never share state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from workers.kvcache import KVCacheManager
+from workers.models import ModelRegistry
+
+# From a warm tiny model on a CPU (milliseconds) to a cold 70B prefill (tens of seconds).
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _StateCollector:
+    def __init__(self, cache: KVCacheManager, models: ModelRegistry, is_ready: Callable[[], bool]) -> None:
+        self._cache, self._models, self._is_ready = cache, models, is_ready
+
+    def collect(self):
+        stats = self._cache.stats()
+        for name, value, doc in (
+            ("preheat_kv_cache_queries", stats.queries, "Prefix lookups by requests."),
+            ("preheat_kv_cache_hits", stats.hits, "Lookups that found a cached prefix."),
+            ("preheat_kv_cache_misses", stats.misses, "Lookups that found none."),
+            ("preheat_kv_cache_query_tokens", stats.tokens_queried, "Prompt tokens looked up."),
+            ("preheat_kv_cache_hit_tokens", stats.tokens_hit, "Prompt tokens served from the cache."),
+            ("preheat_kv_cache_inserts", stats.inserts, "Prefixes added."),
+            ("preheat_kv_cache_evictions", stats.evictions, "Prefixes evicted to respect the budget."),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        budget = self._cache.budget
+        for name, value, doc in (
+            ("preheat_kv_cache_bytes", stats.bytes, "Exact bytes of cached key/value tensors."),
+            ("preheat_kv_cache_entries", stats.entries, "Cached prefixes."),
+            ("preheat_kv_cache_pinned_bytes", stats.pinned_bytes, "Bytes of pinned prefixes."),
+            ("preheat_kv_cache_pinned_entries", stats.pinned_entries, "Pinned prefixes."),
+            ("preheat_kv_cache_max_bytes", budget.max_bytes, "Byte budget of the cache."),
+            ("preheat_kv_cache_max_entries", budget.max_entries, "Entry budget of the cache."),
+            ("preheat_worker_ready", int(self._is_ready()), "1 once every catalog model is resident and pre-filled."),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        load = GaugeMetricFamily("preheat_model_load_seconds", "Time the model took to load.", labels=["model"])
+        resident = GaugeMetricFamily("preheat_model_resident", "1 when the model is loaded, 0 when it failed.",
+                                     labels=["model"])
+        for name, model in self._models.resident.items():
+            load.add_metric([name], model.load_ms / 1000)
+            resident.add_metric([name], 1)
+        for name in self._models.unavailable:
+            resident.add_metric([name], 0)
+        yield load
+        yield resident
+
+
+class RuntimeMetrics:
+    def __init__(self, cache: KVCacheManager, models: ModelRegistry, is_ready: Callable[[], bool]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.ttft = Histogram("preheat_ttft_seconds", "Time to first token of requests.", ["model", "cache"],
+                              buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self.prefills = Counter("preheat_prefills", "System prompts pre-filled into the KV cache.", ["model"],
+                                registry=self.registry)
+        self.registry.register(_StateCollector(cache, models, is_ready))
+
+    def observe_ttft(self, model: str, cached_tokens: int, ttft_ms: float) -> None:
+        self.ttft.labels(model=model, cache="hit" if cached_tokens else "miss").observe(ttft_ms / 1000)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

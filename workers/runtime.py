@@ -1,0 +1,223 @@
+"""Everything one worker process keeps warm: resident models, the KV prefix cache, metrics.
+
+Usable without Celery: `preload()` is what a worker does at start (every catalog model in
+parallel, then every template pre-filled and pinned), `warm_template()` what a warmup job
+measures, `generate()` / `infer()` what a request does, and `readiness()` what
+`/health/ready` reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from preheat.catalog import Catalog
+from preheat.errors import PreheatError
+from workers.generate import Completion, PrefixEngine, TextStream
+from workers.kvcache import CacheBudget, CacheBudgetError, CacheFullError, CacheKey, KVCacheManager
+from workers.metrics import RuntimeMetrics
+from workers.models import ModelRegistry, ModelSource, ResidentModel
+from workers.prefix import TemplatePrefix, encode
+from workers.warmup import TemplateWarmup, probe, verdict
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUDGET = CacheBudget(max_entries=10, max_bytes=4 * 1024**3)
+
+
+@dataclass
+class WorkerRuntime:
+    catalog: Catalog
+    device_preference: str = "auto"
+    probe_repeats: int = 3
+    cache_budget: CacheBudget = DEFAULT_BUDGET
+    # Called with a model's name once every template of it is pre-filled (the worker then
+    # starts consuming that model's inference queue).
+    on_model_warm: Callable[[str], None] | None = None
+    registry: ModelRegistry = field(init=False)
+    cache: KVCacheManager = field(init=False)
+    engine: PrefixEngine = field(init=False)
+    metrics: RuntimeMetrics = field(init=False)
+    # template -> None once pre-filled, or the reason it is not
+    _templates: dict[str, str | None] = field(init=False)
+    _load_reported: set[str] = field(default_factory=set)
+    _announced: set[str] = field(default_factory=set)
+    # Pre-fill time of prefixes computed outside a warmup job (at start), reported by the
+    # first job that uses them, like the start-up load time.
+    _unreported_prefill_ms: dict[CacheKey, float] = field(default_factory=dict)
+    _prefixes: dict[str, TemplatePrefix] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Held by the start-up preload and by each warmup: a warmup that arrives while the
+    # worker is still starting waits, instead of racing it on the same model and device
+    # (which would pre-fill twice and skew both measurements).
+    _work_lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def __post_init__(self) -> None:
+        self.registry = ModelRegistry(self.device_preference)
+        self.cache = KVCacheManager(self.cache_budget)
+        self.engine = PrefixEngine(self.cache)
+        self.metrics = RuntimeMetrics(self.cache, self.registry, lambda: not self.readiness())
+        self._templates = {name: "not pre-filled yet" for name in self.catalog.templates}
+
+    # Start-up and readiness --------------------------------------------------------
+
+    def preload(self, max_parallel: int = 4) -> list[str]:
+        """Load every catalog model in parallel, then pre-fill every template. Failures are
+        kept (and reported by `readiness`), never raised. Returns the reasons not ready."""
+        with self._work_lock:
+            self._preload(max_parallel)
+        reasons = self.readiness()
+        log.info("preload done: %s", "ready" if not reasons else "; ".join(reasons))
+        return reasons
+
+    def _preload(self, max_parallel: int) -> None:
+        self.registry.preload([self.source(name) for name in self.catalog.models], max_parallel)
+        for template in self.catalog.templates:
+            if self.catalog.template(template).model in self.registry.resident:
+                try:
+                    key, _, _, prefill_ms = self.prefill_template(template)
+                    if prefill_ms:
+                        self._unreported_prefill_ms[key] = prefill_ms
+                    self._exercise(template)
+                    self._announce_if_warm(self.catalog.template(template).model)
+                except (PreheatError, ValueError, RuntimeError) as exc:
+                    log.error("template %s could not be pre-filled: %s", template, exc)
+
+    def readiness(self) -> list[str]:
+        """Why this worker should not take traffic yet; empty when it should."""
+        reasons = []
+        for name in self.catalog.models:
+            if name in self.registry.unavailable:
+                reasons.append(f"model {name} unavailable: {self.registry.unavailable[name]}")
+            elif self.registry.get(name) is None:
+                reasons.append(f"model {name} not loaded yet")
+        reasons += [f"template {name}: {why}" for name, why in self._templates.items() if why is not None]
+        return reasons
+
+    def source(self, model: str) -> ModelSource:
+        spec = self.catalog.model(model)
+        return ModelSource(model, self.catalog.model_path(model), spec.dtype, spec.revision)
+
+    def resident(self, model: str) -> tuple[ResidentModel, float]:
+        """The model, loading it if needed; the load time is reported once, by the first
+        caller after the load (the start-up preload's time goes to the first warmup job)."""
+        resident, _ = self.registry.ensure(self.source(model))
+        with self._lock:
+            if model in self._load_reported:
+                return resident, 0.0
+            self._load_reported.add(model)
+            return resident, resident.load_ms
+
+    # Pre-fill ---------------------------------------------------------------------
+
+    def prefill_template(self, template: str) -> tuple[CacheKey, int, int, float]:
+        """Pre-fill and pin a template's system prompt. Returns (key, tokens, bytes, ms spent)."""
+        model = self.catalog.template(template).model
+        try:
+            resident, _ = self.registry.ensure(self.source(model))
+            prefix = self._template_prefix(template, resident)
+            entry, prefill_ms = self.engine.prefill(resident, prefix.ids, label=template, pin=True)
+        except (PreheatError, ValueError, RuntimeError, OSError) as exc:
+            self._templates[template] = str(exc)
+            raise
+        if prefill_ms:
+            self.metrics.prefills.labels(model=model).inc()
+        self._templates[template] = None
+        return entry.key, entry.num_tokens, entry.nbytes, prefill_ms
+
+    def _exercise(self, template: str) -> None:
+        """One short request through the cache, off the books: the first real request must
+        not be the one that pays for first-call costs (allocator, kernel selection)."""
+        resident, _ = self.registry.ensure(self.source(self.catalog.template(template).model))
+        prefix = self._template_prefix(template, resident)
+        prompt_ids = prefix.prompt_ids(resident, self.catalog.template(template).probe)
+        self.engine.generate(resident, prompt_ids, max_new_tokens=2, record=False, prefix_key=prefix.key).collect()
+
+    def _announce_if_warm(self, model: str) -> None:
+        warm = all(self._templates.get(name) is None
+                   for name, spec in self.catalog.templates.items() if spec.model == model)
+        if warm and model not in self._announced and self.on_model_warm is not None:
+            self._announced.add(model)
+            self.on_model_warm(model)
+
+    # Warmup jobs ------------------------------------------------------------------
+
+    def warm_template(self, template: str) -> TemplateWarmup:
+        """Model resident, prefix pre-filled, probes measured. Never raises for a broken
+        model, prompt or budget: the failure is the measurement."""
+        result = TemplateWarmup(model="", template=template, status="failed")
+        try:
+            result.model = self.catalog.template(template).model
+            with self._work_lock:
+                self._warm(template, result)
+        except (PreheatError, ValueError, RuntimeError, OSError) as exc:
+            result.status, result.error = "failed", str(exc)
+            log.warning("warmup of %s failed: %s", template, exc)
+        return result
+
+    def _warm(self, template: str, result: TemplateWarmup) -> None:
+        resident, result.load_ms = self.resident(result.model)
+        result.device = resident.placement.describe()
+        key, result.cached_tokens, result.cache_bytes, prefill_ms = self.prefill_template(template)
+        result.prefill_ms = prefill_ms or self._unreported_prefill_ms.pop(key, 0.0)
+        probe_text = self.catalog.template(template).probe
+        prefix = self._template_prefix(template, resident)
+        measured = probe(self.engine, resident, prefix.prompt_ids(resident, probe_text),
+                         encode(resident, probe_text, with_bos=True), self.probe_repeats, prefix.key)
+        verdict(result, measured, result.cached_tokens)
+        if result.status == "warm":
+            self._announce_if_warm(result.model)
+
+    # Requests ---------------------------------------------------------------------
+
+    def generate(self, template: str, user_input: str, max_new_tokens: int = 64) -> TextStream:
+        """A request with a template's system prompt, decoded from its cached prefix; a
+        template that was evicted is pre-filled again first (and cached for the next)."""
+        started = time.perf_counter()
+        model = self.catalog.template(template).model
+        resident, _ = self.registry.ensure(self.source(model))
+        prefix = self._template_prefix(template, resident)
+        prompt_ids = prefix.prompt_ids(resident, user_input)
+        if prefix.key not in self.cache:
+            log.info("template %s is not cached (evicted or never warmed): pre-filling it", template)
+            try:
+                self.prefill_template(template)
+            except (CacheBudgetError, CacheFullError) as exc:
+                log.warning("answering %s without the cache: %s", template, exc)
+        return self.engine.generate(resident, prompt_ids, max_new_tokens, prefix_key=prefix.key, started=started,
+                                    on_first_token=self._observe)
+
+    def _template_prefix(self, template: str, resident: ResidentModel) -> TemplatePrefix:
+        """The template's prefix ids and cache key, tokenized once per system prompt text."""
+        system_prompt = self.catalog.system_prompt(template)
+        known = self._prefixes.get(template)
+        if known is None or known.system_prompt != system_prompt or known.model != resident.name:
+            known = TemplatePrefix.of(resident, system_prompt)
+            self._prefixes[template] = known
+        return known
+
+    def infer(self, template: str, user_input: str, max_new_tokens: int = 64) -> Completion:
+        return self.generate(template, user_input, max_new_tokens).collect()
+
+    def _observe(self, completion: Completion) -> None:
+        self.metrics.observe_ttft(completion.model, completion.cached_tokens, completion.ttft_ms)
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
+
+    def describe(self) -> dict:
+        """This worker's state, for `preheat workers` and the health server."""
+        stats = self.cache.stats()
+        return {
+            "ready": not self.readiness(),
+            "reasons": self.readiness(),
+            "models": {name: {"device": m.placement.describe(), "load_ms": round(m.load_ms, 1)}
+                       for name, m in self.registry.resident.items()},
+            "unavailable": self.registry.unavailable,
+            "cache": {"entries": stats.entries, "bytes": stats.bytes, "hits": stats.hits, "misses": stats.misses,
+                      "evictions": stats.evictions, "max_entries": self.cache_budget.max_entries,
+                      "max_bytes": self.cache_budget.max_bytes},
+        }
