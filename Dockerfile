@@ -14,4 +14,6 @@ COPY schedules ./schedules
 COPY migrations ./migrations
 RUN pip install ${TORCH_INDEX:+--index-url $TORCH_INDEX} "$TORCH_SPEC" && pip install .
 USER preheat
+# The worker's health server: /health/live, /health/ready, /metrics (PREHEAT_HEALTH_PORT).
+EXPOSE 9440
 CMD ["celery", "-A", "preheat", "worker", "--pool=solo", "--loglevel=INFO"]

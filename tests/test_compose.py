@@ -67,3 +67,16 @@ def test_the_dockerfile_copies_every_package():
     for package in ("preheat", "tasks", "workers", "schedules", "migrations"):
         assert f"COPY {package} ./{package}" in dockerfile
         assert (REPO / package / "__init__.py").exists()
+
+
+def test_gpu_worker_healthcheck_asks_the_health_server_on_its_port(compose):
+    from preheat.settings import Settings
+    from workers.health import PATHS
+
+    worker = compose["services"]["gpu-worker"]
+    port = worker["environment"]["PREHEAT_HEALTH_PORT"]
+    assert int(port) == Settings.model_fields["health_port"].default and worker["expose"] == [port]
+    probe = " ".join(worker["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{port}/health/ready" in probe and "/health/ready" in PATHS
+    assert worker["healthcheck"]["start_period"] == "300s"  # models load and prefill before ready
+    assert f"EXPOSE {port}" in (REPO / "Dockerfile").read_text()

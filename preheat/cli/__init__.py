@@ -19,7 +19,7 @@ err = Console(stderr=True)
 
 
 def _register() -> None:
-    from preheat.cli import bench, config, db, dev, history, warm
+    from preheat.cli import bench, config, db, dev, history, infer, warm
 
     app.add_typer(bench.app, name="bench")
     app.add_typer(db.app, name="db")
@@ -27,6 +27,7 @@ def _register() -> None:
     app.add_typer(config.app, name="config")
     app.command("warm")(warm.warm)
     app.command("history")(history.history)
+    app.command("infer")(infer.infer)
 
 
 _register()

@@ -28,6 +28,16 @@ def make_model(
     typer.echo(f"wrote {arch} model to {folder} ({size:.1f} MB)")
 
 
+def _one_request(catalog, timeout: float) -> tuple[str, dict]:
+    """What a user's request does once the worker is warm: `preheat.infer` on the first template."""
+    from preheat.celery import app
+
+    template = next(iter(catalog.templates))
+    pending = app.send_task("preheat.infer", kwargs={"template": template, "max_new_tokens": 8,
+                                                     "user_input": catalog.template(template).probe})
+    return template, pending.get(timeout=timeout)
+
+
 def build_missing_models(catalog, console) -> None:
     """Build the small model wherever the catalog names a local folder that has none yet
     (a fresh clone), then check every model path."""
@@ -77,6 +87,7 @@ def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait fo
         dispatched = dispatch_warmup(workers=[nodename], requested_by="make demo")
         console.print(f"run {dispatched.run_id.hex[:8]}: warming {', '.join(dispatched.templates)} …")
         run = wait_for_run(dispatched.run_id, timeout, show_progress=True)
+        answer = _one_request(catalog, timeout)
     with session_scope() as session:
         run = history.get_run(session, run.id)  # read back from the history DB, not from memory
     console.print(render.jobs_table(run))
@@ -84,5 +95,8 @@ def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait fo
         console.print(f"[red]{line}[/]", highlight=False)
     console.print(f"history: {settings.database if settings.database.startswith('sqlite') else 'configured DB'}; "
                   f"see it again with `preheat history {run.id.hex[:8]}`")
+    template, reply = answer
+    console.print(f"a request with template {template!r} through its model's queue: TTFT {reply['ttft_ms']:,.1f} ms, "
+                  f"{reply['cached_tokens']} of {reply['prompt_tokens']} prompt tokens from the cached prefix")
     if str(run.status) != "succeeded":
         raise typer.Exit(1)

@@ -1,0 +1,47 @@
+"""`preheat infer`: one request through a warm worker, answered from its cached prefix."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from preheat.cli import render
+from preheat.errors import PreheatError
+
+console = render.console()
+EXIT_TIMEOUT = 4
+
+
+def infer(
+    template: str = typer.Argument(..., help="Template whose system prompt starts the request."),
+    user_input: str = typer.Argument(..., help="The user's message."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1, max=4096, help="Most tokens to generate."),
+    timeout: float = typer.Option(120.0, "--timeout", min=1.0, help="Seconds to wait for a warm worker."),
+    as_json: bool = typer.Option(False, "--json", help="Print the completion as JSON."),
+) -> None:
+    """Send `preheat.infer` to the template's model queue (served only by workers on which it
+    is warm) and print the completion with its TTFT."""
+    from celery.exceptions import TimeoutError as ResultTimeout
+
+    from preheat.celery import app
+
+    # The router resolves the template's model queue: an unknown template fails here, unsent.
+    pending = app.send_task("preheat.infer", kwargs={"template": template, "user_input": user_input,
+                                                     "max_new_tokens": max_tokens})
+    try:
+        answer = pending.get(timeout=timeout, propagate=True)
+    except ResultTimeout:
+        pending.revoke()
+        console.print(f"[yellow]no warm worker answered within {timeout:.0f} s; is a worker running with "
+                      f"{template!r} warm? (`preheat warm`)[/]")
+        raise typer.Exit(EXIT_TIMEOUT) from None
+    except Exception as exc:  # raised on the worker, re-raised here by Celery
+        raise PreheatError(f"the worker refused the request: {exc}") from None
+    if as_json:
+        print(json.dumps(answer, indent=2))
+        return
+    console.print(answer["text"], highlight=False, markup=False)
+    console.print(f"[dim]TTFT {answer['ttft_ms']:,.1f} ms · {answer['cached_tokens']} of {answer['prompt_tokens']} "
+                  f"prompt tokens from the cache · {len(answer['token_ids'])} tokens in {answer['total_ms']:,.1f} ms · "
+                  f"{answer['finish_reason']}[/]")

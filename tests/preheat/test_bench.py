@@ -1,0 +1,39 @@
+"""`preheat bench ttft` as a user runs it: a table, a JSON file, clear errors. Behaviour
+only: the figures' size is the benchmark's business, not a test's."""
+
+import json
+import subprocess
+
+from tests.conftest import PREHEAT_CLI
+
+
+def bench(stack, *args):
+    return subprocess.run([PREHEAT_CLI, "bench", "ttft", *args], env=stack.env, cwd=stack.home,
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_ttft_prints_the_table_and_writes_the_json(embedded_stack, tmp_path):
+    out = tmp_path / "ttft.json"
+    done = bench(embedded_stack, "--lengths", "64,128", "--repeats", "2", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "TTFT with and without the cached prefix" in done.stdout and "saved at 128 tokens" in done.stdout
+    report = json.loads(out.read_text())
+    assert [row["system_tokens"] for row in report["rows"]] == [64, 128]
+    config = report["model"]
+    for row in report["rows"]:
+        assert row["same_first_token"] is True
+        assert row["ttft_cold_ms"] > 0 and row["ttft_warm_ms"] > 0 and row["ttft_bare_ms"] > 0 and row["reuse_ms"] > 0
+        # Exact bytes: layers x (keys + values) x kv heads x tokens x head dim x 4 bytes (float32).
+        assert row["cache_bytes"] == config["layers"] * 2 * 2 * row["system_tokens"] * 64 * 4
+        assert row["saved_pct"] == 100 * (1 - row["ttft_warm_ms"] / row["ttft_cold_ms"])
+    assert set(report["targets"]) == {"saved_at_128_pct", "reuse_overhead_pct", "same_first_token"}
+    assert report["device"] == "cpu/float32" and report["repeats"] == 2
+
+
+def test_bad_input_is_one_line_and_a_non_zero_exit(embedded_stack):
+    unknown = bench(embedded_stack, "--model", "nope")
+    assert unknown.returncode == 2 and "unknown model 'nope'" in unknown.stderr
+    too_long = bench(embedded_stack, "--lengths", "5000")
+    assert too_long.returncode == 2 and "leaves no room in tiny's context of 4096" in too_long.stderr
+    garbage = bench(embedded_stack, "--lengths", "a,b")
+    assert garbage.returncode == 2 and "not a comma-separated list" in garbage.stderr
