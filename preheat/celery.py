@@ -86,6 +86,7 @@ def celery_config(settings: Settings) -> dict:
         "result_expires": 3600,
         # GPU workers run one process per GPU, with the models in it (see tasks/worker.py).
         "worker_pool": "solo",
+        "worker_concurrency": 1,
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,

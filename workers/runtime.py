@@ -83,7 +83,7 @@ class WorkerRuntime:
                         self._unreported_prefill_ms[key] = prefill_ms
                     self._exercise(template)
                     self._announce_if_warm(self.catalog.template(template).model)
-                except (PreheatError, ValueError, RuntimeError) as exc:
+                except (PreheatError, ValueError, RuntimeError, OSError) as exc:
                     log.error("template %s could not be pre-filled: %s", template, exc)
 
     def readiness(self) -> list[str]:

@@ -61,3 +61,19 @@ def test_a_prefork_pool_is_refused_in_one_line(stack):
     assert done.stderr.strip().splitlines()[-1] == (
         "preheat: preheat workers hold models in the process that runs tasks: start them with --pool=solo "
         "(one process per GPU), not --pool=prefork")
+
+
+def test_a_health_port_in_use_stops_the_worker_in_one_line(stack, tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**stack.env, "PREHEAT_HEALTH_HOST": "127.0.0.1", "PREHEAT_HEALTH_PORT": str(port)}
+        done = subprocess.run(procs.celery_command("worker", "-n", "busy@preheat-test", "--without-mingle",
+                                                   "--without-gossip"),
+                              env=env, cwd=stack.home, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert (f"preheat: health server cannot listen on 127.0.0.1:{port} (Address already in use); "
+            "set PREHEAT_HEALTH_PORT") in done.stderr
