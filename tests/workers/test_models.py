@@ -1,0 +1,50 @@
+"""Resident models: loaded in parallel, once per name, failures kept as reasons."""
+
+import threading
+import time
+
+import workers.models as models
+from workers.models import ModelRegistry, ModelSource
+
+
+def record_loads(monkeypatch) -> list[tuple[str, float, float]]:
+    """Wrap the real loader to note which thread loaded what, and when."""
+    calls, real = [], models._load
+
+    def load(source, placement):
+        started = time.monotonic()
+        try:
+            return real(source, placement)
+        finally:
+            calls.append((source.name, started, time.monotonic()))
+    monkeypatch.setattr(models, "_load", load)
+    return calls
+
+
+def test_preload_loads_models_in_parallel_and_keeps_the_failures(monkeypatch, tiny_model, tiny_qwen2):
+    calls = record_loads(monkeypatch)
+    registry = ModelRegistry("cpu")
+    failures = registry.preload([ModelSource("llama", str(tiny_model)), ModelSource("qwen2", str(tiny_qwen2)),
+                                 ModelSource("gone", "/does/not/exist")])
+    assert set(registry.resident) == {"llama", "qwen2"}
+    assert failures.keys() == registry.unavailable.keys() == {"gone"}
+    assert "model 'gone' failed to load from /does/not/exist" in failures["gone"]
+    spans = {name: (start, end) for name, start, end in calls}
+    # Each load began before the other ended: they overlapped, not one after the other.
+    assert spans["llama"][0] < spans["qwen2"][1] and spans["qwen2"][0] < spans["llama"][1]
+    assert all(m.load_ms > 0 and m.model.training is False for m in registry.resident.values())
+
+
+def test_concurrent_callers_for_one_model_load_it_once(monkeypatch, tiny_model):
+    calls = record_loads(monkeypatch)
+    registry = ModelRegistry("cpu")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(registry.ensure(ModelSource("m", str(tiny_model)))))
+               for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1
+    assert len({id(resident) for resident, _ in results}) == 1
+    assert sorted(load_ms > 0 for _, load_ms in results) == [False, False, True]  # only the loader reports it
