@@ -61,6 +61,14 @@ def tiny_qwen2(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", arch="qwen2")
 
 
+def support_request(resident, user_input: str):
+    """(prefix ids, prompt ids) of a request with the `support` system prompt."""
+    from workers.prefix import TemplatePrefix
+
+    prefix = TemplatePrefix.of(resident, SUPPORT_PROMPT)
+    return prefix.ids, prefix.prompt_ids(resident, user_input)
+
+
 def load_resident(model_dir: Path, name: str = "tiny"):
     from workers.models import ModelRegistry, ModelSource
 

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from workers.generate import FirstToken, PrefixEngine
-from workers.kvcache import CacheBudget, KVCacheManager
+from workers.kvcache import CacheBudget, CacheKey, KVCacheManager
 from workers.models import ResidentModel
-from workers.prefix import SEPARATOR, encode
+from workers.prefix import TemplatePrefix, encode
 
 USER_INPUT = "My parcel was due on Tuesday and it still has not arrived. What can I do?"
 
@@ -65,8 +65,8 @@ def system_prompt_ids(resident: ResidentModel, num_tokens: int, text: str) -> to
 def measure_ttft(resident: ResidentModel, system_ids: torch.Tensor, repeats: int,
                  user_input: str = USER_INPUT) -> TTFTRow:
     engine = PrefixEngine(KVCacheManager(CacheBudget(max_entries=1, max_bytes=2**62)))
-    user_ids = encode(resident, SEPARATOR + user_input, with_bos=False)
-    prompt_ids = torch.cat([system_ids, user_ids], dim=-1)
+    prefix = TemplatePrefix(resident.name, "", system_ids, CacheKey.of(resident.name, system_ids[0].numpy()))
+    prompt_ids = prefix.prompt_ids(resident, user_input)
     bare_ids = encode(resident, user_input, with_bos=True)
     entry, prefill_ms = engine.prefill(resident, system_ids, label=f"{system_ids.shape[-1]} tokens")
 
@@ -88,7 +88,7 @@ def measure_ttft(resident: ResidentModel, system_ids: torch.Tensor, repeats: int
         raise RuntimeError("the warm path did not start from the cached prefix")
     return TTFTRow(
         system_tokens=int(system_ids.shape[-1]),
-        user_tokens=int(user_ids.shape[-1]),
+        user_tokens=int(prompt_ids.shape[-1] - system_ids.shape[-1]),
         prefill_ms=prefill_ms,
         ttft_cold_ms=median_ms("cold"),
         ttft_warm_ms=median_ms("warm"),

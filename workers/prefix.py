@@ -87,12 +87,6 @@ class TemplatePrefix:
         return torch.cat([self.ids, encode(resident, SEPARATOR + user_input, with_bos=False)], dim=-1)
 
 
-def template_prompt(resident: ResidentModel, system_prompt: str, user_input: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prefix ids, prompt ids) of a template request."""
-    prefix = TemplatePrefix.of(resident, system_prompt)
-    return prefix.ids, prefix.prompt_ids(resident, user_input)
-
-
 def check_context(resident: ResidentModel, num_tokens: int, what: str, new_tokens: int = 1) -> None:
     """A prompt plus the tokens it will generate must fit the model's context."""
     if resident.max_context and num_tokens + new_tokens > resident.max_context:

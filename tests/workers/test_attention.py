@@ -2,16 +2,16 @@
 
 import torch
 
-from tests.conftest import SUPPORT_PROMPT, load_resident
+from tests.conftest import load_resident, support_request
 from workers import attention
-from workers.prefix import clone_for_request, forward, template_prompt
+from workers.prefix import clone_for_request, forward
 
 
 def test_cached_prefix_logits_match_stock_sdpa_and_the_model_uses_it(tiny_model):
     resident = load_resident(tiny_model)
     assert resident.model.config._attn_implementation == attention.NAME
     assert resident.model.config.num_key_value_heads < resident.model.config.num_attention_heads  # grouped
-    prefix_ids, prompt_ids = template_prompt(resident, SUPPORT_PROMPT, "Where is my parcel? It is late.")
+    prefix_ids, prompt_ids = support_request(resident, "Where is my parcel? It is late.")
     _, prefix = forward(resident, prefix_ids)
     suffix = prompt_ids[:, prefix_ids.shape[-1]:]
 

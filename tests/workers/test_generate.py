@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from tests.conftest import SUPPORT_PROMPT, load_resident
+from tests.conftest import SUPPORT_PROMPT, load_resident, support_request
 from workers.generate import PrefixEngine
 from workers.kvcache import CacheBudget, KVCacheManager
-from workers.prefix import encode, template_prompt
+from workers.prefix import encode
 
 USER_INPUTS = ["Where is my parcel? It was due on Monday.", "", "x" * 300, "Ünïcødé ✓ 包裹"]
 
@@ -33,7 +33,7 @@ def reference_generate(resident, prompt_ids, max_new_tokens):
 
 @pytest.mark.parametrize("user_input", USER_INPUTS)
 def test_greedy_output_from_the_cached_prefix_is_token_identical(resident, engine, user_input):
-    prefix_ids, prompt_ids = template_prompt(resident, SUPPORT_PROMPT, user_input)
+    prefix_ids, prompt_ids = support_request(resident, user_input)
     engine.prefill(resident, prefix_ids, label="support")
 
     warm = engine.generate(resident, prompt_ids, max_new_tokens=24).collect()
@@ -46,7 +46,7 @@ def test_greedy_output_from_the_cached_prefix_is_token_identical(resident, engin
 
 
 def test_the_prefix_tensors_are_unchanged_after_generating_from_them(resident, engine):
-    prefix_ids, prompt_ids = template_prompt(resident, SUPPORT_PROMPT, "Hello")
+    prefix_ids, prompt_ids = support_request(resident, "Hello")
     entry, _ = engine.prefill(resident, prefix_ids)
     before = [(layer.keys.data_ptr(), layer.keys.clone(), layer.values.clone()) for layer in entry.payload.layers]
     engine.generate(resident, prompt_ids, max_new_tokens=16).collect()
@@ -58,7 +58,7 @@ def test_the_prefix_tensors_are_unchanged_after_generating_from_them(resident, e
 
 
 def test_streaming_yields_the_text_in_pieces_and_holds_the_entry_until_done(resident, engine):
-    prefix_ids, prompt_ids = template_prompt(resident, SUPPORT_PROMPT, "Tell me more.")
+    prefix_ids, prompt_ids = support_request(resident, "Tell me more.")
     entry, _ = engine.prefill(resident, prefix_ids)
     stream = engine.generate(resident, prompt_ids, max_new_tokens=12)
     pieces = []
@@ -72,7 +72,7 @@ def test_streaming_yields_the_text_in_pieces_and_holds_the_entry_until_done(resi
 
 
 def test_a_prompt_whose_ids_differ_from_the_prefix_falls_back_to_full_prefill(resident, engine):
-    prefix_ids, _ = template_prompt(resident, SUPPORT_PROMPT, "")
+    prefix_ids, _ = support_request(resident, "")
     engine.prefill(resident, prefix_ids)
     # The same text tokenized whole: BPE may merge across the boundary, and even when it
     # does not, a different first token (no BOS) must never reuse the prefix.
@@ -84,7 +84,7 @@ def test_a_prompt_whose_ids_differ_from_the_prefix_falls_back_to_full_prefill(re
 
 
 def test_bad_requests_are_refused_before_any_work(resident, engine):
-    prefix_ids, prompt_ids = template_prompt(resident, SUPPORT_PROMPT, "Hi")
+    prefix_ids, prompt_ids = support_request(resident, "Hi")
     with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
         engine.generate(resident, prompt_ids, max_new_tokens=0)
     with pytest.raises(ValueError, match="has a context of"):

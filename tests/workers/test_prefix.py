@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
-from tests.conftest import SUPPORT_PROMPT, load_resident
-from workers.prefix import SEPARATOR, cache_nbytes, check_context, clone_for_request, encode, forward, template_prompt
+from tests.conftest import SUPPORT_PROMPT, load_resident, support_request
+from workers.prefix import SEPARATOR, cache_nbytes, check_context, clone_for_request, encode, forward
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +47,9 @@ def test_a_cache_that_writes_in_place_is_deep_copied(resident):
 
 
 def test_a_template_prompt_starts_with_the_prefix_ids_and_empty_input_is_the_prefix(resident):
-    prefix, prompt = template_prompt(resident, SUPPORT_PROMPT, "Where is my parcel?")
+    prefix, prompt = support_request(resident, "Where is my parcel?")
     assert torch.equal(prompt[:, : prefix.shape[-1]], prefix) and prompt.shape[-1] > prefix.shape[-1]
-    prefix, prompt = template_prompt(resident, SUPPORT_PROMPT, "")
+    prefix, prompt = support_request(resident, "")
     assert torch.equal(prompt, prefix)
 
 
