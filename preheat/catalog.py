@@ -25,6 +25,7 @@ so the same file works from any working directory.
 
 from __future__ import annotations
 
+import functools
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -208,3 +209,18 @@ def load_catalog(path: Path) -> Catalog:
         where = _location(first["loc"])
         message = first["msg"].removeprefix("Value error, ")
         raise ConfigError(f"catalog {path}: {where + ': ' if where else ''}{message}") from None
+
+
+def current_catalog(path: Path) -> Catalog:
+    """The catalog at `path`, parsed again only when the file changed: for paths taken on
+    every request (routing), where a parse per call would be waste."""
+    try:
+        mtime_ns = path.stat().st_mtime_ns
+    except OSError:
+        return load_catalog(path)  # raises the one clear error
+    return _parsed(path.resolve(), mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(path: Path, mtime_ns: int) -> Catalog:
+    return load_catalog(path)

@@ -45,10 +45,10 @@ def route_task(name, args, kwargs, options, task=None, **_):
     if name == "preheat.warm_worker":
         return {"queue": worker_queue(kwargs["worker"])}
     if name == "preheat.infer":
-        from preheat.catalog import load_catalog
+        from preheat.catalog import current_catalog
 
         template = kwargs["template"] if "template" in kwargs else args[0]
-        return {"queue": infer_queue(load_catalog(get_settings().catalog).template(template).model)}
+        return {"queue": infer_queue(current_catalog(get_settings().catalog).template(template).model)}
     return None
 
 

@@ -94,3 +94,19 @@ def test_unknown_names_list_what_exists(tmp_path):
         catalog.template("chat")
     with pytest.raises(UnknownNameError, match="unknown model 'big'"):
         catalog.model("big")
+
+
+def test_the_current_catalog_is_parsed_again_only_when_the_file_changes(tmp_path, tiny_model):
+    import os
+
+    from preheat.catalog import current_catalog
+    from tests.conftest import write_catalog
+
+    path = write_catalog(tmp_path, tiny_model)
+    first = current_catalog(path)
+    assert current_catalog(path) is first  # unchanged file: the same parsed object
+    path.write_text(path.read_text() + '\n[templates.more]\nmodel = "tiny"\nsystem_prompt = "Be brief."\n')
+    os.utime(path, ns=(first_ns := path.stat().st_mtime_ns + 10**9, first_ns))
+    assert set(current_catalog(path).templates) == {"support", "more"}
+    with pytest.raises(ConfigError, match="does not exist"):
+        current_catalog(tmp_path / "missing.toml")
