@@ -49,9 +49,8 @@ def ttft(
     name = model or next(iter(catalog.models), None)
     if name is None:
         raise ConfigError(f"catalog {settings.catalog} names no model to measure")
-    catalog.model(name)  # unknown name: one clear error
+    spec = catalog.model(name)  # an unknown name is one clear error, before any work
     build_missing_models(catalog, console)
-    spec = catalog.model(name)
     resident, load_ms = ModelRegistry(settings.device).ensure(
         ModelSource(name, catalog.model_path(name), spec.dtype, spec.revision))
     wanted = _lengths(lengths)
