@@ -23,4 +23,5 @@ def get_runtime() -> WorkerRuntime:
         probe_repeats=settings.probe_repeats,
         cache_budget=CacheBudget(settings.kv_cache_max_entries, int(settings.kv_cache_max_bytes),
                                  settings.kv_cache_pinned_share),
+        headroom_tokens=settings.kv_cache_headroom_tokens,
     )
