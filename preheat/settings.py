@@ -48,8 +48,6 @@ class Settings(BaseSettings):
                                          description="Byte budget of the cached key/value tensors (e.g. 4GiB).")
     kv_cache_pinned_share: float = Field(0.5, ge=0.0, le=1.0,
                                          description="Share of either budget that pinned templates may hold.")
-    kv_cache_headroom_tokens: int = Field(256, ge=0, le=8192,
-                                          description="Room after each prefix for a request to append in place.")
     # The worker's health server (/health/live, /health/ready, /metrics); 0 picks a free port.
     health_host: str = "0.0.0.0"  # noqa: S104 - probes come from the kubelet, not from localhost
     health_port: int = Field(9440, ge=0, le=65535)

@@ -23,5 +23,4 @@ def get_runtime() -> WorkerRuntime:
         probe_repeats=settings.probe_repeats,
         cache_budget=CacheBudget(settings.kv_cache_max_entries, int(settings.kv_cache_max_bytes),
                                  settings.kv_cache_pinned_share),
-        headroom_tokens=settings.kv_cache_headroom_tokens,
     )

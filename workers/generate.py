@@ -10,7 +10,6 @@ same either way, token for token.
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +20,7 @@ import torch
 from workers.device import synchronize
 from workers.kvcache import CacheEntry, CacheKey, KVCacheManager
 from workers.models import ResidentModel
-from workers.prefix import cache_nbytes, check_context, clone_for_request, forward, with_headroom
+from workers.prefix import cache_nbytes, check_context, clone_for_request, forward
 
 
 @dataclass(slots=True)
@@ -102,15 +101,8 @@ def stop_token_ids(resident: ResidentModel) -> frozenset[int]:
 
 
 class PrefixEngine:
-    def __init__(self, cache: KVCacheManager, headroom_tokens: int = 256) -> None:
+    def __init__(self, cache: KVCacheManager) -> None:
         self.cache = cache
-        # Room after each pre-filled prefix for one request at a time to append in place
-        # (see HeadroomLayer): at most this many tokens and a quarter of the prefix, so it
-        # costs at most 25 % more bytes (counted in the entry's exact bytes), and is given
-        # where the copy it saves is large: behind long prefixes.
-        self.headroom_tokens = headroom_tokens
-        self._writing: set[CacheKey] = set()  # prefixes whose headroom a request holds
-        self._lease_lock = threading.Lock()
 
     # Pre-fill -----------------------------------------------------------------------
 
@@ -126,7 +118,6 @@ class PrefixEngine:
         synchronize(resident.placement.device)
         started = time.perf_counter()
         _, kv = forward(resident, token_ids)
-        kv = with_headroom(kv, min(self.headroom_tokens, token_ids.shape[-1] // 4))
         synchronize(resident.placement.device)
         prefill_ms = (time.perf_counter() - started) * 1000
         entry = self.cache.insert(resident.name, token_ids[0].numpy(), kv, cache_nbytes(kv), label=label, pin=pin)
@@ -145,30 +136,14 @@ class PrefixEngine:
             entry = self.cache.acquire(prefix_key, prompt_ids[0].numpy(), record=record)
         elif use_cache:
             entry = self.cache.acquire_longest(resident.name, prompt_ids[0].numpy(), record=record)
-        writer = False
         try:
             if entry is not None:
-                writer = self._take_lease(entry.key)
-                kv = clone_for_request(entry.payload, writable=writer)
+                kv = clone_for_request(entry.payload)
             reuse_ms = (time.perf_counter() - started) * 1000
             yield self._start_from(entry, kv, prompt_ids, reuse_ms)
         finally:
             if entry is not None:
-                if writer:
-                    self._release_lease(entry.key)
                 self.cache.release(entry)
-
-    def _take_lease(self, key: CacheKey) -> bool:
-        """One request at a time appends into a prefix's headroom; the others copy (cat)."""
-        with self._lease_lock:
-            if key in self._writing:
-                return False
-            self._writing.add(key)
-            return True
-
-    def _release_lease(self, key: CacheKey) -> None:
-        with self._lease_lock:
-            self._writing.discard(key)
 
     @staticmethod
     def _start_from(entry: CacheEntry | None, kv, prompt_ids: torch.Tensor, reuse_ms: float) -> Start:

@@ -1,19 +1,19 @@
 """Tensor-level pieces of prefix reuse: token ids, forward passes, cache bytes and clones.
 
 A prefix is the KV cache of a system prompt, computed once with no decoding. A request
-starts from a *clone* of it: shallow (new layer objects, the same key/value tensors) for
-layers that never write the tensors they were given — transformers' ``DynamicLayer`` grows by
-``torch.cat``, and ``HeadroomLayer`` appends only after the prefix, into room kept for it —
-and a deep copy for layer types that write in place (``StaticCache`` and friends).
+starts from a *clone* of it. For a transformers ``DynamicCache`` the clone is shallow (new
+layer objects pointing at the same key/value tensors): its layers grow by ``torch.cat``, a
+new tensor per step, so the shared prefix tensors are never written. Layer types that
+write in place (``StaticCache`` and friends) get a deep copy instead.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from workers.kvcache import CacheKey
 from workers.models import ResidentModel
@@ -34,57 +34,12 @@ def cache_nbytes(cache) -> int:
     return total
 
 
-class HeadroomLayer(DynamicLayer):
-    """A pre-filled layer whose keys and values are views into a buffer with room after the
-    prefix. A request holding the buffer's write lease appends its tokens there, in place,
-    instead of `torch.cat` copying the whole prefix into a new tensor on its first forward
-    (per layer, per request: at long contexts the largest cost of a warm request). Positions
-    before `frozen` are the shared prefix and are never written; a request without the lease,
-    or past the room, or cropped into the prefix, falls back to `torch.cat` as DynamicLayer does.
-    """
+@functools.cache
+def _layers_that_grow_by_concatenation() -> tuple[type, ...]:
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-    frozen: int = 0
-    writable: bool = False
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        start = self.keys.shape[-2]
-        end = start + key_states.shape[-2]
-        if self.writable and start >= self.frozen and end <= self._room_keys.shape[-2]:
-            self._room_keys[..., start:end, :].copy_(key_states)
-            self._room_values[..., start:end, :].copy_(value_states)
-            self.keys, self.values = self._room_keys[..., :end, :], self._room_values[..., :end, :]
-            return self.keys, self.values
-        self.writable = False  # from here on this request's tensors are its own
-        return super().update(key_states, value_states, *args, **kwargs)
-
-    @classmethod
-    def around(cls, layer: DynamicLayer, room_tokens: int) -> HeadroomLayer:
-        """The layer's keys and values moved into a buffer `room_tokens` longer (one copy, at pre-fill)."""
-        new = _shallow(layer)
-        new.__class__ = cls
-        length = layer.keys.shape[-2]
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name)
-            room = tensor.new_empty((*tensor.shape[:-2], length + room_tokens, tensor.shape[-1]))
-            room[..., :length, :].copy_(tensor)
-            setattr(new, f"_room_{name}", room)
-            setattr(new, name, room[..., :length, :])
-        new.frozen, new.writable = length, False
-        return new
-
-
-def with_headroom(cache, room_tokens: int):
-    """A freshly pre-filled cache whose plain layers get `room_tokens` of in-place room."""
-    if room_tokens > 0:
-        cache.layers = [HeadroomLayer.around(layer, room_tokens) if type(layer) is DynamicLayer else layer
-                        for layer in cache.layers]
-    return cache
-
-
-# Layer types a request may extend from a shallow clone: they replace their tensors (cat,
-# slicing) or write only after the shared prefix. Exact types: subclasses (quantized,
-# linear-attention) keep state they update in place.
-_SHARE_SAFE = (DynamicLayer, DynamicSlidingWindowLayer, HeadroomLayer)
+    # Exact types: subclasses (quantized, linear-attention) keep state they update in place.
+    return DynamicLayer, DynamicSlidingWindowLayer
 
 
 def _shallow(obj):
@@ -95,17 +50,13 @@ def _shallow(obj):
     return clone
 
 
-def clone_for_request(cache, *, writable: bool = False):
-    """A cache a request may extend without touching the prefix it came from. `writable`:
-    this request holds the prefix's write lease and may append into its headroom."""
-    if not all(type(layer) in _SHARE_SAFE for layer in cache.layers):
+def clone_for_request(cache):
+    """A cache a request may extend without touching the prefix it came from."""
+    safe = _layers_that_grow_by_concatenation()
+    if not all(type(layer) in safe for layer in cache.layers):
         return copy.deepcopy(cache)
     clone = _shallow(cache)
     clone.layers = [_shallow(layer) for layer in cache.layers]
-    if writable:
-        for layer in clone.layers:
-            if type(layer) is HeadroomLayer:
-                layer.writable = True
     return clone
 
 

@@ -34,7 +34,6 @@ class WorkerRuntime:
     device_preference: str = "auto"
     probe_repeats: int = 3
     cache_budget: CacheBudget = DEFAULT_BUDGET
-    headroom_tokens: int = 256  # see PrefixEngine
     # Called with a model's name once every template of it is pre-filled (the worker then
     # starts consuming that model's inference queue).
     on_model_warm: Callable[[str], None] | None = None
@@ -59,7 +58,7 @@ class WorkerRuntime:
     def __post_init__(self) -> None:
         self.registry = ModelRegistry(self.device_preference)
         self.cache = KVCacheManager(self.cache_budget)
-        self.engine = PrefixEngine(self.cache, self.headroom_tokens)
+        self.engine = PrefixEngine(self.cache)
         self.metrics = RuntimeMetrics(self.cache, self.registry, lambda: not self.readiness())
         self._templates = {name: "not pre-filled yet" for name in self.catalog.templates}
 

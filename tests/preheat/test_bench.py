@@ -23,10 +23,8 @@ def test_ttft_prints_the_table_and_writes_the_json(embedded_stack, tmp_path):
     for row in report["rows"]:
         assert row["same_first_token"] is True
         assert row["ttft_cold_ms"] > 0 and row["ttft_warm_ms"] > 0 and row["ttft_bare_ms"] > 0 and row["reuse_ms"] > 0
-        # Exact bytes: layers x (keys + values) x kv heads x (tokens + headroom) x head dim x 4 bytes
-        # (float32); the headroom is a quarter of the prefix, at most 256 tokens.
-        room = min(256, row["system_tokens"] // 4)
-        assert row["cache_bytes"] == config["layers"] * 2 * 2 * (row["system_tokens"] + room) * 64 * 4
+        # Exact bytes: layers x (keys + values) x kv heads x tokens x head dim x 4 bytes (float32).
+        assert row["cache_bytes"] == config["layers"] * 2 * 2 * row["system_tokens"] * 64 * 4
         assert row["saved_pct"] == 100 * (1 - row["ttft_warm_ms"] / row["ttft_cold_ms"])
     assert set(report["targets"]) == {"saved_at_128_pct", "reuse_overhead_pct", "same_first_token"}
     assert report["device"] == "cpu/float32" and report["repeats"] == 2

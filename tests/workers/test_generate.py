@@ -90,24 +90,3 @@ def test_bad_requests_are_refused_before_any_work(resident, engine):
     with pytest.raises(ValueError, match="has a context of"):
         engine.generate(resident, prompt_ids, max_new_tokens=resident.max_context)
     assert engine.cache.stats().queries == 0
-
-
-def test_requests_one_after_another_and_side_by_side_stay_token_identical(resident, engine):
-    """The headroom is rewritten by each request that holds its lease; a request that
-    starts while another holds it copies instead. Every answer must still be exact."""
-    prefix_ids, _ = support_request(resident, "")
-    engine.prefill(resident, prefix_ids)
-    questions = ["Where is it?", "Can I change the address?", "Thanks!"]
-    for question in questions:  # one after another: each rewrites the room
-        _, prompt_ids = support_request(resident, question)
-        assert engine.generate(resident, prompt_ids, 6).collect().token_ids == reference_generate(resident, prompt_ids, 6)
-    first_ids, second_ids = support_request(resident, questions[0])[1], support_request(resident, questions[1])[1]
-    first = engine.generate(resident, first_ids, 6)
-    pieces = iter(first)
-    next(pieces)  # mid-decode: this request holds the lease
-    assert engine._writing == {entry.key for entry in engine.cache.entries()}
-    second = engine.generate(resident, second_ids, 6).collect()  # side by side: copies
-    assert second.token_ids == reference_generate(resident, second_ids, 6)
-    list(pieces)
-    assert first.completion.token_ids == reference_generate(resident, first_ids, 6)
-    assert engine._writing == set()

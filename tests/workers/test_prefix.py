@@ -7,16 +7,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from tests.conftest import SUPPORT_PROMPT, load_resident, support_request
-from workers.prefix import (
-    SEPARATOR,
-    HeadroomLayer,
-    cache_nbytes,
-    check_context,
-    clone_for_request,
-    encode,
-    forward,
-    with_headroom,
-)
+from workers.prefix import SEPARATOR, cache_nbytes, check_context, clone_for_request, encode, forward
 
 
 @pytest.fixture(scope="module")
@@ -67,40 +58,3 @@ def test_a_prompt_that_leaves_no_room_to_generate_is_refused(resident):
                                          rf"model 'tiny' has a context of {resident.max_context}"):
         check_context(resident, resident.max_context, "prompt")
     check_context(resident, resident.max_context - 8, "prompt", new_tokens=8)
-
-
-def test_a_request_with_the_lease_appends_into_the_headroom_without_copying_the_prefix(resident):
-    prefix_ids, prompt_ids = support_request(resident, "Where?")
-    _, kv = forward(resident, prefix_ids)
-    length, room, plain_bytes = prefix_ids.shape[-1], 16, cache_nbytes(kv)
-    prefix = with_headroom(kv, room)
-    layer = prefix.layers[0]
-    assert type(layer) is HeadroomLayer and layer.frozen == length and layer.keys.shape[-2] == length
-    buffer_ptr, shared = layer.keys.data_ptr(), layer.keys.clone()
-    assert cache_nbytes(prefix) == plain_bytes // length * (length + room)  # the room is counted
-
-    writer = clone_for_request(prefix, writable=True)
-    forward(resident, prompt_ids[:, length:], writer)
-    assert writer.layers[0].keys.data_ptr() == buffer_ptr  # appended in place: no new tensor
-    assert writer.get_seq_length() == prompt_ids.shape[-1] and prefix.get_seq_length() == length
-    assert torch.equal(prefix.layers[0].keys, shared)  # the prefix region was not written
-
-    reader = clone_for_request(prefix)  # no lease: copies, as a plain DynamicLayer does
-    forward(resident, prompt_ids[:, length:], reader)
-    assert reader.layers[0].keys.data_ptr() != buffer_ptr
-    torch.testing.assert_close(reader.layers[0].keys, writer.layers[0].keys)
-
-
-def test_past_the_room_or_cropped_into_the_prefix_a_request_copies_instead(resident):
-    prefix_ids, _ = support_request(resident, "")
-    _, kv = forward(resident, prefix_ids)
-    prefix = with_headroom(kv, 2)
-    length, shared = prefix_ids.shape[-1], prefix.layers[0].keys.clone()
-    long_turn = encode(resident, SEPARATOR + "a much longer user turn than the room", with_bos=False)
-    past_room = clone_for_request(prefix, writable=True)
-    forward(resident, long_turn, past_room)
-    assert past_room.layers[0].writable is False and past_room.layers[0].keys.data_ptr() != shared.data_ptr()
-    cropped = clone_for_request(prefix, writable=True)
-    cropped.crop(-1)  # the prompt is the prefix: its last token is recomputed, never rewritten
-    forward(resident, prefix_ids[:, -1:], cropped)
-    assert torch.equal(prefix.layers[0].keys[..., :length, :], shared)
