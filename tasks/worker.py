@@ -23,7 +23,12 @@ log = logging.getLogger(__name__)
 
 # Pools that run tasks in this process, where the models are. A prefork parent would load
 # them (and initialise CUDA) before forking its children.
-IN_PROCESS_POOLS = ("solo", "threads")
+IN_PROCESS_POOLS = ("solo", "thread")  # module names: --pool=solo, --pool=threads
+
+
+def pool_name(pool_cls) -> str:
+    """`prefork`, `solo`, `thread`, … for a Celery pool class (or its name)."""
+    return getattr(pool_cls, "__module__", str(pool_cls)).rsplit(".", 1)[-1]
 
 
 class WorkerRuntimeStep(bootsteps.StartStopStep):
@@ -34,7 +39,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         self.health: HealthServer | None = None
 
     def create(self, worker) -> None:
-        pool = getattr(worker.pool_cls, "__module__", str(worker.pool_cls)).rsplit(".", 1)[-1]
+        pool = pool_name(worker.pool_cls)
         if pool not in IN_PROCESS_POOLS:
             exit_with(ConfigError(f"preheat workers hold models in the process that runs tasks: start them "
                                   f"with --pool=solo (one process per GPU), not --pool={pool}"))

@@ -7,8 +7,6 @@ import pytest
 
 from preheat import procs
 
-pytestmark = pytest.mark.slow
-
 WORKER = "w1@preheat-test"
 
 
@@ -21,6 +19,7 @@ def send_infer(template="support", user_input="Where is my parcel?", max_new_tok
                                                   "max_new_tokens": max_new_tokens})
 
 
+@pytest.mark.slow
 def test_a_request_sent_before_the_worker_exists_is_served_only_once_it_is_warm(stack, tmp_path):
     early = send_infer()
     worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
@@ -41,6 +40,7 @@ def test_a_request_sent_before_the_worker_exists_is_served_only_once_it_is_warm(
         assert 'preheat_prefills_total{model="tiny"} 1.0' in metrics  # pre-filled once, at start
 
 
+@pytest.mark.slow
 def test_a_worker_with_a_broken_model_starts_serves_the_others_and_says_why_not_ready(stack, tmp_path):
     with stack.catalog.open("a") as catalog:
         catalog.write('\n[models.gone]\npath = "does/not/exist"\n'
@@ -54,6 +54,17 @@ def test_a_worker_with_a_broken_model_starts_serves_the_others_and_says_why_not_
         assert send_infer().get(timeout=60)["cached_tokens"] > 20  # tiny is warm and served
 
 
+@pytest.mark.parametrize(("pool", "in_process"), [("solo", True), ("threads", True), ("prefork", False),
+                                                  ("processes", False)])
+def test_only_pools_that_run_tasks_in_the_worker_process_hold_models(pool, in_process):
+    from celery import concurrency
+
+    from tasks.worker import IN_PROCESS_POOLS, pool_name
+
+    assert (pool_name(concurrency.get_implementation(pool)) in IN_PROCESS_POOLS) is in_process
+
+
+@pytest.mark.slow
 def test_a_prefork_pool_is_refused_in_one_line(stack):
     done = subprocess.run(procs.celery_command("worker", "--pool=processes", "-n", "bad@preheat-test"),
                           env=stack.env, cwd=stack.home, capture_output=True, text=True, timeout=60)
@@ -63,6 +74,7 @@ def test_a_prefork_pool_is_refused_in_one_line(stack):
         "(one process per GPU), not --pool=prefork")
 
 
+@pytest.mark.slow
 def test_a_health_port_in_use_stops_the_worker_in_one_line(stack, tmp_path):
     import socket
 
