@@ -183,13 +183,7 @@ class KVCacheManager:
         `release`. A hash match is confirmed by comparing the ids themselves."""
         prompt = as_token_array(prompt_ids)
         with self._lock:
-            entry = self._longest_match(model, prompt)
-            if record:
-                self._record_query(len(prompt), entry.num_tokens if entry else 0)
-            if entry is not None:
-                self._touch(entry)
-                entry.ref_count += 1
-            return entry
+            return self._hold(self._longest_match(model, prompt), len(prompt), record)
 
     def acquire(self, key: CacheKey, prompt_ids: Sequence[int] | np.ndarray, *,
                 record: bool = True) -> CacheEntry | None:
@@ -200,12 +194,16 @@ class KVCacheManager:
             entry = self._entries.get(key)
             if entry is not None and not _starts_with(prompt, entry.token_ids):
                 entry = None
-            if record:
-                self._record_query(len(prompt), entry.num_tokens if entry else 0)
-            if entry is not None:
-                self._touch(entry)
-                entry.ref_count += 1
-            return entry
+            return self._hold(entry, len(prompt), record)
+
+    def _hold(self, entry: CacheEntry | None, tokens_queried: int, record: bool) -> CacheEntry | None:
+        """A lookup's outcome: counted (unless a warmup's), and a hit touched and held."""
+        if record:
+            self._record_query(tokens_queried, entry.num_tokens if entry else 0)
+        if entry is not None:
+            self._touch(entry)
+            entry.ref_count += 1
+        return entry
 
     def release(self, entry: CacheEntry) -> None:
         with self._lock:

@@ -117,8 +117,7 @@ class WorkerRuntime:
         """Pre-fill and pin a template's system prompt. Returns (key, tokens, bytes, ms spent)."""
         model = self.catalog.template(template).model
         try:
-            resident, _ = self.registry.ensure(self.source(model))
-            prefix = self._template_prefix(template, resident)
+            resident, prefix = self._template_prefix(template)
             entry, prefill_ms = self.engine.prefill(resident, prefix.ids, label=template, pin=True)
         except (PreheatError, ValueError, RuntimeError, OSError) as exc:
             self._templates[template] = str(exc)
@@ -131,8 +130,7 @@ class WorkerRuntime:
     def _exercise(self, template: str) -> None:
         """One short request through the cache, off the books: the first real request must
         not be the one that pays for first-call costs (allocator, kernel selection)."""
-        resident, _ = self.registry.ensure(self.source(self.catalog.template(template).model))
-        prefix = self._template_prefix(template, resident)
+        resident, prefix = self._template_prefix(template)
         prompt_ids = prefix.prompt_ids(resident, self.catalog.template(template).probe)
         self.engine.generate(resident, prompt_ids, max_new_tokens=2, record=False, prefix_key=prefix.key).collect()
 
@@ -164,7 +162,7 @@ class WorkerRuntime:
         key, result.cached_tokens, result.cache_bytes, prefill_ms = self.prefill_template(template)
         result.prefill_ms = prefill_ms or self._unreported_prefill_ms.pop(key, 0.0)
         probe_text = self.catalog.template(template).probe
-        prefix = self._template_prefix(template, resident)
+        _, prefix = self._template_prefix(template)
         measured = probe(self.engine, resident, prefix.prompt_ids(resident, probe_text),
                          encode(resident, probe_text, with_bos=True), self.probe_repeats, prefix.key)
         verdict(result, measured, result.cached_tokens)
@@ -177,9 +175,7 @@ class WorkerRuntime:
         """A request with a template's system prompt, decoded from its cached prefix; a
         template that was evicted is pre-filled again first (and cached for the next)."""
         started = time.perf_counter()
-        model = self.catalog.template(template).model
-        resident, _ = self.registry.ensure(self.source(model))
-        prefix = self._template_prefix(template, resident)
+        resident, prefix = self._template_prefix(template)
         prompt_ids = prefix.prompt_ids(resident, user_input)
         if prefix.key not in self.cache:
             log.info("template %s is not cached (evicted or never warmed): pre-filling it", template)
@@ -190,14 +186,16 @@ class WorkerRuntime:
         return self.engine.generate(resident, prompt_ids, max_new_tokens, prefix_key=prefix.key, started=started,
                                     on_first_token=self._observe)
 
-    def _template_prefix(self, template: str, resident: ResidentModel) -> TemplatePrefix:
-        """The template's prefix ids and cache key, tokenized once per system prompt text."""
+    def _template_prefix(self, template: str) -> tuple[ResidentModel, TemplatePrefix]:
+        """The template's model (loaded if needed) and its prefix ids and cache key,
+        tokenized once per system prompt text."""
+        resident, _ = self.registry.ensure(self.source(self.catalog.template(template).model))
         system_prompt = self.catalog.system_prompt(template)
         known = self._prefixes.get(template)
         if known is None or known.system_prompt != system_prompt or known.model != resident.name:
             known = TemplatePrefix.of(resident, system_prompt)
             self._prefixes[template] = known
-        return known
+        return resident, known
 
     def infer(self, template: str, user_input: str, max_new_tokens: int = 64) -> Completion:
         return self.generate(template, user_input, max_new_tokens).collect()
@@ -210,10 +208,10 @@ class WorkerRuntime:
 
     def describe(self) -> dict:
         """This worker's state, for `preheat workers` and the health server."""
-        stats = self.cache.stats()
+        stats, reasons = self.cache.stats(), self.readiness()
         return {
-            "ready": not self.readiness(),
-            "reasons": self.readiness(),
+            "ready": not reasons,
+            "reasons": reasons,
             "models": {name: {"device": m.placement.describe(), "load_ms": round(m.load_ms, 1)}
                        for name, m in self.registry.resident.items()},
             "unavailable": self.registry.unavailable,

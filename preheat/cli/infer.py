@@ -7,10 +7,10 @@ import json
 import typer
 
 from preheat.cli import render
+from preheat.cli.warm import EXIT_TIMEOUT
 from preheat.errors import PreheatError
 
 console = render.console()
-EXIT_TIMEOUT = 4
 
 
 def infer(
