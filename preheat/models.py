@@ -87,6 +87,9 @@ class WarmupJob(Model):
     ttft_cold_ms: Mapped[float | None]
     ttft_warm_ms: Mapped[float | None]
     ttft_bare_ms: Mapped[float | None]  # the same probe with no system prompt: the floor warm can reach
+    # What warm requests take on this worker in steady operation (served cache hits), the
+    # reference the warm probe is judged against; None before the worker served any.
+    ttft_steady_ms: Mapped[float | None]
     cached_tokens: Mapped[int | None]
     cache_bytes: Mapped[int | None] = mapped_column(BigInteger)  # exact KV bytes; GBs on real models
     device: Mapped[str | None] = mapped_column(String(32))
@@ -99,6 +102,25 @@ class WarmupJob(Model):
         UniqueConstraint("run_id", "target", "model", "template", name="uq_warmup_jobs_run_target_model_template"),
         Index("ix_warmup_jobs_status", "status"),
     )
+
+
+class WorkerRecord(Model):
+    """A worker process as its heartbeat last described it: the registry behind `preheat
+    workers`, the dispatcher's list of live workers, and the reaper's evidence of death.
+
+    Heartbeats come from a thread, so a solo worker busy with a warmup still shows alive
+    (it cannot answer a broadcast ping until the task ends)."""
+
+    __tablename__ = "workers"
+
+    nodename: Mapped[str] = mapped_column(String(255), unique=True)
+    hostname: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int]
+    started_at: Mapped[dt.datetime]  # of this incarnation: a restart under the same name resets it
+    heartbeat_at: Mapped[dt.datetime]
+    stopped_at: Mapped[dt.datetime | None]  # a clean shutdown; a killed worker just stops beating
+    ready: Mapped[bool] = mapped_column(default=False)
+    state: Mapped[dict] = mapped_column(default=dict)  # runtime.describe(): models, cache, reasons
 
 
 class Schedule(Model):

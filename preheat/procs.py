@@ -84,6 +84,13 @@ def stop(proc: Proc, timeout_s: float = 15.0) -> int:
     return proc.popen.returncode
 
 
+def kill(proc: Proc) -> None:
+    """SIGKILL the whole process group: a worker that dies without a word (OOM killer, node loss)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.popen.pid, signal.SIGKILL)
+    proc.popen.wait()
+
+
 @contextlib.contextmanager
 def running(*procs: Proc) -> Iterator[tuple[Proc, ...]]:
     try:

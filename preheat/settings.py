@@ -38,10 +38,19 @@ class Settings(BaseSettings):
     warmup_time_limit_s: int = Field(1800, gt=0)
     visibility_timeout_s: int = Field(7200, gt=0)
     probe_repeats: int = Field(3, ge=1, le=50, description="Probe runs per TTFT figure; the median is kept.")
-    # A probe is `warm` when its TTFT is within this factor of the no-system-prompt TTFT.
+    # A job is `warm` when the probe's TTFT is within this factor of the worker's steady
+    # state: what its served cache-hit requests took, or (before it served any) the TTFT
+    # of the same input with no system prompt, the floor a cached prefix approaches.
     warm_factor: float = Field(1.5, gt=1.0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     ping_timeout_s: float = Field(2.0, gt=0)
+    # Every worker writes a heartbeat to the registry table; one silent for longer than
+    # worker_dead_after_s is dead: not sent warmups, and its unfinished jobs become `lost`.
+    heartbeat_interval_s: float = Field(10.0, gt=0)
+    worker_dead_after_s: float = Field(45.0, gt=0)
+    # Off only to measure what gating prevents (`preheat bench first-request`): a worker
+    # then consumes inference queues from start, cold models and all.
+    gate_inference: bool = True
     # The KV prefix cache of each worker process (see workers/kvcache.py).
     kv_cache_max_entries: int = Field(10, ge=1, description="Most cached prefixes per worker process.")
     kv_cache_max_bytes: ByteSize = Field(ByteSize(4 * 1024**3), gt=0,
@@ -105,6 +114,16 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"PREHEAT_VISIBILITY_TIMEOUT_S ({self.visibility_timeout_s}) must exceed PREHEAT_WARMUP_TIME_LIMIT_S "
                 f"({self.warmup_time_limit_s}), or Redis re-delivers warmups that are still running"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _dead_after_spans_heartbeats(self) -> Settings:
+        if self.worker_dead_after_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"PREHEAT_WORKER_DEAD_AFTER_S ({self.worker_dead_after_s:g}) must be at least twice "
+                f"PREHEAT_HEARTBEAT_INTERVAL_S ({self.heartbeat_interval_s:g}), or one late heartbeat "
+                f"declares a live worker dead"
             )
         return self
 

@@ -10,7 +10,7 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-from preheat import history
+from preheat import history, registry
 from preheat.catalog import load_catalog
 from preheat.celery import app
 from preheat.db import session_scope
@@ -28,9 +28,10 @@ class Dispatched:
     templates: list[str]
 
 
-def live_workers(timeout: float) -> list[str]:
-    """Nodenames that answered a ping. A solo worker busy with a task cannot answer."""
-    return sorted({name for reply in app.control.ping(timeout=timeout) for name in reply})
+def live_workers() -> list[str]:
+    """Nodenames whose heartbeat is fresh (a busy solo worker beats too; see preheat.registry)."""
+    with session_scope() as session:
+        return [record.nodename for record in registry.live_workers(session, get_settings().worker_dead_after_s)]
 
 
 def _choose_targets(requested: list[str] | None, live: list[str]) -> list[str]:
@@ -40,7 +41,8 @@ def _choose_targets(requested: list[str] | None, live: list[str]) -> list[str]:
             raise UnknownNameError(f"worker(s) not live: {', '.join(missing)} (live: {', '.join(live) or 'none'})")
         return sorted(set(requested))
     if not live:
-        raise NoWorkersError("no live preheat worker answered; start one with `celery -A preheat worker`")
+        raise NoWorkersError("no live preheat worker (none sent a heartbeat lately); "
+                             "start one with `celery -A preheat worker --pool=solo`")
     return live
 
 
@@ -51,7 +53,7 @@ def dispatch_warmup(
     trigger: TriggerKind = TriggerKind.manual,
     requested_by: str,
     detail: dict | None = None,
-    also_live: tuple[str, ...] = (),
+    only_if_cold: bool = False,
 ) -> Dispatched:
     """Validate the request, record the run and its queued jobs, then send one task per worker."""
     settings = get_settings()
@@ -60,7 +62,8 @@ def dispatch_warmup(
     if not templates:
         raise ConfigError(f"catalog {settings.catalog} has no templates to warm")
     model_templates = [(catalog.template(name).model, name) for name in templates]
-    targets = _choose_targets(workers, sorted(set(live_workers(settings.ping_timeout_s)) | set(also_live)))
+    _ensure_broker()  # before anything is recorded: a run whose jobs cannot be sent is half-written
+    targets = _choose_targets(workers, live_workers())
 
     sends: list[tuple[str, str]] = []
     with session_scope() as session:
@@ -72,17 +75,23 @@ def dispatch_warmup(
         run_id = run.id
     # Sent only after the commit: a worker never gets a job whose row was rolled back.
     for worker, task_id in sends:
-        _send(run_id, worker, templates, task_id)
+        _send(run_id, worker, templates, task_id, only_if_cold)
     return Dispatched(run_id, targets, templates)
 
 
-def _send(run_id: uuid.UUID, worker: str, templates: list[str], task_id: str) -> None:
+def _ensure_broker() -> None:
+    """Raise kombu's OperationalError (the CLI's exit 5) when the broker cannot be reached."""
+    with app.connection_for_write() as connection:
+        connection.ensure_connection(max_retries=2, interval_start=0.2, interval_step=0.5)
+
+
+def _send(run_id: uuid.UUID, worker: str, templates: list[str], task_id: str, only_if_cold: bool) -> None:
+    kwargs = {"run_id": str(run_id), "worker": worker, "templates": templates, "only_if_cold": only_if_cold}
     try:
-        app.send_task(
-            "preheat.warm_worker",
-            kwargs={"run_id": str(run_id), "worker": worker, "templates": templates},
-            task_id=task_id,
-        )
+        # Flower and the logs show this line instead of the raw kwargs.
+        app.send_task("preheat.warm_worker", kwargs=kwargs, task_id=task_id,
+                      kwargsrepr=f"run={run_id.hex[:8]} worker={worker} templates={','.join(templates)}"
+                                 + (" only_if_cold" if only_if_cold else ""))
     except Exception as exc:  # broker unreachable after kombu's own retries
         log.error("could not enqueue warmup for %s: %s", worker, exc)
         with session_scope() as session:

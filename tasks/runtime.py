@@ -21,6 +21,7 @@ def get_runtime() -> WorkerRuntime:
         catalog=load_catalog(settings.catalog),
         device_preference=settings.device,
         probe_repeats=settings.probe_repeats,
+        warm_factor=settings.warm_factor,
         cache_budget=CacheBudget(settings.kv_cache_max_entries, int(settings.kv_cache_max_bytes),
                                  settings.kv_cache_pinned_share),
     )

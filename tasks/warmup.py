@@ -21,7 +21,7 @@ DB_RETRY = {"autoretry_for": (OperationalError,), "retry_backoff": 2, "retry_bac
 
 
 @app.task(bind=True, name="preheat.warm_worker", **DB_RETRY)
-def warm_worker(self, run_id: str, worker: str, templates: list[str]) -> dict:
+def warm_worker(self, run_id: str, worker: str, templates: list[str], only_if_cold: bool = False) -> dict:
     """Make this worker warm for `templates`: model resident, prefixes pre-filled, probe measured."""
     run_uuid = uuid.UUID(run_id)
     with session_scope() as session:
@@ -30,7 +30,7 @@ def warm_worker(self, run_id: str, worker: str, templates: list[str]) -> dict:
             return {}
     statuses = {}
     for template in templates:
-        result = get_runtime().warm_template(template)
+        result = get_runtime().warm_template(template, only_if_cold=only_if_cold)
         with session_scope() as session:
             history.finish_job(session, run_uuid, target=worker, template=template,
                                status=JobStatus(result.status), measured=result.as_record())
@@ -40,12 +40,8 @@ def warm_worker(self, run_id: str, worker: str, templates: list[str]) -> dict:
 
 @app.task(bind=True, name="preheat.warm_fleet", **DB_RETRY)
 def warm_fleet(self, templates: list[str] | None = None, trigger: str = "schedule", detail: dict | None = None,
-               requested_by: str = "beat", workers: list[str] | None = None) -> str:
+               requested_by: str = "beat", workers: list[str] | None = None, only_if_cold: bool = False) -> str:
     """List live workers and send each its own warm_worker job (what beat fires)."""
-    dispatched = dispatch_warmup(
-        templates=templates, workers=workers, trigger=TriggerKind(trigger), requested_by=requested_by,
-        detail=detail,
-        # This worker is busy running us, so it cannot answer the ping; it is alive all the same.
-        also_live=(self.request.hostname,) if self.request.hostname else (),
-    )
+    dispatched = dispatch_warmup(templates=templates, workers=workers, trigger=TriggerKind(trigger),
+                                 requested_by=requested_by, detail=detail, only_if_cold=only_if_cold)
     return str(dispatched.run_id)

@@ -1,9 +1,10 @@
 """What a preheat worker does around its tasks: warm from the start, observable, gated.
 
 A bootstep, so it lives and dies with the worker: at start the health server comes up at
-once and a background thread loads every catalog model in parallel and pre-fills every
-template, while the worker already consumes its own warmup queue. A model's inference
-queue is consumed only once its templates are warm, so no request lands on a cold model.
+once, the worker registers and keeps a heartbeat (preheat.registry), and a background
+thread loads every catalog model in parallel and pre-fills every template, while the
+worker already consumes its own warmup queue. A model's inference queue is consumed only
+once its templates are warm, so no request lands on a cold model.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from celery import bootsteps
 
 from preheat.celery import app, infer_queue
 from preheat.errors import ConfigError, exit_with
+from preheat.registry import Heartbeat
 from preheat.settings import get_settings
 from tasks.runtime import get_runtime
 from workers.health import HealthServer
@@ -37,6 +39,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
     def __init__(self, worker, **kwargs) -> None:
         super().__init__(worker, **kwargs)
         self.health: HealthServer | None = None
+        self.heartbeat: Heartbeat | None = None
 
     def create(self, worker) -> None:
         pool = pool_name(worker.pool_cls)
@@ -47,15 +50,31 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
     def start(self, worker) -> None:
         settings, runtime = get_settings(), get_runtime()
         consumer = worker.consumer
-        runtime.on_model_warm = lambda model: consumer.call_soon(consumer.add_task_queue, infer_queue(model))
+
+        def consume(model: str) -> None:
+            consumer.call_soon(consumer.add_task_queue, infer_queue(model))
+
+        if settings.gate_inference:
+            runtime.on_model_warm = consume
+        else:
+            log.warning("PREHEAT_GATE_INFERENCE is off: requests are taken before the models are warm")
+            for model in runtime.catalog.models:
+                consume(model)
         try:
             self.health = HealthServer(runtime, settings.health_host, settings.health_port).start()
         except OSError as exc:
             exit_with(ConfigError(f"health server cannot listen on {settings.health_host}:{settings.health_port} "
                                   f"({exc.strerror}); set PREHEAT_HEALTH_PORT"))
+        health_port = self.health.port
+        self.heartbeat = Heartbeat(worker.hostname, lambda: {**runtime.describe(), "health_port": health_port},
+                                   settings.heartbeat_interval_s, settings.worker_dead_after_s,
+                                   settings.warmup_time_limit_s + 60).start()
         threading.Thread(target=runtime.preload, name="preheat-preload", daemon=True).start()
 
     def stop(self, worker) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
         if self.health is not None:
             self.health.stop()
             self.health = None

@@ -1,12 +1,10 @@
 """Side-by-side TTFT measurements: cold (full prefill), warm (cached prefix), bare (no
 system prompt at all), for system prompts of chosen lengths, in one run.
 
-The three are measured interleaved, round after round, so drift on a shared machine hits
-them alike. Each timed call follows an untimed call of the same kind: otherwise `warm`
-would be timed right after `cold`, whose 2,000-token prefill evicts the CPU caches, and
-would carry that cost, which a worker serving a stream of requests does not pay. Each
-figure is a median. What reuse costs (lookup, id check, clone) is timed
-inside the warm path and reported against the warm TTFT.
+The three are measured side by side (`workers.warmup.side_by_side`: interleaved, each
+timed call after an untimed one of its kind), as a warmup job probes. Each figure is a
+median. What reuse costs (lookup, id check, clone) is timed inside the warm path and
+reported against the warm TTFT.
 """
 
 from __future__ import annotations
@@ -16,10 +14,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from workers.generate import FirstToken, PrefixEngine
+from workers.generate import PrefixEngine
 from workers.kvcache import CacheBudget, CacheKey, KVCacheManager
 from workers.models import ResidentModel
 from workers.prefix import TemplatePrefix, encode
+from workers.warmup import side_by_side
 
 USER_INPUT = "My parcel was due on Tuesday and it still has not arrived. What can I do?"
 
@@ -75,11 +74,7 @@ def measure_ttft(resident: ResidentModel, system_ids: torch.Tensor, repeats: int
         "warm": lambda: engine.first_token(resident, prompt_ids, prefix_key=entry.key),
         "bare": lambda: engine.first_token(resident, bare_ids, use_cache=False),
     }
-    runs: dict[str, list[FirstToken]] = {name: [] for name in ways}
-    for _ in range(repeats):
-        for name, measure in ways.items():
-            measure()  # untimed: brings this path's code and data back into the caches
-            runs[name].append(measure())
+    runs = side_by_side(ways, repeats)
 
     def median_ms(name: str) -> float:
         return statistics.median(run.ms for run in runs[name])

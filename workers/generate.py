@@ -9,7 +9,6 @@ same either way, token for token.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -202,12 +201,3 @@ class PrefixEngine:
                     break
                 feed = torch.tensor([[token]])
         completion.total_ms = (time.perf_counter() - started) * 1000
-
-
-def median_first_token(measure: Callable[[], FirstToken], repeats: int) -> FirstToken:
-    """Median time over `repeats` runs; the token must be the same every time (greedy)."""
-    runs = [measure() for _ in range(repeats)]
-    if len({run.token_id for run in runs}) != 1:
-        raise RuntimeError(f"greedy first token changed between identical runs: {[r.token_id for r in runs]}")
-    return FirstToken(runs[0].token_id, statistics.median(r.ms for r in runs), runs[0].cached_tokens,
-                      statistics.median(r.reuse_ms for r in runs))

@@ -9,8 +9,10 @@ measures, `generate()` / `infer()` what a request does, and `readiness()` what
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,6 +36,7 @@ class WorkerRuntime:
     device_preference: str = "auto"
     probe_repeats: int = 3
     cache_budget: CacheBudget = DEFAULT_BUDGET
+    warm_factor: float = 1.5  # see Settings.warm_factor
     # Called with a model's name once every template of it is pre-filled (the worker then
     # starts consuming that model's inference queue).
     on_model_warm: Callable[[str], None] | None = None
@@ -49,6 +52,10 @@ class WorkerRuntime:
     # first job that uses them, like the start-up load time.
     _unreported_prefill_ms: dict[CacheKey, float] = field(default_factory=dict)
     _prefixes: dict[str, TemplatePrefix] = field(default_factory=dict)
+    # TTFT of the latest served requests that started from their template's cached prefix:
+    # this worker's steady state, against which a warmup's probe is judged.
+    _served_ttft_ms: dict[str, deque[float]] = field(default_factory=dict)
+    _last_warmup: dict[str, dict] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # Held by the start-up preload and by each warmup: a warmup that arrives while the
     # worker is still starting waits, instead of racing it on the same model and device
@@ -143,18 +150,34 @@ class WorkerRuntime:
 
     # Warmup jobs ------------------------------------------------------------------
 
-    def warm_template(self, template: str) -> TemplateWarmup:
+    def warm_template(self, template: str, only_if_cold: bool = False) -> TemplateWarmup:
         """Model resident, prefix pre-filled, probes measured. Never raises for a broken
-        model, prompt or budget: the failure is the measurement."""
+        model, prompt or budget: the failure is the measurement. With `only_if_cold`, a
+        template already warm here is `skipped` (a worker-online trigger after the
+        worker's own start-up warmup)."""
         result = TemplateWarmup(model="", template=template, status="failed")
         try:
             result.model = self.catalog.template(template).model
             with self._work_lock:
-                self._warm(template, result)
+                if only_if_cold and self.is_warm(template):
+                    result.status, result.error = "skipped", "already warm: prefix cached and pinned"
+                else:
+                    self._warm(template, result)
         except (PreheatError, ValueError, RuntimeError, OSError) as exc:
             result.status, result.error = "failed", str(exc)
             log.warning("warmup of %s failed: %s", template, exc)
+        self._last_warmup[template] = {"status": result.status, **result.as_record()}
         return result
+
+    def is_warm(self, template: str) -> bool:
+        known = self._prefixes.get(template)
+        return (self._templates.get(template, "unknown") is None and known is not None
+                and self.cache.peek(known.key) is not None)
+
+    def steady_ttft_ms(self, template: str, min_samples: int = 5) -> float | None:
+        """Median TTFT of this template's latest served cache-hit requests, once there are enough."""
+        served = self._served_ttft_ms.get(template)
+        return statistics.median(served) if served and len(served) >= min_samples else None
 
     def _warm(self, template: str, result: TemplateWarmup) -> None:
         resident, result.load_ms = self.resident(result.model)
@@ -165,7 +188,8 @@ class WorkerRuntime:
         _, prefix = self._template_prefix(template)
         measured = probe(self.engine, resident, prefix.prompt_ids(resident, probe_text),
                          encode(resident, probe_text, with_bos=True), self.probe_repeats, prefix.key)
-        verdict(result, measured, result.cached_tokens)
+        verdict(result, measured, result.cached_tokens, steady_ms=self.steady_ttft_ms(template),
+                warm_factor=self.warm_factor)
         if result.status == "warm":
             self._announce_if_warm(result.model)
 
@@ -184,7 +208,7 @@ class WorkerRuntime:
             except (CacheBudgetError, CacheFullError) as exc:
                 log.warning("answering %s without the cache: %s", template, exc)
         return self.engine.generate(resident, prompt_ids, max_new_tokens, prefix_key=prefix.key, started=started,
-                                    on_first_token=self._observe)
+                                    on_first_token=lambda completion: self._observe(template, completion))
 
     def _template_prefix(self, template: str) -> tuple[ResidentModel, TemplatePrefix]:
         """The template's model (loaded if needed) and its prefix ids and cache key,
@@ -200,8 +224,10 @@ class WorkerRuntime:
     def infer(self, template: str, user_input: str, max_new_tokens: int = 64) -> Completion:
         return self.generate(template, user_input, max_new_tokens).collect()
 
-    def _observe(self, completion: Completion) -> None:
+    def _observe(self, template: str, completion: Completion) -> None:
         self.metrics.observe_ttft(completion.model, completion.cached_tokens, completion.ttft_ms)
+        if completion.cached_tokens:
+            self._served_ttft_ms.setdefault(template, deque(maxlen=50)).append(completion.ttft_ms)
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()
@@ -218,4 +244,7 @@ class WorkerRuntime:
             "cache": {"entries": stats.entries, "bytes": stats.bytes, "hits": stats.hits, "misses": stats.misses,
                       "evictions": stats.evictions, "max_entries": self.cache_budget.max_entries,
                       "max_bytes": self.cache_budget.max_bytes},
+            # What this worker measured at its latest warmup of each template, as it
+            # reported it to history.
+            "last_warmup": dict(self._last_warmup),
         }

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
+from workers.generate import FirstToken, PrefixEngine
 from workers.kvcache import CacheKey
-from workers.generate import FirstToken, PrefixEngine, median_first_token
 from workers.models import ResidentModel
 
 
@@ -17,19 +19,41 @@ class TemplateWarmup:
 
     model: str
     template: str
-    status: str  # warm | degraded | failed
+    status: str  # warm | degraded | failed | skipped
     device: str | None = None
     load_ms: float | None = None
     prefill_ms: float | None = None
     ttft_cold_ms: float | None = None
     ttft_warm_ms: float | None = None
     ttft_bare_ms: float | None = None
+    ttft_steady_ms: float | None = None
     cached_tokens: int | None = None
     cache_bytes: int | None = None
     error: str | None = None
 
     def as_record(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("model", "template")}
+
+
+def side_by_side(ways: dict[str, Callable[[], FirstToken]], repeats: int) -> dict[str, list[FirstToken]]:
+    """Each way timed `repeats` times, interleaved round after round so drift on a shared
+    machine hits them alike. Each timed call follows an untimed call of the same kind:
+    otherwise a short request would be timed right after a long prefill that evicted the
+    CPU caches, and carry a cost a worker serving a stream of requests does not pay."""
+    runs: dict[str, list[FirstToken]] = {name: [] for name in ways}
+    for _ in range(repeats):
+        for name, measure in ways.items():
+            measure()
+            runs[name].append(measure())
+    return runs
+
+
+def median_of(runs: list[FirstToken]) -> FirstToken:
+    """The median time; greedy decoding must give the same token every time."""
+    if len({run.token_id for run in runs}) != 1:
+        raise RuntimeError(f"greedy first token changed between identical runs: {[r.token_id for r in runs]}")
+    return FirstToken(runs[0].token_id, statistics.median(r.ms for r in runs), min(r.cached_tokens for r in runs),
+                      statistics.median(r.reuse_ms for r in runs))
 
 
 @dataclass(frozen=True)
@@ -43,22 +67,30 @@ def probe(engine: PrefixEngine, resident: ResidentModel, prompt_ids: torch.Tenso
           repeats: int, prefix_key: CacheKey) -> Probe:
     """Median TTFT of the three ways to answer, measured side by side; probes are not
     counted as cache traffic."""
-    return Probe(
-        bare=median_first_token(lambda: engine.first_token(resident, bare_ids, use_cache=False), repeats),
-        cold=median_first_token(lambda: engine.first_token(resident, prompt_ids, use_cache=False), repeats),
-        warm=median_first_token(lambda: engine.first_token(resident, prompt_ids, prefix_key=prefix_key), repeats),
-    )
+    runs = side_by_side({
+        "bare": lambda: engine.first_token(resident, bare_ids, use_cache=False),
+        "cold": lambda: engine.first_token(resident, prompt_ids, use_cache=False),
+        "warm": lambda: engine.first_token(resident, prompt_ids, prefix_key=prefix_key),
+    }, repeats)
+    return Probe(bare=median_of(runs["bare"]), cold=median_of(runs["cold"]), warm=median_of(runs["warm"]))
 
 
-def verdict(result: TemplateWarmup, measured: Probe, prefix_tokens: int) -> None:
-    """Warm only when verified: the cached prefix was used and gives full prefill's token."""
+def verdict(result: TemplateWarmup, measured: Probe, prefix_tokens: int, *, steady_ms: float | None,
+            warm_factor: float) -> None:
+    """Warm only when verified: the cached prefix was used, it gives full prefill's token,
+    and the probe is as fast as this worker's steady state (within `warm_factor`)."""
     result.ttft_bare_ms, result.ttft_cold_ms, result.ttft_warm_ms = measured.bare.ms, measured.cold.ms, measured.warm.ms
+    result.ttft_steady_ms = steady_ms
+    reference, what = (steady_ms, "steady state") if steady_ms else (measured.bare.ms, "no-system-prompt TTFT")
+    result.status, result.error = "degraded", None
     # A prompt equal to the prefix recomputes its last token, hence the - 1.
     if measured.warm.cached_tokens < prefix_tokens - 1:
-        result.status, result.error = "degraded", "the probe did not start from the cached prefix"
+        result.error = "the probe did not start from the cached prefix"
     elif measured.warm.token_id != measured.cold.token_id:
-        result.status = "degraded"
         result.error = (f"cached-prefix first token {measured.warm.token_id} differs from full prefill's "
                         f"{measured.cold.token_id}")
+    elif measured.warm.ms > warm_factor * reference:
+        result.error = (f"warm TTFT {measured.warm.ms:.1f} ms is {measured.warm.ms / reference:.2f}x the {what} "
+                        f"{reference:.1f} ms, over the warm factor {warm_factor:g}")
     else:
         result.status = "warm"

@@ -19,7 +19,7 @@ err = Console(stderr=True)
 
 
 def _register() -> None:
-    from preheat.cli import bench, config, db, dev, history, infer, warm
+    from preheat.cli import bench, config, db, dev, history, infer, warm, workers
 
     app.add_typer(bench.app, name="bench")
     app.add_typer(db.app, name="db")
@@ -28,6 +28,7 @@ def _register() -> None:
     app.command("warm")(warm.warm)
     app.command("history")(history.history)
     app.command("infer")(infer.infer)
+    app.command("workers")(workers.workers)
 
 
 _register()

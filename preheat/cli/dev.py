@@ -91,8 +91,7 @@ def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait fo
     with session_scope() as session:
         run = history.get_run(session, run.id)  # read back from the history DB, not from memory
     console.print(render.jobs_table(run))
-    for line in render.errors_of(run):
-        console.print(f"[red]{line}[/]", highlight=False)
+    render.print_reasons(console, run)
     console.print(f"history: {settings.database if settings.database.startswith('sqlite') else 'configured DB'}; "
                   f"see it again with `preheat history {run.id.hex[:8]}`")
     template, reply = answer

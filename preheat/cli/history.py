@@ -54,8 +54,7 @@ def history(
         print(json.dumps(payload, indent=2))
     elif run is not None:
         console.print(render.jobs_table(runs[0]))
-        for line in render.errors_of(runs[0]):
-            console.print(f"[red]{line}[/]", highlight=False)
+        render.print_reasons(console, runs[0])
     elif not runs:
         console.print("no warmup runs recorded yet")
     else:

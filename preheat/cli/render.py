@@ -7,7 +7,7 @@ import datetime as dt
 from rich.console import Console
 from rich.table import Table
 
-from preheat.models import WarmupJob, WarmupRun
+from preheat.models import JobStatus, WarmupJob, WarmupRun, WorkerRecord
 
 
 def short_id(run: WarmupRun) -> str:
@@ -34,27 +34,32 @@ def _kib(value: int | None) -> str:
 
 
 JOB_COLUMNS = ("target", "template", "status", "load ms", "prefill ms", "TTFT cold", "TTFT warm", "TTFT bare",
-               "saved", "tokens", "KiB")
+               "TTFT steady", "saved", "tokens", "KiB")
 
 
 def jobs_table(run: WarmupRun) -> Table:
     models = sorted({f"{job.model} on {job.device}" if job.device else job.model for job in run.jobs})
     table = Table(title=f"run {short_id(run)} · {run.trigger} · {run.status}", title_justify="left",
                   caption=f"{'; '.join(models)} · TTFT in ms, median of the probe runs; "
-                          "bare = the probe with no system prompt", caption_justify="left")
+                          "bare = the probe with no system prompt; steady = the worker's served requests",
+                  caption_justify="left")
     for header in JOB_COLUMNS:
         table.add_column(header, justify="left" if header in JOB_COLUMNS[:3] else "right", no_wrap=True)
     for job in run.jobs:
         saved = saved_pct(job)
         table.add_row(job.target, job.template, str(job.status), _ms(job.load_ms), _ms(job.prefill_ms),
-                      _ms(job.ttft_cold_ms), _ms(job.ttft_warm_ms), _ms(job.ttft_bare_ms),
+                      _ms(job.ttft_cold_ms), _ms(job.ttft_warm_ms), _ms(job.ttft_bare_ms), _ms(job.ttft_steady_ms),
                       "-" if saved is None else f"{saved:.0f}%",
                       "-" if job.cached_tokens is None else str(job.cached_tokens), _kib(job.cache_bytes))
     return table
 
 
-def errors_of(run: WarmupRun) -> list[str]:
-    return [f"{job.target} · {job.template}: {job.error}" for job in run.jobs if job.error]
+def print_reasons(out: Console, run: WarmupRun) -> None:
+    """Why each job that is not plainly warm is what it is: red for failures, yellow else."""
+    for job in run.jobs:
+        if job.error:
+            style = "red" if job.status in (JobStatus.failed, JobStatus.lost) else "yellow"
+            out.print(f"[{style}]{job.target} · {job.template} · {job.status}: {job.error}[/]", highlight=False)
 
 
 def runs_table(runs: list[WarmupRun]) -> Table:
@@ -89,6 +94,7 @@ def run_json(run: WarmupRun) -> dict:
                 "device": job.device, "started_at": _iso(job.started_at), "finished_at": _iso(job.finished_at),
                 "load_ms": job.load_ms, "prefill_ms": job.prefill_ms, "ttft_cold_ms": job.ttft_cold_ms,
                 "ttft_warm_ms": job.ttft_warm_ms, "ttft_bare_ms": job.ttft_bare_ms,
+                "ttft_steady_ms": job.ttft_steady_ms,
                 "saved_pct": saved_pct(job), "cached_tokens": job.cached_tokens,
                 "cache_bytes": job.cache_bytes, "error": job.error,
             }
@@ -123,3 +129,37 @@ def ttft_table(report: dict) -> Table:
                       f"{row['warm_over_bare']:.2f}", f"{row['reuse_ms']:.3f}", f"{row['reuse_overhead_pct']:.2f}%",
                       f"{row['cache_bytes'] / 2**20:,.1f}", "yes" if row["same_first_token"] else "NO")
     return table
+
+
+def worker_state(record: WorkerRecord, live: bool) -> str:
+    if not live:
+        return "stopped" if record.stopped_at else "dead"
+    return "ready" if record.ready else "starting"
+
+
+def workers_table(records: list[tuple[WorkerRecord, bool]]) -> Table:
+    """`preheat workers`: what each worker's latest heartbeat said."""
+    table = Table(title="preheat workers", title_justify="left",
+                  caption="cache = the KV prefix cache: entries and bytes against the worker's budget",
+                  caption_justify="left")
+    for header in ("worker", "state", "last heartbeat (UTC)", "models", "cache entries", "cache MiB", "hit rate",
+                   "not ready because"):
+        table.add_column(header, justify="right" if header.startswith(("cache", "hit")) else "left")
+    for record, live in records:
+        state, cache = record.state or {}, (record.state or {}).get("cache", {})
+        models = ", ".join(f"{name} ({spec['device']})" for name, spec in state.get("models", {}).items()) or "-"
+        lookups = cache.get("hits", 0) + cache.get("misses", 0)
+        table.add_row(
+            record.nodename, worker_state(record, live), _when(record.heartbeat_at), models,
+            f"{cache.get('entries', 0)}/{cache.get('max_entries', '-')}",
+            f"{cache.get('bytes', 0) / 2**20:,.1f}/{cache.get('max_bytes', 0) / 2**20:,.0f}",
+            f"{100 * cache.get('hits', 0) / lookups:.0f}%" if lookups else "-",
+            "; ".join(state.get("reasons", [])) or "-",
+        )
+    return table
+
+
+def worker_json(record: WorkerRecord, live: bool) -> dict:
+    return {"nodename": record.nodename, "hostname": record.hostname, "pid": record.pid,
+            "state": worker_state(record, live), "ready": record.ready, "started_at": _iso(record.started_at),
+            "heartbeat_at": _iso(record.heartbeat_at), "stopped_at": _iso(record.stopped_at), **(record.state or {})}

@@ -11,13 +11,15 @@ import uuid
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from preheat import history
+from preheat import history, registry
 from preheat.cli import render
 from preheat.db import session_scope
 from preheat.models import RunStatus, WarmupRun
+from preheat.settings import get_settings
 
 console = render.console()
-EXIT_FAILED, EXIT_TIMEOUT = 1, 4
+# 2 bad input, 3 no live worker and 5 services unreachable come from preheat.errors / cli.
+EXIT_FAILED, EXIT_TIMEOUT, EXIT_DEGRADED = 1, 4, 6
 
 
 def _requester() -> str:
@@ -32,10 +34,19 @@ def _load(run_id: uuid.UUID) -> WarmupRun:
         return history.get_run(session, run_id)
 
 
-def wait_for_run(run_id: uuid.UUID, timeout_s: float, show_progress: bool) -> WarmupRun:
+def _reap() -> None:
+    """Settle jobs of dead workers now, so a wait never outlasts the reaper's bound."""
+    settings = get_settings()
+    with session_scope() as session:
+        registry.reap(session, dead_after_s=settings.worker_dead_after_s,
+                      time_limit_s=settings.warmup_time_limit_s + 60)
+
+
+def wait_for_run(run_id: uuid.UUID, timeout_s: float, show_progress: bool, poll_s: float = 0.25) -> WarmupRun:
     """Poll history until every job of the run is final, or the timeout passes."""
     deadline = time.monotonic() + timeout_s
     run = _load(run_id)
+    next_reap = time.monotonic() + 5
     with Progress(TextColumn("warming"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not show_progress, transient=True) as progress:
         bar = progress.add_task("jobs", total=len(run.jobs))
@@ -44,23 +55,30 @@ def wait_for_run(run_id: uuid.UUID, timeout_s: float, show_progress: bool) -> Wa
             progress.update(bar, completed=sum(1 for job in run.jobs if job.status.is_final))
             if all(job.status.is_final for job in run.jobs):
                 break
-            time.sleep(0.25)
+            if time.monotonic() > next_reap:
+                _reap()
+                next_reap = time.monotonic() + 5
+            time.sleep(poll_s)
     return run
 
 
 def warm(
     template: list[str] = typer.Option(None, "--template", "-t", help="Template to warm (repeat; default: all)."),
     worker: list[str] = typer.Option(None, "--worker", "-w", help="Worker nodename (repeat; default: every live one)."),
+    if_cold: bool = typer.Option(False, "--if-cold", help="Skip templates a worker already holds warm."),
     wait: bool = typer.Option(False, "--wait", help="Wait for every job and print what was measured."),
     timeout: float = typer.Option(600.0, "--timeout", min=1.0, help="Seconds --wait waits."),
     requested_by: str = typer.Option(None, "--requested-by", help="Recorded in history (default: user@host)."),
     as_json: bool = typer.Option(False, "--json", help="Print the run as JSON."),
 ) -> None:
-    """Warm models and system prompts on the fleet, and record the run in history."""
+    """Warm models and system prompts on the fleet, and record the run in history.
+
+    With --wait, exits 0 when every job is warm or skipped, 1 when one failed or was lost,
+    6 when one is degraded (warm but not verified), 4 when the wait timed out."""
     from tasks.fleet import dispatch_warmup
 
     dispatched = dispatch_warmup(templates=template or None, workers=worker or None,
-                                 requested_by=requested_by or _requester())
+                                 requested_by=requested_by or _requester(), only_if_cold=if_cold)
     if not as_json:
         console.print(f"run [bold]{dispatched.run_id.hex[:8]}[/] queued: {len(dispatched.templates)} template(s) "
                       f"on {len(dispatched.workers)} worker(s): {', '.join(dispatched.workers)}")
@@ -73,10 +91,11 @@ def warm(
         print(json.dumps(render.run_json(run), indent=2))
     else:
         console.print(render.jobs_table(run))
-        for line in render.errors_of(run):
-            console.print(f"[red]{line}[/]", highlight=False)
+        render.print_reasons(console, run)
     if not all(job.status.is_final for job in run.jobs):
         console.print(f"[yellow]timed out after {timeout:.0f} s with jobs still pending[/]")
         raise typer.Exit(EXIT_TIMEOUT)
     if run.status == RunStatus.failed:
         raise typer.Exit(EXIT_FAILED)
+    if run.status == RunStatus.degraded:
+        raise typer.Exit(EXIT_DEGRADED)

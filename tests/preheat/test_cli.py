@@ -56,7 +56,7 @@ def test_warm_refuses_unknown_templates_and_absent_workers_writing_nothing(embed
 
     nobody = run("warm", env=embedded.env)
     assert nobody.returncode == 3
-    assert "no live preheat worker answered" in one_error_line(nobody)
+    assert "no live preheat worker (none sent a heartbeat lately)" in one_error_line(nobody)
 
     ghost = run("warm", "--worker", "ghost@nowhere", env=embedded.env)
     assert ghost.returncode == 2

@@ -1,0 +1,176 @@
+"""The worker registry: who is alive, what each worker holds, and the reaper of lost jobs.
+
+Every worker writes a heartbeat row from a thread (so a solo worker busy with a warmup
+still shows alive). The dispatcher sends warmups to the live ones; `preheat workers`
+lists them; and the reaper, run by every worker's heartbeat and by `preheat warm --wait`,
+marks `lost` the unfinished jobs of workers that stopped beating, stopped or restarted.
+A lost job that is re-delivered later updates its own row again.
+
+Functions take a session; callers own the transaction (``session_scope``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from preheat import history
+from preheat.db import session_scope, utcnow
+from preheat.models import JobStatus, TargetKind, WarmupJob, WarmupRun, WorkerRecord
+
+log = logging.getLogger(__name__)
+
+
+def aware(moment: dt.datetime) -> dt.datetime:
+    """SQLite hands datetimes back without their zone; every one stored here is UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)
+
+
+def beat(session: Session, nodename: str, *, started_at: dt.datetime, ready: bool, state: dict,
+         now: dt.datetime | None = None) -> WorkerRecord:
+    """Insert or refresh this worker's row. A new `started_at` marks a restart."""
+    now = now or utcnow()
+    record = session.scalars(select(WorkerRecord).where(WorkerRecord.nodename == nodename)).first()
+    if record is None:
+        record = WorkerRecord(nodename=nodename)
+        session.add(record)
+    record.hostname, record.pid = socket.gethostname(), os.getpid()
+    record.started_at, record.heartbeat_at, record.stopped_at = started_at, now, None
+    record.ready, record.state = ready, state
+    session.flush()
+    return record
+
+
+def mark_stopped(session: Session, nodename: str) -> None:
+    record = session.scalars(select(WorkerRecord).where(WorkerRecord.nodename == nodename)).first()
+    if record is not None:
+        record.stopped_at, record.ready = utcnow(), False
+
+
+def is_live(record: WorkerRecord, dead_after_s: float, now: dt.datetime) -> bool:
+    return record.stopped_at is None and now - aware(record.heartbeat_at) <= dt.timedelta(seconds=dead_after_s)
+
+
+def workers(session: Session) -> list[WorkerRecord]:
+    return list(session.scalars(select(WorkerRecord).order_by(WorkerRecord.nodename)))
+
+
+def live_workers(session: Session, dead_after_s: float, now: dt.datetime | None = None) -> list[WorkerRecord]:
+    now = now or utcnow()
+    return [record for record in workers(session) if is_live(record, dead_after_s, now)]
+
+
+# The reaper ------------------------------------------------------------------------------
+
+
+def why_lost(job: WarmupJob, created_at: dt.datetime, worker: WorkerRecord | None, *, dead_after_s: float,
+             time_limit_s: float, now: dt.datetime) -> tuple[JobStatus, str] | None:
+    """The state an unfinished job must take now, and why; None while it may still finish."""
+    grace = dt.timedelta(seconds=dead_after_s)
+    if worker is None:
+        if now - aware(created_at) > grace:
+            return JobStatus.lost, f"worker {job.target} never registered"
+        return None
+    if job.status == JobStatus.running and job.started_at and aware(job.started_at) < aware(worker.started_at):
+        return JobStatus.lost, f"worker {job.target} restarted while running this job"
+    if worker.stopped_at is not None:
+        # A queued job waits a while in the stopped worker's own queue for its restart.
+        if job.status == JobStatus.running or now - aware(worker.stopped_at) > grace:
+            return JobStatus.lost, f"worker {job.target} stopped at {aware(worker.stopped_at):%H:%M:%S} UTC"
+        return None
+    if not is_live(worker, dead_after_s, now):
+        return JobStatus.lost, (f"worker {job.target} sent no heartbeat since {aware(worker.heartbeat_at):%H:%M:%S} "
+                                f"UTC (dead after {dead_after_s:g} s)")
+    if job.status == JobStatus.running and job.started_at and \
+            now - aware(job.started_at) > dt.timedelta(seconds=time_limit_s):
+        return JobStatus.failed, f"still running after the {time_limit_s:g} s time limit"
+    return None
+
+
+def reap(session: Session, *, dead_after_s: float, time_limit_s: float, now: dt.datetime | None = None) -> int:
+    """Settle the unfinished worker jobs that cannot finish. Returns how many changed."""
+    now = now or utcnow()
+    rows = session.execute(
+        select(WarmupJob, WarmupRun.created_at, WorkerRecord)
+        .join(WarmupRun, WarmupRun.id == WarmupJob.run_id)
+        .outerjoin(WorkerRecord, WorkerRecord.nodename == WarmupJob.target)
+        .where(WarmupJob.target_kind == TargetKind.worker,
+               WarmupJob.status.in_([JobStatus.queued, JobStatus.running]))
+        # Two reapers at once (every worker runs one) skip each other's rows.
+        .with_for_update(of=WarmupJob, skip_locked=True)
+    ).all()
+    settled: set = set()
+    reaped = 0
+    for job, created_at, worker in rows:
+        outcome = why_lost(job, created_at, worker, dead_after_s=dead_after_s, time_limit_s=time_limit_s, now=now)
+        if outcome is None:
+            continue
+        job.status, job.error = outcome
+        job.finished_at = now
+        settled.add(job.run_id)
+        reaped += 1
+        log.warning("job %s/%s on %s is %s: %s", job.run_id.hex[:8], job.template, job.target, *outcome)
+    session.flush()
+    for run_id in settled:
+        history.refresh_run_status(session, run_id)
+    return reaped
+
+
+# The heartbeat thread ------------------------------------------------------------------
+
+
+@dataclass
+class Heartbeat:
+    """Writes this worker's row every `interval_s` and reaps lost jobs, in its own thread."""
+
+    nodename: str
+    describe: Callable[[], dict]  # the runtime's state: {"ready": bool, ...}
+    interval_s: float
+    dead_after_s: float
+    time_limit_s: float
+
+    def __post_init__(self) -> None:
+        self.started_at = utcnow()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="preheat-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self.beat_once()  # registered before the worker says it is ready
+        self._thread.start()
+        return self
+
+    def beat_once(self) -> bool:
+        state = self.describe()
+        try:
+            with session_scope() as session:
+                beat(session, self.nodename, started_at=self.started_at, ready=bool(state.get("ready")), state=state)
+            with session_scope() as session:
+                reap(session, dead_after_s=self.dead_after_s, time_limit_s=self.time_limit_s)
+        except SQLAlchemyError as exc:
+            # The worker keeps serving; it shows as dead only if this lasts past dead_after_s.
+            log.warning("heartbeat of %s not recorded: %s", self.nodename, str(exc).splitlines()[0])
+            return False
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.beat_once()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.interval_s + 5)
+        try:
+            with session_scope() as session:
+                mark_stopped(session, self.nodename)
+        except SQLAlchemyError as exc:
+            log.warning("could not record that %s stopped: %s", self.nodename, str(exc).splitlines()[0])
