@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test test-fast clean
+.PHONY: install browser demo test test-fast clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,12 +20,16 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+## Debian's Chromium + chromedriver, for the Flower browser test.
+browser:
+	.ci/install-browser
+
 ## The main job: build the small model, migrate, start a worker and beat, warm, read history, stop.
 demo: install
 	$(BIN)/preheat dev demo
 
 ## Every test, slow end-to-end ones included (real Redis, Postgres, worker processes).
-test: install
+test: install browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## The quick loop: skips tests marked slow.

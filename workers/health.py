@@ -2,7 +2,7 @@
 
 - ``GET /health/live``: 200 while the process serves at all (livenessProbe).
 - ``GET /health/ready``: 200 only once every catalog model is resident and every template
-  pre-filled; 503 with the reasons before (startupProbe, readinessProbe).
+  pre-filled; 503 with the reasons before (readinessProbe; see deploy/k8s).
 - ``GET /metrics``: Prometheus text format.
 
 Read-only by design: nothing here takes a command, so it needs no auth. A stdlib threaded

@@ -16,6 +16,9 @@ BROKEN = ('\n[models.gone]\npath = "does/not/exist"\n'
 
 
 def make_runtime(tmp_path, model_dir, extra="", **kwargs) -> WorkerRuntime:
+    # The verdict's timing rule is tested with exact numbers in test_warmup; here a shared
+    # machine's noise must not turn `warm` into `degraded`.
+    kwargs.setdefault("warm_factor", 10.0)
     return WorkerRuntime(load_catalog(write_catalog(tmp_path, model_dir, extra)), "cpu", probe_repeats=2, **kwargs)
 
 
@@ -145,3 +148,23 @@ def test_a_system_prompt_longer_than_the_context_fails_the_warmup(tmp_path, tiny
     assert len(runtime.cache) == 0 and runtime.cache.stats().bytes == 0
     with pytest.raises(ValueError, match="has a context of 4096"):
         runtime.infer("huge", "hi")
+
+
+def test_only_if_cold_skips_a_template_already_warm_and_warms_a_cold_one(runtime):
+    runtime.preload()
+    skipped = runtime.warm_template("support", only_if_cold=True)
+    assert skipped.status == "skipped" and skipped.error == "already warm: prefix cached and pinned"
+    runtime.cache.clear()
+    again = runtime.warm_template("support", only_if_cold=True)
+    assert again.status == "warm" and again.prefill_ms > 0
+    assert runtime.describe()["last_warmup"]["support"]["status"] == "warm"
+
+
+def test_served_cache_hits_become_the_steady_state_a_warmup_is_judged_against(runtime):
+    runtime.preload()
+    assert runtime.steady_ttft_ms("support") is None
+    served = [runtime.infer("support", f"question {i}", max_new_tokens=1) for i in range(5)]
+    assert all(c.cached_tokens for c in served)
+    assert runtime.steady_ttft_ms("support") == pytest.approx(sorted(c.ttft_ms for c in served)[2])
+    result = runtime.warm_template("support")
+    assert result.ttft_steady_ms == pytest.approx(runtime.steady_ttft_ms("support"))

@@ -1,0 +1,64 @@
+"""The warmup verdict, with exact numbers: warm only when the probe used the cached prefix,
+gave full prefill's token, and was as fast as the worker's steady state."""
+
+import pytest
+
+from workers.generate import FirstToken
+from workers.warmup import Probe, TemplateWarmup, median_of, side_by_side, verdict
+
+PREFIX_TOKENS = 200
+
+
+def _probe(warm_ms=6.0, bare_ms=5.0, warm_token=7, cached=PREFIX_TOKENS):
+    return Probe(bare=FirstToken(7, bare_ms, 0), cold=FirstToken(7, 40.0, 0), warm=FirstToken(warm_token, warm_ms, cached))
+
+
+def _judge(probe, steady_ms=None, factor=1.5):
+    result = TemplateWarmup(model="tiny", template="support", status="failed")
+    verdict(result, probe, PREFIX_TOKENS, steady_ms=steady_ms, warm_factor=factor)
+    return result
+
+
+def test_warm_within_the_factor_of_steady_state():
+    result = _judge(_probe(warm_ms=7.4), steady_ms=5.0)
+    assert (result.status, result.error, result.ttft_steady_ms) == ("warm", None, 5.0)
+
+
+def test_degraded_over_the_factor_of_steady_state_with_the_numbers():
+    result = _judge(_probe(warm_ms=7.6), steady_ms=5.0)
+    assert result.status == "degraded"
+    assert result.error == "warm TTFT 7.6 ms is 1.52x the steady state 5.0 ms, over the warm factor 1.5"
+
+
+def test_without_served_requests_the_no_system_prompt_ttft_is_the_reference():
+    assert _judge(_probe(warm_ms=7.0, bare_ms=5.0)).status == "warm"
+    slow = _judge(_probe(warm_ms=8.0, bare_ms=5.0))
+    assert slow.status == "degraded" and "the no-system-prompt TTFT 5.0 ms" in slow.error
+    assert slow.ttft_steady_ms is None
+
+
+def test_a_probe_that_missed_the_cache_or_changed_the_token_is_degraded_however_fast():
+    missed = _judge(_probe(cached=0))
+    assert (missed.status, missed.error) == ("degraded", "the probe did not start from the cached prefix")
+    changed = _judge(_probe(warm_token=9))
+    assert changed.status == "degraded" and "differs from full prefill's 7" in changed.error
+
+
+def test_side_by_side_interleaves_with_an_untimed_call_before_each_timed_one():
+    calls = []
+
+    def way(name):
+        def measure():
+            calls.append(name)
+            return FirstToken(1, float(len(calls)), 0)
+        return measure
+
+    runs = side_by_side({"a": way("a"), "b": way("b")}, repeats=2)
+    assert calls == ["a", "a", "b", "b", "a", "a", "b", "b"]
+    assert [r.ms for r in runs["a"]] == [2.0, 6.0] and [r.ms for r in runs["b"]] == [4.0, 8.0]
+    assert median_of(runs["a"]).ms == 4.0
+
+
+def test_a_greedy_token_that_changes_between_identical_runs_is_an_error():
+    with pytest.raises(RuntimeError, match="greedy first token changed"):
+        median_of([FirstToken(1, 1.0, 0), FirstToken(2, 1.0, 0)])
