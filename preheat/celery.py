@@ -64,7 +64,8 @@ def _transport_options(settings: Settings) -> dict:
             "control_folder": str(folder / "control"),
             "processed_folder": str(folder / "processed"),
             "store_processed": False,
-            "polling_interval": 0.2,
+            # How often an idle worker looks for a message: the latency floor of every task.
+            "polling_interval": 0.05,
         }
     return {"visibility_timeout": settings.visibility_timeout_s}
 

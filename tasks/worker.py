@@ -54,8 +54,17 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         def consume(model: str) -> None:
             consumer.call_soon(consumer.add_task_queue, infer_queue(model))
 
+        def serve_once_warm(model: str) -> None:
+            # On the consumer's thread, which runs the requests (solo pool): its first
+            # request must not pay the thread's first-call costs, measured at 4x steady.
+            def on_serving_thread() -> None:
+                runtime.exercise(model)
+                consumer.add_task_queue(infer_queue(model))
+
+            consumer.call_soon(on_serving_thread)
+
         if settings.gate_inference:
-            runtime.on_model_warm = consume
+            runtime.on_model_warm = serve_once_warm
         else:
             log.warning("PREHEAT_GATE_INFERENCE is off: requests are taken before the models are warm")
             for model in runtime.catalog.models:

@@ -141,6 +141,14 @@ class WorkerRuntime:
         prompt_ids = prefix.prompt_ids(resident, self.catalog.template(template).probe)
         self.engine.generate(resident, prompt_ids, max_new_tokens=2, record=False, prefix_key=prefix.key).collect()
 
+    def exercise(self, model: str) -> None:
+        """One off-the-books request per template of `model`, on the calling thread: the
+        thread that will serve requests pays its own first-call costs here (torch's
+        per-thread OpenMP pool is built by the first parallel op a thread runs)."""
+        for name, spec in self.catalog.templates.items():
+            if spec.model == model and self._templates.get(name) is None:
+                self._exercise(name)
+
     def _announce_if_warm(self, model: str) -> None:
         warm = all(self._templates.get(name) is None
                    for name, spec in self.catalog.templates.items() if spec.model == model)

@@ -109,3 +109,146 @@ def _report(name: str, resident, repeats: int, user_input: str, rows) -> dict:
         "targets": targets,
         "verdicts": verdicts,
     }
+
+
+FIRST_REQUEST_TARGET = 1.1  # first request TTFT / steady state, on a gated worker
+FANOUT_TARGET = 1.2  # fleet warmup time / the slowest single worker's
+
+
+def _bench_setup(console, why: str):
+    """Settings and catalog, the dev model built if missing, the DB migrated, no stray workers."""
+    from preheat import migrate
+    from preheat.catalog import load_catalog
+    from preheat.cli.dev import build_missing_models
+    from preheat.fleetbench import ensure_no_live_workers
+    from preheat.settings import get_settings
+
+    settings = get_settings()
+    catalog = load_catalog(settings.catalog)
+    build_missing_models(catalog, console)
+    settings.home.mkdir(parents=True, exist_ok=True)
+    migrate.upgrade(settings.database)
+    ensure_no_live_workers(why)
+    return settings, catalog
+
+
+def _write(report: dict, path: Path, console) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {path}")
+
+
+def _host() -> dict:
+    import os
+
+    from preheat.settings import get_settings
+
+    settings = get_settings()
+    return {"machine": platform.machine(), "cpus": os.cpu_count(),
+            "stack": "embedded (filesystem broker, SQLite)" if settings.is_embedded else "broker + database from env"}
+
+
+@app.command("first-request")
+def first_request(
+    template: str = typer.Option(None, help="Template of the requests (default: the catalog's first)."),
+    rounds: int = typer.Option(3, min=1, max=20, help="Fresh workers per mode; figures are medians."),
+    steady: int = typer.Option(9, min=3, max=100, help="Requests after the first, for the steady state."),
+    timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for any one answer."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/first-request.json."),
+) -> None:
+    """Start a fresh worker, send a request the moment it launches, and compare its TTFT with
+    the steady state; gated (requests wait until warm) vs ungated, rounds alternating."""
+    from rich.table import Table
+
+    from preheat.cli import render
+    from preheat.fleetbench import first_request_round, summarise_first_requests
+
+    console = render.console()
+    settings, catalog = _bench_setup(console, "bench first-request starts its own workers")
+    name = template or next(iter(catalog.templates), None)
+    if name is None:
+        raise ConfigError(f"catalog {settings.catalog} has no template to request")
+    spec = catalog.template(name)
+    console.print(f"first request vs steady state, template {name!r} on {spec.model}: {rounds} round(s) × "
+                  "gated / ungated, a fresh worker each …")
+    measured = []
+    for i in range(rounds):
+        for gated in (True, False):
+            measured.append(first_request_round(name, spec.probe, gated, steady, settings.home / "bench" / "logs",
+                                                timeout))
+            console.print(f"  round {i + 1} {'gated' if gated else 'ungated'}: first "
+                          f"{measured[-1].first_ttft_ms:,.1f} ms, steady {measured[-1].steady_ttft_ms:,.1f} ms")
+    report = {"benchmark": "first-request", "template": name, "model": spec.model, "host": _host(),
+              "steady_requests": steady, **summarise_first_requests(measured, FIRST_REQUEST_TARGET)}
+    table = Table(title=f"first request to a fresh worker vs steady state · {spec.model}, template {name}",
+                  title_justify="left", caption="TTFT in ms as the worker measures it (taking the request → first "
+                  "token); answered = seconds from the worker's launch to the answer, at the client",
+                  caption_justify="left")
+    for header in ("inference queue", "rounds", "first TTFT", "steady TTFT", "first/steady", "cached tokens",
+                   "answered after s"):
+        table.add_column(header, justify="left" if header == "inference queue" else "right")
+    for row in report["rows"]:
+        table.add_row("gated (after warm)" if row["gated"] else "ungated (from start)", str(row["rounds"]),
+                      f"{row['first_ttft_ms']:,.1f}", f"{row['steady_ttft_ms']:,.1f}",
+                      f"{row['first_over_steady']:.2f}", f"{row['first_cached_tokens']:.0f}",
+                      f"{row['first_answered_s']:.1f}")
+    console.print(table)
+    console.print(f"gated first/steady target ≤ {FIRST_REQUEST_TARGET}: "
+                  f"{'met' if report['target']['met'] else 'NOT met'}")
+    _write(report, json_path or settings.home / "bench" / "first-request.json", console)
+
+
+def _counts(value: str) -> list[int]:
+    try:
+        counts = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not a comma-separated list of worker counts") from None
+    if not counts or min(counts) < 1 or max(counts) > 16:
+        raise typer.BadParameter("worker counts must be between 1 and 16")
+    return counts
+
+
+@app.command()
+def fanout(
+    workers: str = typer.Option("1,2,4", help="Worker counts to measure, comma-separated."),
+    rounds: int = typer.Option(3, min=1, max=20, help="Fresh fleets per count; figures are medians."),
+    template: list[str] = typer.Option(None, "--template", "-t", help="Templates to warm (default: all)."),
+    timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for workers and jobs."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/fanout.json."),
+) -> None:
+    """Warm N fresh workers with one `preheat warm` and compare the total time with the
+    slowest single worker's own time (what a perfect fan-out would take)."""
+    from rich.table import Table
+
+    from preheat.cli import render
+    from preheat.fleetbench import fanout_round, median_fanout
+
+    console = render.console()
+    counts = _counts(workers)
+    settings, catalog = _bench_setup(console, "bench fanout starts its own workers")
+    for name in template or []:
+        catalog.template(name)  # unknown names fail before any worker starts
+    rows = []
+    for count in counts:
+        measured = []
+        for i in range(rounds):
+            measured.append(fanout_round(count, template or None, settings.home / "bench" / "logs", timeout))
+            console.print(f"  {count} worker(s), round {i + 1}: {measured[-1].total_s:.2f} s in all, slowest "
+                          f"worker {measured[-1].slowest_worker_s:.2f} s")
+        rows.append(median_fanout(measured))
+    met = all(row.total_over_slowest <= FANOUT_TARGET for row in rows)
+    report = {"benchmark": "fanout", "host": _host(), "templates": template or list(catalog.templates),
+              "rounds": rounds,
+              "rows": [{**vars(row), "total_over_slowest": row.total_over_slowest} for row in rows],
+              "target": {"total_over_slowest": f"<= {FANOUT_TARGET}", "met": met}}
+    table = Table(title="one warmup to N workers: total vs the slowest single worker", title_justify="left",
+                  caption=f"median of {rounds} round(s); total = dispatch to every job final in history; slowest = "
+                  "the longest any one worker spent on its jobs", caption_justify="left")
+    for header in ("workers", "total s", "slowest worker s", "total/slowest", "jobs"):
+        table.add_column(header, justify="right")
+    for row in rows:
+        table.add_row(str(row.workers), f"{row.total_s:.2f}", f"{row.slowest_worker_s:.2f}",
+                      f"{row.total_over_slowest:.2f}", ", ".join(f"{n} {s}" for s, n in sorted(row.statuses.items())))
+    console.print(table)
+    console.print(f"total/slowest target ≤ {FANOUT_TARGET}: {'met' if met else 'NOT met'}")
+    _write(report, json_path or settings.home / "bench" / "fanout.json", console)

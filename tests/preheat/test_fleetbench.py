@@ -1,0 +1,52 @@
+"""`preheat bench first-request` and `preheat bench fanout` as a user runs them: real worker
+processes, a table, a JSON file. Behaviour only: the figures are the benchmark's business."""
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_first_request_compares_gated_and_ungated_fresh_workers(embedded_stack, tmp_path):
+    out = tmp_path / "first.json"
+    done = embedded_stack.cli("bench", "first-request", "--rounds", "1", "--steady", "3", "--json", str(out),
+                              timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "gated (after warm)" in done.stdout and "ungated (from start)" in done.stdout
+    report = json.loads(out.read_text())
+    gated, ungated = report["rows"]
+    assert (gated["gated"], ungated["gated"]) == (True, False)
+    for row in (gated, ungated):
+        assert row["first_ttft_ms"] > 0 and row["steady_ttft_ms"] > 0 and row["rounds"] == 1
+    # Gated, the first request starts from the pre-filled prefix; ungated, the worker had to
+    # load the model and pre-fill during that request, which the worker's TTFT includes.
+    assert gated["first_cached_tokens"] > 0
+    assert ungated["first_ttft_ms"] > gated["first_ttft_ms"]
+    assert set(report["target"]) == {"first_over_steady", "met"}
+
+
+def test_fanout_warms_fresh_fleets_and_reports_total_against_the_slowest(embedded_stack, tmp_path):
+    out = tmp_path / "fanout.json"
+    done = embedded_stack.cli("bench", "fanout", "--workers", "1,2", "--rounds", "1", "--json", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [row["workers"] for row in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert sum(row["statuses"].values()) == row["workers"]  # one template in the test catalog
+        assert "failed" not in row["statuses"] and "lost" not in row["statuses"]
+        assert 0 < row["slowest_worker_s"] <= row["total_s"]
+    listed = embedded_stack.cli("workers", "--json")
+    assert json.loads(listed.stdout) == []  # every worker it started is stopped
+
+
+def test_benchmarks_refuse_when_other_workers_would_take_part(embedded_stack):
+    from preheat import registry
+    from preheat.db import session_scope, utcnow
+
+    with session_scope() as session:
+        registry.beat(session, "someone@else", started_at=utcnow(), ready=True, state={})
+    done = embedded_stack.cli("bench", "fanout", "--workers", "1")
+    assert done.returncode == 2 and "live worker(s) would take part: someone@else" in done.stderr
+    bad = embedded_stack.cli("bench", "fanout", "--workers", "0")
+    assert bad.returncode == 2 and "between 1 and 16" in bad.stderr
