@@ -120,7 +120,7 @@ def _bench_setup(console, why: str):
     from preheat import migrate
     from preheat.catalog import load_catalog
     from preheat.cli.dev import build_missing_models
-    from preheat.fleetbench import ensure_no_live_workers
+    from preheat.cli.fleetbench import ensure_no_live_workers
     from preheat.settings import get_settings
 
     settings = get_settings()
@@ -161,7 +161,7 @@ def first_request(
     from rich.table import Table
 
     from preheat.cli import render
-    from preheat.fleetbench import first_request_round, summarise_first_requests
+    from preheat.cli.fleetbench import first_request_round, summarise_first_requests
 
     console = render.console()
     settings, catalog = _bench_setup(console, "bench first-request starts its own workers")
@@ -221,7 +221,7 @@ def fanout(
     from rich.table import Table
 
     from preheat.cli import render
-    from preheat.fleetbench import fanout_round, median_fanout
+    from preheat.cli.fleetbench import fanout_round, median_fanout
 
     console = render.console()
     counts = _counts(workers)
