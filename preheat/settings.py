@@ -43,7 +43,6 @@ class Settings(BaseSettings):
     # of the same input with no system prompt, the floor a cached prefix approaches.
     warm_factor: float = Field(1.5, gt=1.0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    ping_timeout_s: float = Field(2.0, gt=0)
     # Every worker writes a heartbeat to the registry table; one silent for longer than
     # worker_dead_after_s is dead: not sent warmups, and its unfinished jobs become `lost`.
     heartbeat_interval_s: float = Field(10.0, gt=0)
