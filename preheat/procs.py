@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +61,17 @@ def wait_for_log(proc: Proc, text: str, timeout_s: float = 60.0) -> None:
             raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log()[-4000:]}")
         time.sleep(0.1)
     raise TimeoutError(f"{proc.name} did not log {text!r} within {timeout_s:.0f} s:\n{proc.log()[-4000:]}")
+
+
+def poll(check: Callable[[], object], timeout_s: float, every_s: float = 0.2, what: str = "the condition"):
+    """Call `check` until it returns something truthy, and return that; TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
 
 
 def health_url(proc: Proc, timeout_s: float = 60.0) -> str:

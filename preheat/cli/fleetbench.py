@@ -13,7 +13,6 @@ import socket
 import statistics
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,16 +38,6 @@ def ensure_no_live_workers(why: str) -> None:
     if live:
         raise ConfigError(f"{why}, but live worker(s) would take part: {', '.join(live)}; stop them or point "
                           f"PREHEAT_HOME / the broker at a separate stack")
-
-
-def poll(check: Callable[[], object], timeout_s: float, every_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
 
 
 # First request -------------------------------------------------------------------------
@@ -132,11 +121,11 @@ def fanout_round(count: int, templates: list[str] | None, log_dir: Path, timeout
     threads = str(max(1, (os.cpu_count() or 1) // count))
     workers = [procs.start_worker(name, _worker_env(OMP_NUM_THREADS=threads), log_dir) for name in names]
     with procs.running(*workers):
-        poll(lambda: _all_ready(names), timeout_s, 0.2, f"{count} worker(s) ready")
+        procs.poll(lambda: _all_ready(names), timeout_s, 0.2, f"{count} worker(s) ready")
         prime_dispatch()  # a dispatcher's connections are open before the warmup it sends
         started = time.perf_counter()
         dispatched = dispatch_warmup(templates=templates, workers=names, requested_by="preheat bench fanout")
-        run = poll(lambda: _finished(dispatched.run_id), timeout_s, 0.02, "every job final")
+        run = procs.poll(lambda: _finished(dispatched.run_id), timeout_s, 0.02, "every job final")
         total_s = time.perf_counter() - started
     spans = {}
     for job in run.jobs:

@@ -20,16 +20,6 @@ W1, W2 = "w1@fleet-test", "w2@fleet-test"
 LONG_PROMPT = " ".join(f"Rule {i}: answer parcel question {i} with the tracking record." for i in range(120))
 
 
-def _poll(check, timeout_s: float, every_s: float = 0.2, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise TimeoutError(f"{what} not met within {timeout_s} s")
-
-
 def _workers(stack) -> dict[str, dict]:
     listed = stack.cli("workers", "--all", "--json")
     assert listed.returncode == 0, listed.stderr
@@ -48,7 +38,7 @@ def test_one_warm_reaches_both_workers_and_history_matches_what_each_measured(se
     with procs.running(w1, w2):
         procs.wait_for_log(w1, f"{W1} ready.")
         procs.wait_for_log(w2, f"{W2} ready.")
-        workers = _poll(lambda: _all_ready(stack, W1, W2), 90, what="both workers ready")
+        workers = procs.poll(lambda: _all_ready(stack, W1, W2), 90, what="both workers ready")
         for name in (W1, W2):
             assert workers[name]["models"]["tiny"]["device"] == "cpu/float32"
             assert workers[name]["cache"]["entries"] == 1 and workers[name]["cache"]["bytes"] > 0
@@ -64,7 +54,7 @@ def test_one_warm_reaches_both_workers_and_history_matches_what_each_measured(se
             listed = _workers(stack)
             return all("support" in listed[name]["last_warmup"] for name in (W1, W2)) and listed
 
-        reported_by = _poll(reported, 10, what="workers reporting their warmup")
+        reported_by = procs.poll(reported, 10, what="workers reporting their warmup")
 
     with session_scope() as session:
         run = history.find_run(session, run_id)
@@ -95,16 +85,16 @@ def test_a_worker_killed_mid_warmup_leaves_no_job_running_and_its_replacement_wa
     victim = procs.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)
     witness = procs.start_worker(W2, env, tmp_path / "logs", cwd=stack.home)
     with procs.running(victim, witness):
-        _poll(lambda: _all_ready(stack, W1, W2), 120, what="both workers ready")
+        procs.poll(lambda: _all_ready(stack, W1, W2), 120, what="both workers ready")
         queued = stack.cli("warm", "--worker", W1, "--template", "long", "--json")
         assert queued.returncode == 0, queued.stderr
         run_id = json.loads(queued.stdout)["id"]
-        _poll(lambda: _job_of(run_id, W1).status == JobStatus.running, 60, what="the job running")
+        procs.poll(lambda: _job_of(run_id, W1).status == JobStatus.running, 60, what="the job running")
 
         procs.kill(victim)
         killed_at = time.monotonic()
         # Bound: the worker is dead after 5 s without a heartbeat; the witness reaps every 1 s.
-        job = _poll(lambda: (j := _job_of(run_id, W1)).status.is_final and j, 30, what="the job settled")
+        job = procs.poll(lambda: (j := _job_of(run_id, W1)).status.is_final and j, 30, what="the job settled")
         settled_after = time.monotonic() - killed_at
         assert job.status == JobStatus.lost and f"worker {W1} sent no heartbeat" in job.error
         assert settled_after < 5 + 1 + 5  # dead-after, one heartbeat, slack for a loaded machine
@@ -115,6 +105,6 @@ def test_a_worker_killed_mid_warmup_leaves_no_job_running_and_its_replacement_wa
 
         replacement = procs.start_worker(W1, env, tmp_path / "logs2", cwd=stack.home)
         with procs.running(replacement):
-            workers = _poll(lambda: _all_ready(stack, W1), 120, what="the replacement ready")
+            workers = procs.poll(lambda: _all_ready(stack, W1), 120, what="the replacement ready")
             assert workers[W1]["cache"]["entries"] == 2  # both templates pre-filled at start
             assert workers[W1]["pid"] == replacement.popen.pid
