@@ -76,21 +76,54 @@ class TemplateSpec(_Strict):
 
 
 class EndpointSpec(_Strict):
-    base_url: str = Field(pattern=r"^https?://[^/\s]+")
+    """A model server preheat warms over HTTP: vLLM, a hosted OpenAI-compatible API, or
+    another `preheat serve`. Its pool is opened ahead of time and kept alive."""
+
+    base_url: str = Field(pattern=r"^https?://[^/\s]+")  # the API root, e.g. http://vllm:8000/v1
     kind: Literal["openai", "vllm", "preheat"] = "openai"
-    api_key_env: str | None = None
+    model: str | None = None  # the name the server knows; default: the template's catalog model
+    api_key_env: str | None = None  # the environment variable holding the API key (never the key)
+    token_env: str | None = None  # kind preheat: the variable holding its PREHEAT_SERVE_TOKEN
     min_connections: int = Field(1, ge=0)
     max_connections: int = Field(10, ge=1)
     keepalive_expiry_s: float = Field(60.0, gt=0)
     http2: bool = False
     ca_bundle: str | None = None
+    timeout_s: float = Field(60.0, gt=0)
     templates: list[str] = []
+    max_tokens: int = Field(8, ge=1, le=4096)  # of each warmup prompt
+    # The provider's prompt cache forgets a prefix unused for its TTL; keep-alive pings come
+    # more often than that, only within the active hours (in `timezone`), if set.
+    prompt_cache_ttl_s: float = Field(300.0, gt=0)
+    keepalive_interval_s: float | None = Field(270.0, gt=0)
+    active_hours: str | None = Field(None, pattern=r"^([01]\d|2[0-3]):[0-5]\d-([01]\d|2[0-4]):[0-5]\d$")
+    timezone: str = "UTC"
 
     @model_validator(mode="after")
-    def _min_within_max(self) -> EndpointSpec:
+    def _consistent(self) -> EndpointSpec:
         if self.min_connections > self.max_connections:
             raise ValueError("min_connections exceeds max_connections")
+        if self.keepalive_interval_s is not None and self.keepalive_interval_s >= self.prompt_cache_ttl_s:
+            raise ValueError(f"keepalive_interval_s ({self.keepalive_interval_s:g}) must be below prompt_cache_ttl_s "
+                             f"({self.prompt_cache_ttl_s:g}), or the cache expires between pings")
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {self.timezone!r}") from None
         return self
+
+    def is_active(self, moment) -> bool:
+        """Whether `moment` (an aware datetime) falls within the active hours."""
+        if self.active_hours is None:
+            return True
+        from zoneinfo import ZoneInfo
+
+        local = moment.astimezone(ZoneInfo(self.timezone))
+        start, end = self.active_hours.split("-")
+        now = f"{local:%H:%M}"
+        return start <= now < end if start <= end else (now >= start or now < end)
 
 
 def parse_cron(expression: str, app=None):
@@ -156,6 +189,12 @@ class Catalog(_Strict):
             return self.templates[name]
         except KeyError:
             raise UnknownNameError(f"unknown template {name!r} (catalog has: {_listing(self.templates)})") from None
+
+    def endpoint(self, name: str) -> EndpointSpec:
+        try:
+            return self.endpoints[name]
+        except KeyError:
+            raise UnknownNameError(f"unknown endpoint {name!r} (catalog has: {_listing(self.endpoints)})") from None
 
     def model_path(self, name: str) -> str:
         """What from_pretrained loads: an absolute folder, or the hub id."""

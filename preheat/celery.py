@@ -20,7 +20,7 @@ from preheat.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
-TASK_MODULES = ["tasks.warmup", "tasks.infer", "tasks.worker"]
+TASK_MODULES = ["tasks.warmup", "tasks.endpoints", "tasks.infer", "tasks.worker"]
 DEFAULT_QUEUE = "preheat"
 
 

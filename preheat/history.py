@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
 from preheat.db import utcnow
-from preheat.models import JobStatus, RunStatus, TargetKind, TriggerKind, WarmupJob, WarmupRun
+from preheat.models import EndpointKeepAlive, JobStatus, RunStatus, TargetKind, TriggerKind, WarmupJob, WarmupRun
 
 # A job in one of these states counts for the run as…
 _SUCCESS = {JobStatus.warm, JobStatus.skipped}
@@ -157,3 +157,25 @@ def list_runs(
     if since is not None:
         query = query.where(WarmupRun.created_at >= since)
     return list(session.scalars(query.limit(limit)))
+
+
+def record_keepalive(session: Session, endpoint: str, *, sent: int, failed: int, skipped: bool,
+                     ttft_ms: float | None, error: str | None) -> EndpointKeepAlive:
+    """Add one keep-alive tick to the endpoint's counters."""
+    row = session.scalars(select(EndpointKeepAlive).where(EndpointKeepAlive.endpoint == endpoint)
+                          .with_for_update()).first()
+    if row is None:
+        row = EndpointKeepAlive(endpoint=endpoint, pings_sent=0, pings_failed=0, skipped_inactive=0)
+        session.add(row)
+    row.pings_sent += sent
+    row.pings_failed += failed
+    row.skipped_inactive += int(skipped)
+    if sent or failed:
+        row.last_ping_at, row.last_error = utcnow(), error
+        row.last_ttft_ms = ttft_ms if ttft_ms is not None else row.last_ttft_ms
+    session.flush()
+    return row
+
+
+def keepalives(session: Session) -> list[EndpointKeepAlive]:
+    return list(session.scalars(select(EndpointKeepAlive).order_by(EndpointKeepAlive.endpoint)))

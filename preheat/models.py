@@ -90,6 +90,7 @@ class WarmupJob(Model):
     # What warm requests take on this worker in steady operation (served cache hits), the
     # reference the warm probe is judged against; None before the worker served any.
     ttft_steady_ms: Mapped[float | None]
+    connect_ms: Mapped[float | None]  # endpoints: opening the pool's connections, by the job that did
     cached_tokens: Mapped[int | None]
     cache_bytes: Mapped[int | None] = mapped_column(BigInteger)  # exact KV bytes; GBs on real models
     device: Mapped[str | None] = mapped_column(String(32))
@@ -121,6 +122,21 @@ class WorkerRecord(Model):
     stopped_at: Mapped[dt.datetime | None]  # a clean shutdown; a killed worker just stops beating
     ready: Mapped[bool] = mapped_column(default=False)
     state: Mapped[dict] = mapped_column(default=dict)  # runtime.describe(): models, cache, reasons
+
+
+class EndpointKeepAlive(Model):
+    """Keep-alive pings of one endpoint, counted (a history run per ping would drown the record)."""
+
+    __tablename__ = "endpoint_keepalives"
+
+    endpoint: Mapped[str] = mapped_column(String(64), unique=True)
+    pings_sent: Mapped[int] = mapped_column(default=0)
+    pings_failed: Mapped[int] = mapped_column(default=0)
+    skipped_inactive: Mapped[int] = mapped_column(default=0)  # ticks outside the active hours
+    last_ping_at: Mapped[dt.datetime | None]
+    last_ttft_ms: Mapped[float | None]
+    last_error: Mapped[str | None] = mapped_column(Text)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 
 class Schedule(Model):

@@ -61,6 +61,15 @@ class Settings(BaseSettings):
     health_port: int = Field(9440, ge=0, le=65535)
     # Where `preheat.infer` results go; default: Redis when the broker is Redis, else files in home.
     result_backend_url: SecretStr | None = None
+    # `preheat serve`, the OpenAI-compatible model server. /internal/* needs the token (and
+    # is refused while none is set); /v1/* needs the API key when one is set.
+    serve_host: str = "0.0.0.0"  # noqa: S104 - a server for the cluster network
+    serve_port: int = Field(8000, ge=0, le=65535)
+    serve_token: SecretStr | None = None
+    serve_api_key: SecretStr | None = None
+    serve_max_body_bytes: ByteSize = Field(ByteSize(1024**2), gt=0)
+    serve_tls_cert: Path | None = None
+    serve_tls_key: Path | None = None
 
     @field_validator("broker_url")
     @classmethod
@@ -126,6 +135,12 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _tls_cert_with_key(self) -> Settings:
+        if (self.serve_tls_cert is None) != (self.serve_tls_key is None):
+            raise ValueError("PREHEAT_SERVE_TLS_CERT and PREHEAT_SERVE_TLS_KEY go together: set both or neither")
+        return self
+
     # Derived values ---------------------------------------------------------------
 
     @property
@@ -161,8 +176,8 @@ def _format_error(exc: ValidationError) -> str:
     if not first["loc"]:  # a rule across settings; its message names them
         return f"invalid setting {message}"
     field = str(first["loc"][0])
-    # URLs carry passwords: never echo them.
-    shown = "" if field.endswith("_url") else f" (got {first.get('input')!r})"
+    # URLs carry passwords, tokens are secrets: never echo them.
+    shown = "" if field.endswith(("_url", "_token", "_key")) else f" (got {first.get('input')!r})"
     return f"invalid setting PREHEAT_{field.upper()}: {message}{shown}"
 
 

@@ -1,4 +1,5 @@
-"""The beat scheduler: the catalog's ``[schedules.*]`` peaks, fired as ``preheat.warm_fleet``.
+"""The beat scheduler: the catalog's ``[schedules.*]`` peaks, fired as ``preheat.warm_fleet``,
+and a keep-alive per ``[endpoints.*]``, fired as ``preheat.keep_alive_endpoint``.
 
 Each entry fires one fleet warmup whose run records the trigger (``schedule``) and the
 schedule's name. Cron fields are read in the app's time zone (``PREHEAT_TIMEZONE``).
@@ -6,6 +7,7 @@ schedule's name. Cron fields are read in the app's time zone (``PREHEAT_TIMEZONE
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 
 from celery.beat import PersistentScheduler
@@ -16,6 +18,7 @@ from preheat.settings import get_settings
 log = logging.getLogger(__name__)
 
 ENTRY_PREFIX = "schedule:"
+KEEPALIVE_PREFIX = "keepalive:"
 
 
 def catalog_entries(catalog: Catalog, app=None) -> dict:
@@ -27,6 +30,16 @@ def catalog_entries(catalog: Catalog, app=None) -> dict:
             "kwargs": {"templates": spec.templates, "trigger": "schedule", "detail": {"schedule": name},
                        "requested_by": "beat"},
         }
+    for name, endpoint in catalog.endpoints.items():
+        if endpoint.keepalive_interval_s and endpoint.templates:
+            # Below the provider's prompt-cache TTL (checked by the catalog); the task itself
+            # sends nothing outside the endpoint's active hours.
+            entries[f"{KEEPALIVE_PREFIX}{name}"] = {
+                "task": "preheat.keep_alive_endpoint",
+                "schedule": dt.timedelta(seconds=endpoint.keepalive_interval_s),
+                "kwargs": {"endpoint": name},
+                "options": {"expires": endpoint.keepalive_interval_s},  # a late ping is no ping
+            }
     return entries
 
 

@@ -15,7 +15,7 @@ from preheat.catalog import load_catalog
 from preheat.celery import app
 from preheat.db import session_scope
 from preheat.errors import ConfigError, NoWorkersError, UnknownNameError
-from preheat.models import TriggerKind
+from preheat.models import TargetKind, TriggerKind
 from preheat.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,9 @@ def dispatch_warmup(
         run_id = run.id
     # Sent only after the commit: a worker never gets a job whose row was rolled back.
     for worker, task_id in sends:
-        _send(run_id, worker, templates, task_id, only_if_cold)
+        kwargs = {"run_id": str(run_id), "worker": worker, "templates": templates, "only_if_cold": only_if_cold}
+        _send("preheat.warm_worker", kwargs, task_id, f"run={run_id.hex[:8]} worker={worker} "
+              f"templates={','.join(templates)}{' only_if_cold' if only_if_cold else ''}")
     return Dispatched(run_id, targets, templates)
 
 
@@ -94,14 +96,46 @@ def _ensure_broker() -> None:
         connection.ensure_connection(max_retries=2, interval_start=0.2, interval_step=0.5)
 
 
-def _send(run_id: uuid.UUID, worker: str, templates: list[str], task_id: str, only_if_cold: bool) -> None:
-    kwargs = {"run_id": str(run_id), "worker": worker, "templates": templates, "only_if_cold": only_if_cold}
+def _send(task: str, kwargs: dict, task_id: str, shown: str) -> None:
+    """Send one task whose jobs are recorded; if it cannot be sent, its jobs fail with why."""
     try:
-        # Flower and the logs show this line instead of the raw kwargs.
-        app.send_task("preheat.warm_worker", kwargs=kwargs, task_id=task_id,
-                      kwargsrepr=f"run={run_id.hex[:8]} worker={worker} templates={','.join(templates)}"
-                                 + (" only_if_cold" if only_if_cold else ""))
+        # Flower and the logs show `shown` instead of the raw kwargs.
+        app.send_task(task, kwargs=kwargs, task_id=task_id, kwargsrepr=shown)
     except Exception as exc:  # broker unreachable after kombu's own retries
-        log.error("could not enqueue warmup for %s: %s", worker, exc)
+        log.error("could not enqueue %s (%s): %s", task, shown, exc)
         with session_scope() as session:
             history.fail_task_jobs(session, task_id, f"could not enqueue: {type(exc).__name__}: {exc}")
+
+
+def dispatch_endpoint_warmup(
+    endpoints: list[str],
+    *,
+    templates: list[str] | None = None,
+    trigger: TriggerKind = TriggerKind.manual,
+    requested_by: str,
+    detail: dict | None = None,
+) -> Dispatched:
+    """Record a run with one job per endpoint and template, then send one
+    `preheat.warm_endpoint` per endpoint (any worker runs it: it only talks HTTP)."""
+    catalog = load_catalog(get_settings().catalog)
+    plan = {}
+    for name in dict.fromkeys(endpoints):
+        spec = catalog.endpoint(name)
+        chosen = list(dict.fromkeys(templates or spec.templates))
+        if not chosen:
+            raise ConfigError(f"endpoint {name!r} names no templates to prime; give --template")
+        plan[name] = [(spec.model or catalog.template(t).model, t) for t in chosen]
+    _ensure_broker()
+    sends = []
+    with session_scope() as session:
+        run = history.create_run(session, trigger=trigger, requested_by=requested_by, detail=detail)
+        for name, model_templates in plan.items():
+            task_id = str(uuid.uuid4())
+            history.add_jobs(session, run, target=name, model_templates=model_templates, task_id=task_id,
+                             target_kind=TargetKind.endpoint)
+            sends.append((name, [t for _, t in model_templates], task_id))
+        run_id = run.id
+    for name, chosen, task_id in sends:
+        _send("preheat.warm_endpoint", {"run_id": str(run_id), "endpoint": name, "templates": chosen}, task_id,
+              f"run={run_id.hex[:8]} endpoint={name} templates={','.join(chosen)}")
+    return Dispatched(run_id, list(plan), sorted({t for ts in plan.values() for _, t in ts}))

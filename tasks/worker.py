@@ -15,6 +15,7 @@ import threading
 from celery import bootsteps
 
 from preheat.celery import app, infer_queue
+from preheat.endpoints import POOLS
 from preheat.errors import ConfigError, exit_with
 from preheat.registry import Heartbeat
 from preheat.settings import get_settings
@@ -81,6 +82,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         threading.Thread(target=runtime.preload, name="preheat-preload", daemon=True).start()
 
     def stop(self, worker) -> None:
+        POOLS.close_all()  # endpoint connections, closed cleanly rather than dropped
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None

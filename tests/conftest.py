@@ -198,7 +198,7 @@ def _empty_tables(url: str) -> None:
 
     engine = make_engine(url)
     with engine.begin() as connection:
-        connection.execute(text("TRUNCATE warmup_jobs, warmup_runs, schedules, workers"))
+        connection.execute(text("TRUNCATE warmup_jobs, warmup_runs, schedules, workers, endpoint_keepalives"))
     engine.dispose()
 
 

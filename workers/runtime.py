@@ -22,7 +22,7 @@ from workers.generate import Completion, PrefixEngine, TextStream
 from workers.kvcache import CacheBudget, CacheBudgetError, CacheFullError, CacheKey, KVCacheManager
 from workers.metrics import RuntimeMetrics
 from workers.models import ModelRegistry, ModelSource, ResidentModel
-from workers.prefix import TemplatePrefix, encode
+from workers.prefix import SEPARATOR, TemplatePrefix, encode
 from workers.warmup import TemplateWarmup, probe, verdict
 
 log = logging.getLogger(__name__)
@@ -95,14 +95,17 @@ class WorkerRuntime:
 
     def readiness(self) -> list[str]:
         """Why this worker should not take traffic yet; empty when it should."""
+        return [reason for model in self.catalog.models for reason in self.model_readiness(model)]
+
+    def model_readiness(self, model: str) -> list[str]:
+        """Why `model` should not take requests yet; empty when it should."""
         reasons = []
-        for name in self.catalog.models:
-            if name in self.registry.unavailable:
-                reasons.append(f"model {name} unavailable: {self.registry.unavailable[name]}")
-            elif self.registry.get(name) is None:
-                reasons.append(f"model {name} not loaded yet")
-        reasons += [f"template {name}: {why}" for name, why in self._templates.items() if why is not None]
-        return reasons
+        if model in self.registry.unavailable:
+            reasons.append(f"model {model} unavailable: {self.registry.unavailable[model]}")
+        elif self.registry.get(model) is None:
+            reasons.append(f"model {model} not loaded yet")
+        return reasons + [f"template {name}: {why}" for name, why in self._templates.items()
+                          if why is not None and self.catalog.template(name).model == model]
 
     def source(self, model: str) -> ModelSource:
         spec = self.catalog.model(model)
@@ -229,12 +232,59 @@ class WorkerRuntime:
             self._prefixes[template] = known
         return resident, known
 
+    # Raw prompts (`preheat serve`) ---------------------------------------------------
+
+    def template_for(self, model: str, system_prompt: str | None) -> str | None:
+        """The catalog template of `model` whose system prompt this is, if any."""
+        for name, spec in self.catalog.templates.items():
+            if spec.model == model and system_prompt and self.catalog.system_prompt(name) == system_prompt:
+                return name
+        return None
+
+    def generate_chat(self, model: str, system_prompt: str | None, user_input: str,
+                      max_new_tokens: int = 64) -> TextStream:
+        """A chat request. A template's system prompt answers from its pinned prefix; any
+        other is pre-filled and cached unpinned (LRU), so the next request with it hits,
+        as a server with automatic prefix caching does."""
+        template = self.template_for(model, system_prompt)
+        if template is not None:
+            return self.generate(template, user_input, max_new_tokens)
+        started = time.perf_counter()
+        resident, _ = self.registry.ensure(self.source(model))
+        if not system_prompt:
+            return self._generate_ids(resident, encode(resident, user_input, with_bos=True), max_new_tokens, started)
+        prefix = TemplatePrefix.of(resident, system_prompt)
+        if prefix.key not in self.cache:
+            try:
+                self.engine.prefill(resident, prefix.ids, label="ad hoc system prompt")
+            except (CacheBudgetError, CacheFullError) as exc:
+                log.info("ad hoc system prompt not cached: %s", exc)
+        return self._generate_ids(resident, prefix.prompt_ids(resident, user_input), max_new_tokens, started,
+                                  prefix_key=prefix.key)
+
+    def generate_text(self, model: str, prompt: str, max_new_tokens: int = 64) -> TextStream:
+        """A plain completion. A prompt made of a template's system prompt, the separator and
+        the user's text is answered as that template's request; any other from the longest
+        cached prefix of its ids."""
+        for name, spec in self.catalog.templates.items():
+            head = self.catalog.system_prompt(name) + SEPARATOR
+            if spec.model == model and prompt.startswith(head):
+                return self.generate(name, prompt[len(head):], max_new_tokens)
+        started = time.perf_counter()
+        resident, _ = self.registry.ensure(self.source(model))
+        return self._generate_ids(resident, encode(resident, prompt, with_bos=True), max_new_tokens, started)
+
+    def _generate_ids(self, resident: ResidentModel, prompt_ids, max_new_tokens: int, started: float,
+                      prefix_key: CacheKey | None = None) -> TextStream:
+        return self.engine.generate(resident, prompt_ids, max_new_tokens, prefix_key=prefix_key, started=started,
+                                    on_first_token=lambda completion: self._observe(None, completion))
+
     def infer(self, template: str, user_input: str, max_new_tokens: int = 64) -> Completion:
         return self.generate(template, user_input, max_new_tokens).collect()
 
-    def _observe(self, template: str, completion: Completion) -> None:
+    def _observe(self, template: str | None, completion: Completion) -> None:
         self.metrics.observe_ttft(completion.model, completion.cached_tokens, completion.ttft_ms)
-        if completion.cached_tokens:
+        if template is not None and completion.cached_tokens:
             self._served_ttft_ms.setdefault(template, deque(maxlen=50)).append(completion.ttft_ms)
 
     def render_metrics(self) -> bytes:

@@ -19,7 +19,7 @@ err = Console(stderr=True)
 
 
 def _register() -> None:
-    from preheat.cli import bench, config, db, dev, history, infer, warm, workers
+    from preheat.cli import bench, config, db, dev, endpoints, history, infer, serve, warm, workers
 
     app.add_typer(bench.app, name="bench")
     app.add_typer(db.app, name="db")
@@ -29,6 +29,8 @@ def _register() -> None:
     app.command("history")(history.history)
     app.command("infer")(infer.infer)
     app.command("workers")(workers.workers)
+    app.command("serve")(serve.serve)
+    app.command("endpoints")(endpoints.endpoints)
 
 
 _register()

@@ -33,8 +33,8 @@ def _kib(value: int | None) -> str:
     return "-" if value is None else f"{value / 1024:,.0f}"
 
 
-JOB_COLUMNS = ("target", "template", "status", "load ms", "prefill ms", "TTFT cold", "TTFT warm", "TTFT bare",
-               "TTFT steady", "saved", "tokens", "KiB")
+JOB_COLUMNS = ("target", "template", "status", "load ms", "connect ms", "prefill ms", "TTFT cold", "TTFT warm",
+               "TTFT bare", "TTFT steady", "saved", "tokens", "KiB")
 
 
 def jobs_table(run: WarmupRun) -> Table:
@@ -47,7 +47,8 @@ def jobs_table(run: WarmupRun) -> Table:
         table.add_column(header, justify="left" if header in JOB_COLUMNS[:3] else "right", no_wrap=True)
     for job in run.jobs:
         saved = saved_pct(job)
-        table.add_row(job.target, job.template, str(job.status), _ms(job.load_ms), _ms(job.prefill_ms),
+        table.add_row(job.target, job.template, str(job.status), _ms(job.load_ms), _ms(job.connect_ms),
+                      _ms(job.prefill_ms),
                       _ms(job.ttft_cold_ms), _ms(job.ttft_warm_ms), _ms(job.ttft_bare_ms), _ms(job.ttft_steady_ms),
                       "-" if saved is None else f"{saved:.0f}%",
                       "-" if job.cached_tokens is None else str(job.cached_tokens), _kib(job.cache_bytes))
@@ -94,7 +95,7 @@ def run_json(run: WarmupRun) -> dict:
                 "device": job.device, "started_at": _iso(job.started_at), "finished_at": _iso(job.finished_at),
                 "load_ms": job.load_ms, "prefill_ms": job.prefill_ms, "ttft_cold_ms": job.ttft_cold_ms,
                 "ttft_warm_ms": job.ttft_warm_ms, "ttft_bare_ms": job.ttft_bare_ms,
-                "ttft_steady_ms": job.ttft_steady_ms,
+                "ttft_steady_ms": job.ttft_steady_ms, "connect_ms": job.connect_ms,
                 "saved_pct": saved_pct(job), "cached_tokens": job.cached_tokens,
                 "cache_bytes": job.cache_bytes, "error": job.error,
             }

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from preheat import history, registry
 from preheat.cli import render
 from preheat.db import session_scope
+from preheat.errors import ConfigError
 from preheat.models import RunStatus, WarmupRun
 from preheat.settings import get_settings
 
@@ -65,6 +66,8 @@ def wait_for_run(run_id: uuid.UUID, timeout_s: float, show_progress: bool, poll_
 def warm(
     template: list[str] = typer.Option(None, "--template", "-t", help="Template to warm (repeat; default: all)."),
     worker: list[str] = typer.Option(None, "--worker", "-w", help="Worker nodename (repeat; default: every live one)."),
+    endpoint: list[str] = typer.Option(None, "--endpoint", "-e",
+                                       help="Catalog endpoint to warm instead of workers (repeat)."),
     if_cold: bool = typer.Option(False, "--if-cold", help="Skip templates a worker already holds warm."),
     wait: bool = typer.Option(False, "--wait", help="Wait for every job and print what was measured."),
     timeout: float = typer.Option(600.0, "--timeout", min=1.0, help="Seconds --wait waits."),
@@ -75,13 +78,20 @@ def warm(
 
     With --wait, exits 0 when every job is warm or skipped, 1 when one failed or was lost,
     6 when one is degraded (warm but not verified), 4 when the wait timed out."""
-    from tasks.fleet import dispatch_warmup
+    from tasks.fleet import dispatch_endpoint_warmup, dispatch_warmup
 
-    dispatched = dispatch_warmup(templates=template or None, workers=worker or None,
-                                 requested_by=requested_by or _requester(), only_if_cold=if_cold)
+    if endpoint and worker:
+        raise ConfigError("give --worker or --endpoint, not both: a run warms workers or endpoints")
+    if endpoint:
+        dispatched = dispatch_endpoint_warmup(endpoint, templates=template or None,
+                                              requested_by=requested_by or _requester())
+    else:
+        dispatched = dispatch_warmup(templates=template or None, workers=worker or None,
+                                     requested_by=requested_by or _requester(), only_if_cold=if_cold)
     if not as_json:
+        kind = "endpoint(s)" if endpoint else "worker(s)"
         console.print(f"run [bold]{dispatched.run_id.hex[:8]}[/] queued: {len(dispatched.templates)} template(s) "
-                      f"on {len(dispatched.workers)} worker(s): {', '.join(dispatched.workers)}")
+                      f"on {len(dispatched.workers)} {kind}: {', '.join(dispatched.workers)}")
     if not wait:
         if as_json:
             print(json.dumps(render.run_json(_load(dispatched.run_id)), indent=2))

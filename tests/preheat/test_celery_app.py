@@ -85,7 +85,8 @@ def test_tasks_are_named_under_preheat_and_share_the_base_task(settings):
     app = create_app(settings)
     app.loader.import_default_modules()
     names = {name for name in app.tasks if not name.startswith("celery.")}
-    assert names == {"preheat.warm_worker", "preheat.warm_fleet", "preheat.infer"}
+    assert names == {"preheat.warm_worker", "preheat.warm_fleet", "preheat.warm_endpoint", "preheat.keep_alive_endpoint",
+                     "preheat.infer"}
     for name in names:
         assert PreheatTask in type(app.tasks[name]).__mro__
 

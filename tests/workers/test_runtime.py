@@ -30,8 +30,9 @@ def runtime(tmp_path, tiny_model):
 def test_preload_loads_what_it_can_prefills_and_pins_its_templates_and_says_why_not_ready(runtime):
     warm_models = []
     runtime.on_model_warm = warm_models.append
-    assert runtime.readiness() == ["model tiny not loaded yet", "model gone not loaded yet",
-                                   "template support: not pre-filled yet", "template summarise: not pre-filled yet",
+    # Grouped by model: each model's own reason, then its templates'.
+    assert runtime.readiness() == ["model tiny not loaded yet", "template support: not pre-filled yet",
+                                   "template summarise: not pre-filled yet", "model gone not loaded yet",
                                    "template orphan: not pre-filled yet"]
     reasons = runtime.preload()
     assert reasons == runtime.readiness() == [

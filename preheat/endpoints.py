@@ -1,0 +1,310 @@
+"""Remote model servers (vLLM, hosted OpenAI-compatible APIs, other `preheat serve`s):
+connection pools opened ahead of time, warmup prompts that prime their prefix caches,
+and keep-alive pings.
+
+One pool per endpoint per process (`POOLS`), shared by every warmup, probe and ping in
+it, closed on shutdown. "Opened ahead" means really established: `min_connections` TCP
+(+TLS) connections exist in the pool before the first request, made by holding that many
+requests open at once on the server's cheapest route and then returning them idle.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import ssl
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from preheat.catalog import Catalog, EndpointSpec
+from preheat.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# The cheapest authenticated-or-not route of each kind, used to open connections.
+OPEN_PATHS = {"preheat": "/health/live", "vllm": "/health", "openai": None}  # None: GET {base_url}/models
+
+
+class EndpointError(Exception):
+    """The server answered, but not with what a warmup needs (an HTTP error, a bad stream)."""
+
+
+def _secret_from_env(endpoint: str, variable: str | None, what: str) -> str | None:
+    if variable is None:
+        return None
+    value = os.environ.get(variable)
+    if not value:
+        raise ConfigError(f"endpoint {endpoint!r}: {what} variable {variable} is not set")
+    return value
+
+
+def build_client(name: str, spec: EndpointSpec) -> httpx.Client:
+    api_key = _secret_from_env(name, spec.api_key_env, "api_key_env")
+    verify: ssl.SSLContext | bool = True
+    if spec.ca_bundle:
+        try:
+            verify = ssl.create_default_context(cafile=spec.ca_bundle)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"endpoint {name!r}: cannot load ca_bundle {spec.ca_bundle}: {exc}") from None
+    return httpx.Client(
+        base_url=spec.base_url.rstrip("/") + "/",
+        headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
+        limits=httpx.Limits(max_connections=spec.max_connections, max_keepalive_connections=spec.max_connections,
+                            keepalive_expiry=spec.keepalive_expiry_s),
+        http2=spec.http2, verify=verify, timeout=httpx.Timeout(spec.timeout_s, connect=min(10.0, spec.timeout_s)),
+    )
+
+
+def open_url(spec: EndpointSpec) -> str:
+    path = OPEN_PATHS[spec.kind]
+    if path is None:
+        return "models"
+    return str(httpx.URL(spec.base_url).copy_with(path=path, query=None))
+
+
+@dataclass
+class EndpointPool:
+    name: str
+    spec: EndpointSpec
+    client: httpx.Client
+    opened_ms: float = 0.0  # establishing the min_connections
+
+    def connections(self) -> list:
+        # httpx keeps its connections in httpcore's pool; `connections` is public there.
+        return list(self.client._transport._pool.connections)  # noqa: SLF001
+
+    def open_connections(self) -> int:
+        return sum(1 for connection in self.connections() if not connection.is_closed())
+
+    def establish(self) -> float:
+        """Open `min_connections` connections now; returns the milliseconds it took. Each
+        request is held open until all are, so each needs a connection of its own."""
+        started = time.perf_counter()
+        with ExitStack() as held:
+            for _ in range(self.spec.min_connections):
+                response = held.enter_context(self.client.stream("GET", open_url(self.spec)))
+                if response.status_code >= 400:
+                    response.read()
+                    raise EndpointError(f"GET {response.url.path} answered {response.status_code}: "
+                                        f"{response.text[:200]}")
+            # Leaving the stack closes the responses: the connections go back idle, kept alive.
+        self.opened_ms = (time.perf_counter() - started) * 1000
+        return self.opened_ms
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class PoolRegistry:
+    """The process's pools, by endpoint name; a changed catalog entry gets a new pool."""
+
+    def __init__(self) -> None:
+        self._pools: dict[str, EndpointPool] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str, spec: EndpointSpec) -> tuple[EndpointPool, bool]:
+        """The pool, opening it (and its min_connections) if needed; True when opened now."""
+        with self._lock:
+            pool = self._pools.get(name)
+            if pool is not None and pool.spec == spec:
+                return pool, False
+            if pool is not None:
+                pool.close()
+            pool = EndpointPool(name, spec, build_client(name, spec))
+            try:
+                pool.establish()
+            except Exception:
+                pool.close()
+                raise
+            self._pools[name] = pool
+            log.info("endpoint %s: %d connection(s) open to %s in %.1f ms", name, spec.min_connections,
+                     spec.base_url, pool.opened_ms)
+            return pool, True
+
+    def peek(self, name: str) -> EndpointPool | None:
+        return self._pools.get(name)
+
+    def discard(self, name: str) -> None:
+        with self._lock:
+            pool = self._pools.pop(name, None)
+        if pool is not None:
+            pool.close()
+
+    def close_all(self) -> None:
+        with self._lock:
+            for pool in self._pools.values():
+                pool.close()
+            self._pools.clear()
+
+
+POOLS = PoolRegistry()
+atexit.register(POOLS.close_all)
+
+
+# Prompts through the pool ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamedReply:
+    ttft_ms: float  # request sent → first content token, through streaming
+    total_ms: float
+    cached_tokens: int | None  # as the server's usage reports it; None if it does not
+    text: str
+
+
+def stream_chat(pool: EndpointPool, model: str, system_prompt: str, user_input: str,
+                max_tokens: int) -> StreamedReply:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": system_prompt}, {"role": "user", "content": user_input}]}
+    started = time.perf_counter()
+    first, cached, text = None, None, []
+    with pool.client.stream("POST", "chat/completions", json=body) as response:
+        if response.status_code >= 400:
+            response.read()
+            raise EndpointError(f"chat/completions answered {response.status_code}: {response.text[:300]}")
+        for line in response.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            for choice in chunk.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    first = first or time.perf_counter()
+                    text.append(choice["delta"]["content"])
+            usage = chunk.get("usage") or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
+    if first is None:
+        raise EndpointError("the stream ended without a content token")
+    return StreamedReply((first - started) * 1000, (time.perf_counter() - started) * 1000, cached, "".join(text))
+
+
+@dataclass
+class EndpointWarmup:
+    """One endpoint and template: the history job's columns."""
+
+    template: str
+    model: str
+    status: str = "failed"  # warm | degraded | failed
+    connect_ms: float | None = None
+    ttft_cold_ms: float | None = None  # the first prompt: the server computes the prefix
+    ttft_warm_ms: float | None = None  # the same prompt again: from the server's prefix cache
+    ttft_bare_ms: float | None = None
+    prefill_ms: float | None = None
+    load_ms: float | None = None
+    cached_tokens: int | None = None
+    cache_bytes: int | None = None
+    device: str | None = None
+    error: str | None = None
+    requests: dict = field(default_factory=dict)
+
+    def as_record(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k not in ("template", "model", "requests")}
+
+
+def warm_endpoint(name: str, spec: EndpointSpec, catalog: Catalog, templates: list[str]) -> list[EndpointWarmup]:
+    """Open the pool (if not yet), then prime the server's prefix cache with every template's
+    system prompt, concurrently; never raises for an unreachable or failing server."""
+    results = [EndpointWarmup(t, spec.model or catalog.template(t).model) for t in templates]
+    try:
+        pool, opened = POOLS.get(name, spec)
+    except (httpx.HTTPError, EndpointError, ConfigError) as exc:
+        for result in results:
+            result.error = f"cannot open connections to {spec.base_url}: {_reason(exc)}"
+        return results
+    for result in results:
+        result.connect_ms = pool.opened_ms if opened else 0.0  # reported by the warmup that paid it
+    if spec.kind == "preheat":
+        _warm_through_internal(pool, results)
+    else:
+        with ThreadPoolExecutor(max_workers=min(len(results), spec.max_connections) or 1) as prompts:
+            list(prompts.map(lambda r: _prime(pool, catalog, r), results))
+    return results
+
+
+def _reason(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, EndpointError | ConfigError) else str(exc)
+
+
+def _prime(pool: EndpointPool, catalog: Catalog, result: EndpointWarmup) -> None:
+    spec = catalog.template(result.template)
+    try:
+        cold = stream_chat(pool, result.model, catalog.system_prompt(result.template), spec.probe, pool.spec.max_tokens)
+        warm = stream_chat(pool, result.model, catalog.system_prompt(result.template), spec.probe, pool.spec.max_tokens)
+    except (httpx.HTTPError, EndpointError, ValueError) as exc:
+        result.error = _reason(exc)
+        return
+    result.ttft_cold_ms, result.ttft_warm_ms, result.cached_tokens = cold.ttft_ms, warm.ttft_ms, warm.cached_tokens
+    if warm.cached_tokens == 0:
+        result.status = "degraded"
+        result.error = ("the server reported no cached prompt tokens on the repeated prompt: is its prefix cache on "
+                        "(vLLM: --enable-prefix-caching)?")
+    else:
+        result.status = "warm"
+
+
+def _warm_through_internal(pool: EndpointPool, results: list[EndpointWarmup]) -> None:
+    """A preheat server warms itself: /internal/warmup pre-fills, probes and measures."""
+    try:
+        token = _secret_from_env(pool.name, pool.spec.token_env, "token_env")
+        response = pool.client.post(str(httpx.URL(pool.spec.base_url).copy_with(path="/internal/warmup")),
+                                    json={"templates": [r.template for r in results], "batch_size": 4,
+                                          "max_tokens": pool.spec.max_tokens},
+                                    headers={"Authorization": f"Bearer {token}"} if token else {})
+        if response.status_code >= 400:
+            raise EndpointError(f"/internal/warmup answered {response.status_code}: {response.text[:300]}")
+        measured = response.json()["templates"]
+    except (httpx.HTTPError, EndpointError, ConfigError, ValueError, KeyError) as exc:
+        for result in results:
+            result.error = _reason(exc)
+        return
+    for result in results:
+        record = measured.get(result.template, {})
+        for column in ("status", "ttft_cold_ms", "ttft_warm_ms", "ttft_bare_ms", "prefill_ms", "load_ms",
+                       "cached_tokens", "cache_bytes", "device", "error"):
+            if column in record:
+                setattr(result, column, record[column])
+        result.requests = record.get("requests", {})
+
+
+# Keep-alive ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeepAlive:
+    sent: int
+    failed: int
+    skipped: bool  # outside the active hours
+    ttft_ms: float | None = None
+    error: str | None = None
+
+
+def keep_alive(name: str, spec: EndpointSpec, catalog: Catalog, now) -> KeepAlive:
+    """One short prompt per template through the pool: keeps the connections and the
+    provider's prompt cache warm. Nothing is sent outside the active hours."""
+    if not spec.is_active(now):
+        return KeepAlive(0, 0, skipped=True)
+    try:
+        pool, _ = POOLS.get(name, spec)
+    except (httpx.HTTPError, EndpointError, ConfigError) as exc:
+        return KeepAlive(0, len(spec.templates) or 1, skipped=False, error=_reason(exc))
+    ttfts, errors = [], []
+    for template in spec.templates:
+        try:
+            reply = stream_chat(pool, spec.model or catalog.template(template).model, catalog.system_prompt(template),
+                                catalog.template(template).probe, 1)
+            ttfts.append(reply.ttft_ms)
+        except (httpx.HTTPError, EndpointError, ValueError) as exc:
+            errors.append(f"{template}: {_reason(exc)}")
+    return KeepAlive(len(ttfts), len(errors), skipped=False,
+                     ttft_ms=statistics.median(ttfts) if ttfts else None, error="; ".join(errors) or None)

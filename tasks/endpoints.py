@@ -1,0 +1,53 @@
+"""Endpoint tasks: `preheat.warm_endpoint` primes a remote model server through its pool;
+`preheat.keep_alive_endpoint` (fired by beat per endpoint) keeps it warm."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from preheat import history
+from preheat.catalog import load_catalog
+from preheat.celery import app
+from preheat.db import session_scope, utcnow
+from preheat.endpoints import POOLS, keep_alive, warm_endpoint
+from preheat.errors import UnknownNameError
+from preheat.models import JobStatus
+from preheat.settings import get_settings
+from tasks.warmup import DB_RETRY
+
+log = logging.getLogger(__name__)
+
+
+@app.task(bind=True, name="preheat.warm_endpoint", **DB_RETRY)
+def warm_endpoint_task(self, run_id: str, endpoint: str, templates: list[str]) -> dict:
+    """Open the endpoint's pool, send the templates' prompts concurrently, record each."""
+    run_uuid = uuid.UUID(run_id)
+    with session_scope() as session:
+        if not history.start_jobs(session, run_uuid, target=endpoint, templates=templates, task_id=self.request.id):
+            log.info("run %s is gone; nothing to warm", run_id)
+            return {}
+    catalog = load_catalog(get_settings().catalog)
+    results = warm_endpoint(endpoint, catalog.endpoint(endpoint), catalog, templates)
+    with session_scope() as session:
+        for result in results:
+            history.finish_job(session, run_uuid, target=endpoint, template=result.template,
+                               status=JobStatus(result.status), measured=result.as_record())
+    return {result.template: result.status for result in results}
+
+
+@app.task(name="preheat.keep_alive_endpoint", **DB_RETRY)
+def keep_alive_endpoint(endpoint: str) -> dict:
+    """One keep-alive tick: a short prompt per template within the active hours, counted."""
+    catalog = load_catalog(get_settings().catalog)
+    try:
+        spec = catalog.endpoint(endpoint)
+    except UnknownNameError:
+        log.info("endpoint %s is no longer in the catalog; no keep-alive", endpoint)
+        POOLS.discard(endpoint)
+        return {}
+    tick = keep_alive(endpoint, spec, catalog, utcnow())
+    with session_scope() as session:
+        history.record_keepalive(session, endpoint, sent=tick.sent, failed=tick.failed, skipped=tick.skipped,
+                                 ttft_ms=tick.ttft_ms, error=tick.error)
+    return {"sent": tick.sent, "failed": tick.failed, "skipped": tick.skipped}
