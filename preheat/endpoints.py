@@ -89,13 +89,15 @@ class EndpointPool:
         request is held open until all are, so each needs a connection of its own."""
         started = time.perf_counter()
         with ExitStack() as held:
-            for _ in range(self.spec.min_connections):
-                response = held.enter_context(self.client.stream("GET", open_url(self.spec)))
+            responses = [held.enter_context(self.client.stream("GET", open_url(self.spec)))
+                         for _ in range(self.spec.min_connections)]
+            # Only now read them: a body read to its end hands its connection back (idle, kept
+            # alive); one closed unread would be dropped.
+            for response in responses:
+                response.read()
                 if response.status_code >= 400:
-                    response.read()
                     raise EndpointError(f"GET {response.url.path} answered {response.status_code}: "
                                         f"{response.text[:200]}")
-            # Leaving the stack closes the responses: the connections go back idle, kept alive.
         self.opened_ms = (time.perf_counter() - started) * 1000
         return self.opened_ms
 

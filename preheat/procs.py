@@ -81,6 +81,20 @@ def health_url(proc: Proc, timeout_s: float = 60.0) -> str:
     return f"http://127.0.0.1:{port}"
 
 
+def start_serve(env: dict[str, str], log_dir: Path, name: str = "serve", host: str = "127.0.0.1",
+                port: int = 0) -> Proc:
+    """`preheat serve` as its own process (port 0: a free one, see `serve_url`)."""
+    preheat = str(Path(sys.executable).parent / "preheat")
+    return start(name, [preheat, "serve", "--host", host, "--port", str(port)], env, log_dir)
+
+
+def serve_url(proc: Proc, timeout_s: float = 60.0) -> str:
+    """The server's root URL, as it logged it."""
+    wait_for_log(proc, "preheat serve on http", timeout_s)
+    scheme, port = re.search(r"preheat serve on (https?)://[^:]+:(\d+)", proc.log()).groups()
+    return f"{scheme}://127.0.0.1:{port}"
+
+
 def stop(proc: Proc, timeout_s: float = 15.0) -> int:
     """SIGTERM (Celery's warm shutdown), then SIGKILL the whole group if it hangs."""
     if proc.alive():
