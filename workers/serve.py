@@ -463,6 +463,8 @@ class _CountingHTTPServer(tornado.httpserver.HTTPServer):
 
     def handle_stream(self, stream, address) -> None:
         self._metrics.connections.inc()
+        # Small SSE writes must not wait on Nagle for the client's delayed ACK.
+        stream.set_nodelay(True)
         super().handle_stream(stream, address)
 
 

@@ -50,3 +50,18 @@ def test_benchmarks_refuse_when_other_workers_would_take_part(embedded_stack):
     assert done.returncode == 2 and "live worker(s) would take part: someone@else" in done.stderr
     bad = embedded_stack.cli("bench", "fanout", "--workers", "0")
     assert bad.returncode == 2 and "between 1 and 16" in bad.stderr
+
+
+def test_connect_measures_fresh_preopened_and_steady_against_preheat_serve_over_tls(embedded_stack, tmp_path):
+    out = tmp_path / "connect.json"
+    done = embedded_stack.cli("bench", "connect", "--rounds", "3", "--json", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "fresh client (TCP + TLS on the request)" in done.stdout and "pre-opened pool" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["rounds"] == 3 and report["measured_against"] == "preheat serve over TLS on loopback"
+    assert report["target"] == {"preopened_over_steady": "<= 1.2", "met": report["preopened_over_steady"] <= 1.2}
+    for way in ("fresh_ms", "preopened_ms", "steady_ms", "establish_ms"):
+        assert report[way] > 0
+    assert (embedded_stack.home / "bench" / "tls" / "ca.pem").exists()  # its own CA, made for the run
+    unknown = embedded_stack.cli("bench", "connect", "--endpoint", "nope")
+    assert unknown.returncode == 2 and "unknown endpoint 'nope'" in unknown.stderr
