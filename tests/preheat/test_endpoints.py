@@ -9,10 +9,10 @@ import ssl
 
 import httpx
 import pytest
-import trustme
 
 from preheat import history, procs
 from preheat.catalog import EndpointSpec, load_catalog
+from preheat.cli.connectbench import make_tls
 from preheat.db import session_scope
 from preheat.endpoints import POOLS, PoolRegistry
 from preheat.errors import ConfigError
@@ -28,13 +28,7 @@ def trusting(ca_path) -> ssl.SSLContext:
 
 @pytest.fixture
 def tls(tmp_path):
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    paths = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key")}
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    cert.cert_chain_pems[0].write_to_path(str(paths["cert"]))
-    cert.private_key_pem.write_to_path(str(paths["key"]))
-    return paths
+    return make_tls(tmp_path / "tls")
 
 
 @pytest.fixture
