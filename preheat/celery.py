@@ -120,6 +120,33 @@ class PreheatTask(Task):
         finally:
             log.info("%s[%s] took %.0f ms", self.name, self.request.id, (time.perf_counter() - started) * 1000)
 
+    # History of the run a warmup task works for: the task takes ids and re-fetches rows.
+
+    def start_jobs(self, run_id: str, target: str, templates: list[str]) -> bool:
+        """Mark this target's jobs running; False (quietly) when the run is gone."""
+        import uuid
+
+        from preheat import history
+        from preheat.db import session_scope
+
+        with session_scope() as session:
+            if history.start_jobs(session, uuid.UUID(run_id), target=target, templates=templates,
+                                  task_id=self.request.id):
+                return True
+        log.info("run %s is gone; nothing to warm", run_id)
+        return False
+
+    def finish_job(self, run_id: str, target: str, template: str, status: str, measured: dict) -> None:
+        import uuid
+
+        from preheat import history
+        from preheat.db import session_scope
+        from preheat.models import JobStatus
+
+        with session_scope() as session:
+            history.finish_job(session, uuid.UUID(run_id), target=target, template=template,
+                               status=JobStatus(status), measured=measured)
+
     def on_failure(self, exc, task_id, args, kwargs, einfo):
         from preheat import history
         from preheat.db import session_scope

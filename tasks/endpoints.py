@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import uuid
 
 from preheat import history
 from preheat.catalog import load_catalog
@@ -12,7 +11,6 @@ from preheat.celery import app
 from preheat.db import session_scope, utcnow
 from preheat.endpoints import POOLS, keep_alive, warm_endpoint
 from preheat.errors import UnknownNameError
-from preheat.models import JobStatus
 from preheat.settings import get_settings
 from tasks.warmup import DB_RETRY
 
@@ -22,17 +20,12 @@ log = logging.getLogger(__name__)
 @app.task(bind=True, name="preheat.warm_endpoint", **DB_RETRY)
 def warm_endpoint_task(self, run_id: str, endpoint: str, templates: list[str]) -> dict:
     """Open the endpoint's pool, send the templates' prompts concurrently, record each."""
-    run_uuid = uuid.UUID(run_id)
-    with session_scope() as session:
-        if not history.start_jobs(session, run_uuid, target=endpoint, templates=templates, task_id=self.request.id):
-            log.info("run %s is gone; nothing to warm", run_id)
-            return {}
+    if not self.start_jobs(run_id, endpoint, templates):
+        return {}
     catalog = load_catalog(get_settings().catalog)
     results = warm_endpoint(endpoint, catalog.endpoint(endpoint), catalog, templates)
-    with session_scope() as session:
-        for result in results:
-            history.finish_job(session, run_uuid, target=endpoint, template=result.template,
-                               status=JobStatus(result.status), measured=result.as_record())
+    for result in results:
+        self.finish_job(run_id, endpoint, result.template, result.status, result.as_record())
     return {result.template: result.status for result in results}
 
 

@@ -65,20 +65,27 @@ def dispatch_warmup(
     _ensure_broker()  # before anything is recorded: a run whose jobs cannot be sent is half-written
     targets = _choose_targets(workers, live_workers())
 
-    sends: list[tuple[str, str]] = []
-    with session_scope() as session:
-        run = history.create_run(session, trigger=trigger, requested_by=requested_by, detail=detail)
-        for worker in targets:
-            task_id = str(uuid.uuid4())
-            history.add_jobs(session, run, target=worker, model_templates=model_templates, task_id=task_id)
-            sends.append((worker, task_id))
-        run_id = run.id
-    # Sent only after the commit: a worker never gets a job whose row was rolled back.
-    for worker, task_id in sends:
+    run_id, task_ids = _record_run(trigger, requested_by, detail, TargetKind.worker,
+                                   {worker: model_templates for worker in targets})
+    for worker, task_id in task_ids.items():
         kwargs = {"run_id": str(run_id), "worker": worker, "templates": templates, "only_if_cold": only_if_cold}
         _send("preheat.warm_worker", kwargs, task_id, f"run={run_id.hex[:8]} worker={worker} "
               f"templates={','.join(templates)}{' only_if_cold' if only_if_cold else ''}")
     return Dispatched(run_id, targets, templates)
+
+
+def _record_run(trigger: TriggerKind, requested_by: str, detail: dict | None, kind: TargetKind,
+                plan: dict[str, list[tuple[str, str]]]) -> tuple[uuid.UUID, dict[str, str]]:
+    """Record a run and each target's queued (model, template) jobs, and commit; returns the
+    run id and each target's task id. Callers send only after this: a task never arrives
+    for a row that was rolled back."""
+    task_ids = {target: str(uuid.uuid4()) for target in plan}
+    with session_scope() as session:
+        run = history.create_run(session, trigger=trigger, requested_by=requested_by, detail=detail)
+        for target, model_templates in plan.items():
+            history.add_jobs(session, run, target=target, model_templates=model_templates,
+                             task_id=task_ids[target], target_kind=kind)
+        return run.id, task_ids
 
 
 def prime_dispatch() -> None:
@@ -126,16 +133,9 @@ def dispatch_endpoint_warmup(
             raise ConfigError(f"endpoint {name!r} names no templates to prime; give --template")
         plan[name] = [(spec.model or catalog.template(t).model, t) for t in chosen]
     _ensure_broker()
-    sends = []
-    with session_scope() as session:
-        run = history.create_run(session, trigger=trigger, requested_by=requested_by, detail=detail)
-        for name, model_templates in plan.items():
-            task_id = str(uuid.uuid4())
-            history.add_jobs(session, run, target=name, model_templates=model_templates, task_id=task_id,
-                             target_kind=TargetKind.endpoint)
-            sends.append((name, [t for _, t in model_templates], task_id))
-        run_id = run.id
-    for name, chosen, task_id in sends:
+    run_id, task_ids = _record_run(trigger, requested_by, detail, TargetKind.endpoint, plan)
+    for name, task_id in task_ids.items():
+        chosen = [template for _, template in plan[name]]
         _send("preheat.warm_endpoint", {"run_id": str(run_id), "endpoint": name, "templates": chosen}, task_id,
               f"run={run_id.hex[:8]} endpoint={name} templates={','.join(chosen)}")
     return Dispatched(run_id, list(plan), sorted({t for ts in plan.values() for _, t in ts}))

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-import uuid
-
 from sqlalchemy.exc import OperationalError
 
-from preheat import history
 from preheat.celery import app
-from preheat.db import session_scope
-from preheat.models import JobStatus, TriggerKind
+from preheat.models import TriggerKind
 from tasks.fleet import dispatch_warmup
 from tasks.runtime import get_runtime
-
-log = logging.getLogger(__name__)
 
 # History writes retry while the database is briefly away; the warmup itself is idempotent.
 DB_RETRY = {"autoretry_for": (OperationalError,), "retry_backoff": 2, "retry_backoff_max": 60, "max_retries": 8}
@@ -23,17 +16,12 @@ DB_RETRY = {"autoretry_for": (OperationalError,), "retry_backoff": 2, "retry_bac
 @app.task(bind=True, name="preheat.warm_worker", **DB_RETRY)
 def warm_worker(self, run_id: str, worker: str, templates: list[str], only_if_cold: bool = False) -> dict:
     """Make this worker warm for `templates`: model resident, prefixes pre-filled, probe measured."""
-    run_uuid = uuid.UUID(run_id)
-    with session_scope() as session:
-        if not history.start_jobs(session, run_uuid, target=worker, templates=templates, task_id=self.request.id):
-            log.info("run %s is gone; nothing to warm", run_id)
-            return {}
+    if not self.start_jobs(run_id, worker, templates):
+        return {}
     statuses = {}
     for template in templates:
         result = get_runtime().warm_template(template, only_if_cold=only_if_cold)
-        with session_scope() as session:
-            history.finish_job(session, run_uuid, target=worker, template=template,
-                               status=JobStatus(result.status), measured=result.as_record())
+        self.finish_job(run_id, worker, template, result.status, result.as_record())
         statuses[template] = result.status
     return statuses
 

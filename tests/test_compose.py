@@ -3,7 +3,6 @@ in them must be a real preheat or celery command with options that exist."""
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml

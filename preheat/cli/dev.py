@@ -58,7 +58,6 @@ def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait fo
     import os
     import socket
 
-    from rich.console import Console
 
     from preheat import history, migrate, procs
     from preheat.catalog import load_catalog

@@ -17,7 +17,7 @@ from preheat.db import session_scope
 from preheat.endpoints import POOLS, PoolRegistry
 from preheat.errors import ConfigError
 from tests.conftest import write_catalog
-from tests.workers.test_serve import TOKEN, metric
+from tests.workers.test_serve import TOKEN
 
 pytestmark = pytest.mark.slow
 
