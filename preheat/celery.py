@@ -94,7 +94,7 @@ def celery_config(settings: Settings) -> dict:
         "task_default_queue": DEFAULT_QUEUE,
         "task_create_missing_queues": True,
         "task_routes": (route_task,),
-        "task_time_limit": settings.warmup_time_limit_s + 60,
+        "task_time_limit": settings.task_time_limit_s,
         "task_soft_time_limit": settings.warmup_time_limit_s,
         "task_send_sent_event": True,
         "worker_send_task_events": True,

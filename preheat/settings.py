@@ -144,6 +144,11 @@ class Settings(BaseSettings):
     # Derived values ---------------------------------------------------------------
 
     @property
+    def task_time_limit_s(self) -> int:
+        """The hard limit: the soft limit plus a minute to record the failure."""
+        return self.warmup_time_limit_s + 60
+
+    @property
     def is_embedded(self) -> bool:
         return self.broker_url is None
 

@@ -78,7 +78,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         health_port = self.health.port
         self.heartbeat = Heartbeat(worker.hostname, lambda: {**runtime.describe(), "health_port": health_port},
                                    settings.heartbeat_interval_s, settings.worker_dead_after_s,
-                                   settings.warmup_time_limit_s + 60).start()
+                                   settings.task_time_limit_s).start()
         threading.Thread(target=runtime.preload, name="preheat-preload", daemon=True).start()
 
     def stop(self, worker) -> None:

@@ -40,7 +40,7 @@ def _reap() -> None:
     settings = get_settings()
     with session_scope() as session:
         registry.reap(session, dead_after_s=settings.worker_dead_after_s,
-                      time_limit_s=settings.warmup_time_limit_s + 60)
+                      time_limit_s=settings.task_time_limit_s)
 
 
 def wait_for_run(run_id: uuid.UUID, timeout_s: float, show_progress: bool, poll_s: float = 0.25) -> WarmupRun:

@@ -63,6 +63,11 @@ def test_hub_ids_are_passed_through(tmp_path):
         ('[schedules.s]\ncron = "8 * * *"\ntemplates = ["a"]\n', "must have 5 fields"),
         ('[endpoints.e]\nbase_url = "ftp://x"\n', "endpoints.e.base_url"),
         ('[endpoints.e]\nbase_url = "http://x"\nmin_connections = 5\nmax_connections = 2\n', "min_connections exceeds"),
+        ('[endpoints.e]\nbase_url = "http://x"\nkeepalive_interval_s = 400\n', "must be below prompt_cache_ttl_s"),
+        ('[endpoints.e]\nbase_url = "http://x"\nactive_hours = "7-20"\n', "endpoints.e.active_hours"),
+        ('[endpoints.e]\nbase_url = "http://x"\ntimezone = "Mars/Base"\n', "unknown time zone 'Mars/Base'"),
+        ('[endpoints.e]\nbase_url = "http://x"\nkind = "tgi"\n', "endpoints.e.kind"),
+        ('[endpoints.e]\nbase_url = "http://x"\ntemplates = ["nope"]\n', "endpoints.e.templates: unknown template"),
         ('[models."bad name"]\npath = "/m"\n', "names are letters, digits"),
         ("[models\n", "not valid TOML"),
     ],
@@ -110,3 +115,18 @@ def test_the_current_catalog_is_parsed_again_only_when_the_file_changes(tmp_path
     assert set(current_catalog(path).templates) == {"support", "more"}
     with pytest.raises(ConfigError, match="does not exist"):
         current_catalog(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize(("hours", "utc_hour", "active"), [
+    ("07:00-20:00", 6, False), ("07:00-20:00", 7, True), ("07:00-20:00", 19, True), ("07:00-20:00", 20, False),
+    # An overnight range, in the endpoint's own zone (Berlin is UTC+1 in winter).
+    ("22:00-06:00", 20, False), ("22:00-06:00", 21, True), ("22:00-06:00", 4, True), ("22:00-06:00", 5, False),
+])
+def test_active_hours_are_read_in_the_endpoints_time_zone(hours, utc_hour, active):
+    import datetime as dt
+
+    from preheat.catalog import EndpointSpec
+
+    spec = EndpointSpec(base_url="http://x/v1", active_hours=hours,
+                        timezone="Europe/Berlin" if hours.startswith("22") else "UTC")
+    assert spec.is_active(dt.datetime(2026, 11, 30, utc_hour, 30, tzinfo=dt.UTC)) is active

@@ -62,6 +62,12 @@ def test_warm_refuses_unknown_templates_and_absent_workers_writing_nothing(embed
     assert ghost.returncode == 2
     assert one_error_line(ghost) == "error: worker(s) not live: ghost@nowhere (live: none)"
 
+    unknown_endpoint = run("warm", "--endpoint", "nope", env=embedded.env)
+    assert unknown_endpoint.returncode == 2
+    assert one_error_line(unknown_endpoint) == "error: unknown endpoint 'nope' (catalog has: nothing)"
+    both = run("warm", "--endpoint", "e", "--worker", "w@h", env=embedded.env)
+    assert both.returncode == 2 and "give --worker or --endpoint, not both" in one_error_line(both)
+
     history = run("history", "--json", env=embedded.env)
     assert history.returncode == 0 and history.stdout.strip() == "[]"  # nothing half-written
 

@@ -51,3 +51,21 @@ def test_celery_beat_starts_with_the_catalog_schedules(services, tmp_path):
         # Logged once the schedule is set up and the loop runs: stopping earlier races the shelve.
         procs.wait_for_log(beat, "beat: Ticking with max interval")
     assert "Traceback" not in beat.log(), beat.log()
+
+
+def test_each_endpoint_gets_a_keep_alive_entry_below_its_prompt_cache_ttl(tmp_path, tiny_model):
+    import datetime as dt
+
+    from preheat.catalog import load_catalog
+    from schedules.beat import catalog_entries
+
+    catalog = load_catalog(write_catalog(tmp_path, tiny_model, MORNING + (
+        '\n[endpoints.hosted]\nbase_url = "https://api.example/v1"\ntemplates = ["support"]\n'
+        '\n[endpoints.quiet]\nbase_url = "https://api.example/v1"\ntemplates = ["support"]\nkeepalive_interval_s = 0.5\n'
+        'prompt_cache_ttl_s = 1\n'
+        '\n[endpoints.no-templates]\nbase_url = "https://api.example/v1"\n')))
+    entries = catalog_entries(catalog)
+    assert sorted(entries) == ["keepalive:hosted", "keepalive:quiet", "schedule:morning"]
+    hosted = entries["keepalive:hosted"]
+    assert hosted["task"] == "preheat.keep_alive_endpoint" and hosted["kwargs"] == {"endpoint": "hosted"}
+    assert hosted["schedule"] == dt.timedelta(seconds=270) and hosted["options"] == {"expires": 270}
