@@ -234,12 +234,17 @@ class WorkerRuntime:
 
     # Raw prompts (`preheat serve`) ---------------------------------------------------
 
+    def _system_prompts(self, model: str) -> list[tuple[str, str]]:
+        """(template, system prompt) of `model`'s templates; the texts already tokenized are
+        taken from memory, so a request does not read prompt files per template."""
+        return [(name, self._prefixes[name].system_prompt if name in self._prefixes
+                 else self.catalog.system_prompt(name))
+                for name, spec in self.catalog.templates.items() if spec.model == model]
+
     def template_for(self, model: str, system_prompt: str | None) -> str | None:
         """The catalog template of `model` whose system prompt this is, if any."""
-        for name, spec in self.catalog.templates.items():
-            if spec.model == model and system_prompt and self.catalog.system_prompt(name) == system_prompt:
-                return name
-        return None
+        return next((name for name, text in self._system_prompts(model) if system_prompt and text == system_prompt),
+                    None)
 
     def generate_chat(self, model: str, system_prompt: str | None, user_input: str,
                       max_new_tokens: int = 64) -> TextStream:
@@ -266,10 +271,9 @@ class WorkerRuntime:
         """A plain completion. A prompt made of a template's system prompt, the separator and
         the user's text is answered as that template's request; any other from the longest
         cached prefix of its ids."""
-        for name, spec in self.catalog.templates.items():
-            head = self.catalog.system_prompt(name) + SEPARATOR
-            if spec.model == model and prompt.startswith(head):
-                return self.generate(name, prompt[len(head):], max_new_tokens)
+        for name, text in self._system_prompts(model):
+            if prompt.startswith(text + SEPARATOR):
+                return self.generate(name, prompt[len(text + SEPARATOR):], max_new_tokens)
         started = time.perf_counter()
         resident, _ = self.registry.ensure(self.source(model))
         return self._generate_ids(resident, encode(resident, prompt, with_bos=True), max_new_tokens, started)

@@ -6,7 +6,7 @@ import pytest
 
 from preheat.catalog import load_catalog
 from preheat.errors import UnknownNameError
-from tests.conftest import write_catalog
+from tests.conftest import SUPPORT_PROMPT, write_catalog
 from workers.kvcache import CacheBudget, CacheBudgetError
 from workers.runtime import WorkerRuntime
 
@@ -169,3 +169,15 @@ def test_served_cache_hits_become_the_steady_state_a_warmup_is_judged_against(ru
     assert runtime.steady_ttft_ms("support") == pytest.approx(sorted(c.ttft_ms for c in served)[2])
     result = runtime.warm_template("support")
     assert result.ttft_steady_ms == pytest.approx(runtime.steady_ttft_ms("support"))
+
+
+def test_raw_prompts_that_carry_a_template_prompt_use_its_pinned_prefix(runtime):
+    runtime.preload()
+    pinned = next(e for e in runtime.cache.entries() if e.label == "support")
+    as_text = runtime.generate_text("tiny", SUPPORT_PROMPT + "\n\nWhere is my parcel?", 2).collect()
+    as_chat = runtime.generate_chat("tiny", SUPPORT_PROMPT, "Where is my parcel?", 2).collect()
+    template = runtime.infer("support", "Where is my parcel?", 2)
+    assert as_text.cached_tokens == as_chat.cached_tokens == template.cached_tokens == pinned.num_tokens
+    assert as_text.token_ids == as_chat.token_ids == template.token_ids
+    other = runtime.generate_text("tiny", "Once upon a time", 2).collect()
+    assert other.cached_tokens == 0
