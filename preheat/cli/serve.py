@@ -53,23 +53,23 @@ def serve(
         api_key=settings.serve_api_key.get_secret_value() if settings.serve_api_key else None,
         max_body_bytes=int(settings.serve_max_body_bytes))
     server = Server(runtime, config)
+    host, port = host or settings.serve_host, settings.serve_port if port is None else port
     try:
-        http, bound = listen(server, host or settings.serve_host, settings.serve_port if port is None else port,
-                             context)
+        http, bound = listen(server, host, port, context)
     except OSError as exc:
-        raise ConfigError(f"cannot listen on {host or settings.serve_host}:{port} ({exc.strerror})") from None
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}); set PREHEAT_SERVE_PORT") from None
     scheme = "https" if context else "http"
-    log.info("preheat serve on %s://%s:%d (internal endpoints %s)", scheme, host or settings.serve_host, bound,
+    log.info("preheat serve on %s://%s:%d (internal endpoints %s)", scheme, host, bound,
              "on" if config.token else "off: no PREHEAT_SERVE_TOKEN")
     threading.Thread(target=runtime.preload, name="preheat-preload", daemon=True).start()
     loop = tornado.ioloop.IOLoop.current()
 
-    def shutdown(*_) -> None:
+    def shutdown() -> None:
         log.info("preheat serve stopping")
-        loop.add_callback_from_signal(loop.stop)
+        loop.stop()
 
-    signal.signal(signal.SIGTERM, shutdown)
-    signal.signal(signal.SIGINT, shutdown)
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        loop.asyncio_loop.add_signal_handler(stop_signal, shutdown)
     loop.start()
     http.stop()
     server.executor.shutdown(wait=False, cancel_futures=True)

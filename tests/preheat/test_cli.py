@@ -123,3 +123,20 @@ def test_an_unmigrated_database_says_what_to_run(embedded, tmp_path):
     done = run("history", env={**embedded.env, "PREHEAT_HOME": str(tmp_path / "fresh")})
     assert done.returncode == 5
     assert one_error_line(done) == "error: the history database has no preheat tables yet: run `preheat db upgrade`"
+
+
+def test_serve_refuses_a_busy_port_and_half_a_tls_setting_with_one_line(embedded):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        taken = run("serve", "--host", "127.0.0.1", "--port", str(port), env=embedded.env)
+    assert taken.returncode == 2
+    assert one_error_line(taken) == (f"error: cannot listen on 127.0.0.1:{port} (Address already in use); "
+                                     "set PREHEAT_SERVE_PORT")
+    half = run("serve", env={**embedded.env, "PREHEAT_SERVE_TLS_CERT": "/etc/cert.pem"})
+    assert half.returncode == 2 and "PREHEAT_SERVE_TLS_KEY go together" in one_error_line(half)
+    bad_port = run("serve", env={**embedded.env, "PREHEAT_SERVE_PORT": "99999"})
+    assert bad_port.returncode == 2 and "invalid setting PREHEAT_SERVE_PORT" in one_error_line(bad_port)
