@@ -55,11 +55,20 @@ def _jobs_of(session: Session, run_id: uuid.UUID, target: str, templates: Sequen
     return list(session.scalars(query.with_for_update()))
 
 
+def lock_run(session: Session, run_id: uuid.UUID, *, skip_locked: bool = False) -> WarmupRun | None:
+    """Lock the run's row until commit. Every change of a job's state takes its run's lock
+    first (runs before jobs, always, so two writers never deadlock): two workers finishing
+    the last two jobs of a run at once would otherwise each see the other's job unfinished,
+    and the run would stay `running` for ever (seen, on Postgres, with two workers)."""
+    query = select(WarmupRun).where(WarmupRun.id == run_id).with_for_update(skip_locked=skip_locked)
+    return session.scalars(query.execution_options(populate_existing=True)).first()
+
+
 def start_jobs(
     session: Session, run_id: uuid.UUID, *, target: str, templates: Sequence[str], task_id: str
 ) -> list[WarmupJob]:
     """Mark a target's jobs running. Returns [] when the run is gone (deleted meanwhile)."""
-    run = session.get(WarmupRun, run_id)
+    run = lock_run(session, run_id)
     if run is None:
         return []
     jobs = _jobs_of(session, run_id, target, templates)
@@ -75,6 +84,8 @@ def start_jobs(
 
 def finish_job(session: Session, run_id: uuid.UUID, *, target: str, template: str, status: JobStatus,
                measured: dict) -> WarmupJob | None:
+    if lock_run(session, run_id) is None:
+        return None
     jobs = _jobs_of(session, run_id, target, [template])
     if not jobs:
         return None
@@ -89,17 +100,21 @@ def finish_job(session: Session, run_id: uuid.UUID, *, target: str, template: st
 
 def fail_task_jobs(session: Session, task_id: str, error: str) -> int:
     """A task died with an exception: its unfinished jobs are failed with the reason."""
-    jobs = session.scalars(
-        select(WarmupJob).where(
-            WarmupJob.celery_task_id == task_id, WarmupJob.status.in_([JobStatus.queued, JobStatus.running])
-        )
-    ).all()
-    for job in jobs:
-        job.status, job.finished_at, job.error = JobStatus.failed, utcnow(), error
-    session.flush()
-    for run_id in {job.run_id for job in jobs}:
+    unfinished = [JobStatus.queued, JobStatus.running]
+    run_ids = session.scalars(select(WarmupJob.run_id).where(WarmupJob.celery_task_id == task_id).distinct()).all()
+    failed = 0
+    for run_id in sorted(run_ids):
+        lock_run(session, run_id)
+        jobs = session.scalars(
+            select(WarmupJob).where(WarmupJob.run_id == run_id, WarmupJob.celery_task_id == task_id,
+                                    WarmupJob.status.in_(unfinished)).with_for_update()
+        ).all()
+        for job in jobs:
+            job.status, job.finished_at, job.error = JobStatus.failed, utcnow(), error
+        session.flush()
         refresh_run_status(session, run_id)
-    return len(jobs)
+        failed += len(jobs)
+    return failed
 
 
 def derive_run_status(statuses: Sequence[JobStatus]) -> RunStatus:

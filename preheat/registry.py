@@ -99,29 +99,35 @@ def why_lost(job: WarmupJob, created_at: dt.datetime, worker: WorkerRecord | Non
 def reap(session: Session, *, dead_after_s: float, time_limit_s: float, now: dt.datetime | None = None) -> int:
     """Settle the unfinished worker jobs that cannot finish. Returns how many changed."""
     now = now or utcnow()
-    rows = session.execute(
-        select(WarmupJob, WarmupRun.created_at, WorkerRecord)
-        .join(WarmupRun, WarmupRun.id == WarmupJob.run_id)
-        .outerjoin(WorkerRecord, WorkerRecord.nodename == WarmupJob.target)
-        .where(WarmupJob.target_kind == TargetKind.worker,
-               WarmupJob.status.in_([JobStatus.queued, JobStatus.running]))
-        # Two reapers at once (every worker runs one) skip each other's rows.
-        .with_for_update(of=WarmupJob, skip_locked=True)
-    ).all()
-    settled: set = set()
+    unfinished = WarmupJob.status.in_([JobStatus.queued, JobStatus.running])
+    run_ids = session.scalars(select(WarmupJob.run_id).where(WarmupJob.target_kind == TargetKind.worker, unfinished)
+                              .distinct()).all()
     reaped = 0
-    for job, created_at, worker in rows:
-        outcome = why_lost(job, created_at, worker, dead_after_s=dead_after_s, time_limit_s=time_limit_s, now=now)
-        if outcome is None:
+    for run_id in sorted(run_ids):
+        # Runs before jobs, as every writer locks them (history.lock_run); a run a writer
+        # holds right now is left for the next heartbeat, as is one another reaper holds.
+        if history.lock_run(session, run_id, skip_locked=True) is None:
             continue
-        job.status, job.error = outcome
-        job.finished_at = now
-        settled.add(job.run_id)
-        reaped += 1
-        log.warning("job %s/%s on %s is %s: %s", job.run_id.hex[:8], job.template, job.target, *outcome)
-    session.flush()
-    for run_id in settled:
-        history.refresh_run_status(session, run_id)
+        rows = session.execute(
+            select(WarmupJob, WarmupRun.created_at, WorkerRecord)
+            .join(WarmupRun, WarmupRun.id == WarmupJob.run_id)
+            .outerjoin(WorkerRecord, WorkerRecord.nodename == WarmupJob.target)
+            .where(WarmupJob.run_id == run_id, WarmupJob.target_kind == TargetKind.worker, unfinished)
+            .with_for_update(of=WarmupJob)
+        ).all()
+        settled = 0
+        for job, created_at, worker in rows:
+            outcome = why_lost(job, created_at, worker, dead_after_s=dead_after_s, time_limit_s=time_limit_s,
+                               now=now)
+            if outcome is not None:
+                job.status, job.error = outcome
+                job.finished_at = now
+                settled += 1
+                log.warning("job %s/%s on %s is %s: %s", run_id.hex[:8], job.template, job.target, *outcome)
+        if settled:
+            session.flush()
+            history.refresh_run_status(session, run_id)
+            reaped += settled
     return reaped
 
 

@@ -133,3 +133,37 @@ def test_an_ambiguous_prefix_finds_nothing(db):
         assert history.find_run(session, "abcd") is None
         assert history.find_run(session, "abcd0").id == uuid.UUID("abcd" + "0" * 28)
         assert history.find_run(session, "abcdf").id == uuid.UUID("abcd" + "f" * 28)
+
+
+def test_two_workers_finishing_a_runs_last_jobs_at_once_leave_it_finished(services_stack):
+    """On Postgres (read committed), each finisher would see the other's job unfinished and
+    leave the run `running` for ever; the run's row lock makes the second wait for the first."""
+    import threading
+
+    with session_scope() as session:
+        run = history.create_run(session, trigger=TriggerKind.manual, requested_by="test")
+        for target in ("w1@h", "w2@h"):
+            history.add_jobs(session, run, target=target, model_templates=[("tiny", "support")], task_id=target)
+            history.start_jobs(session, run.id, target=target, templates=["support"], task_id=target)
+        run_id = run.id
+    first_written, release = threading.Event(), threading.Event()
+
+    def finish(target: str, hold: bool) -> None:
+        with session_scope() as session:
+            history.finish_job(session, run_id, target=target, template="support", status=J.warm, measured={})
+            if hold:  # written, not yet committed: the other finisher runs now
+                first_written.set()
+                release.wait(10)
+
+    first = threading.Thread(target=finish, args=("w1@h", True))
+    first.start()
+    assert first_written.wait(10)
+    second = threading.Thread(target=finish, args=("w2@h", False))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()  # waiting for the run's lock, not reading a stale picture
+    release.set()
+    first.join(10)
+    second.join(10)
+    with session_scope() as session:
+        assert history.get_run(session, run_id).status == RunStatus.succeeded
