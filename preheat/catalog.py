@@ -190,6 +190,10 @@ class Catalog(_Strict):
         except KeyError:
             raise UnknownNameError(f"unknown template {name!r} (catalog has: {_listing(self.templates)})") from None
 
+    def templates_of(self, model: str) -> list[str]:
+        """The names of the templates whose system prompts run on `model`."""
+        return [name for name, spec in self.templates.items() if spec.model == model]
+
     def endpoint(self, name: str) -> EndpointSpec:
         try:
             return self.endpoints[name]

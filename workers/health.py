@@ -31,6 +31,13 @@ class Observable(Protocol):
     def render_metrics(self) -> bytes: ...
 
 
+def readiness_answer(reasons: list[str]) -> tuple[HTTPStatus, dict]:
+    """What /health/ready answers, here and on `preheat serve`: a probe contract, kept once."""
+    if reasons:
+        return HTTPStatus.SERVICE_UNAVAILABLE, {"status": "not ready", "reasons": reasons}
+    return HTTPStatus.OK, {"status": "ready"}
+
+
 def _handler_for(target: Observable) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "preheat-health"
@@ -40,11 +47,7 @@ def _handler_for(target: Observable) -> type[BaseHTTPRequestHandler]:
             if path == "/health/live":
                 self._json(HTTPStatus.OK, {"status": "live"})
             elif path == "/health/ready":
-                reasons = target.readiness()
-                if reasons:
-                    self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"status": "not ready", "reasons": reasons})
-                else:
-                    self._json(HTTPStatus.OK, {"status": "ready"})
+                self._json(*readiness_answer(target.readiness()))
             elif path == "/metrics":
                 self._send(HTTPStatus.OK, target.render_metrics(), CONTENT_TYPE_LATEST)
             else:

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from preheat.catalog import Catalog
+from preheat.catalog import Catalog, load_catalog
 from preheat.errors import PreheatError
 from workers.generate import Completion, PrefixEngine, TextStream
 from workers.kvcache import CacheBudget, CacheBudgetError, CacheFullError, CacheKey, KVCacheManager
@@ -62,6 +62,18 @@ class WorkerRuntime:
     # (which would pre-fill twice and skew both measurements).
     _work_lock: threading.RLock = field(default_factory=threading.RLock)
 
+    @classmethod
+    def from_settings(cls, settings) -> WorkerRuntime:
+        """The runtime a preheat process builds from its settings (worker or `preheat serve`)."""
+        return cls(
+            catalog=load_catalog(settings.catalog),
+            device_preference=settings.device,
+            probe_repeats=settings.probe_repeats,
+            warm_factor=settings.warm_factor,
+            cache_budget=CacheBudget(settings.kv_cache_max_entries, int(settings.kv_cache_max_bytes),
+                                     settings.kv_cache_pinned_share),
+        )
+
     def __post_init__(self) -> None:
         self.registry = ModelRegistry(self.device_preference)
         self.cache = KVCacheManager(self.cache_budget)
@@ -104,8 +116,8 @@ class WorkerRuntime:
             reasons.append(f"model {model} unavailable: {self.registry.unavailable[model]}")
         elif self.registry.get(model) is None:
             reasons.append(f"model {model} not loaded yet")
-        return reasons + [f"template {name}: {why}" for name, why in self._templates.items()
-                          if why is not None and self.catalog.template(name).model == model]
+        return reasons + [f"template {name}: {self._templates[name]}" for name in self.catalog.templates_of(model)
+                          if self._templates[name] is not None]
 
     def source(self, model: str) -> ModelSource:
         spec = self.catalog.model(model)
@@ -148,13 +160,12 @@ class WorkerRuntime:
         """One off-the-books request per template of `model`, on the calling thread: the
         thread that will serve requests pays its own first-call costs here (torch's
         per-thread OpenMP pool is built by the first parallel op a thread runs)."""
-        for name, spec in self.catalog.templates.items():
-            if spec.model == model and self._templates.get(name) is None:
+        for name in self.catalog.templates_of(model):
+            if self._templates[name] is None:
                 self._exercise(name)
 
     def _announce_if_warm(self, model: str) -> None:
-        warm = all(self._templates.get(name) is None
-                   for name, spec in self.catalog.templates.items() if spec.model == model)
+        warm = all(self._templates[name] is None for name in self.catalog.templates_of(model))
         if warm and model not in self._announced and self.on_model_warm is not None:
             self._announced.add(model)
             self.on_model_warm(model)
@@ -239,7 +250,7 @@ class WorkerRuntime:
         taken from memory, so a request does not read prompt files per template."""
         return [(name, self._prefixes[name].system_prompt if name in self._prefixes
                  else self.catalog.system_prompt(name))
-                for name, spec in self.catalog.templates.items() if spec.model == model]
+                for name in self.catalog.templates_of(model)]
 
     def template_for(self, model: str, system_prompt: str | None) -> str | None:
         """The catalog template of `model` whose system prompt this is, if any."""

@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
 from preheat.errors import PreheatError, UnknownNameError
 from workers.generate import Completion, TextStream
+from workers.health import readiness_answer
 from workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -270,11 +271,7 @@ class LiveHandler(BaseHandler):
 
 class ReadyHandler(BaseHandler):
     def get(self) -> None:
-        reasons = self.server.readiness()
-        if reasons:
-            self.reply(HTTPStatus.SERVICE_UNAVAILABLE, {"status": "not ready", "reasons": reasons})
-        else:
-            self.reply(HTTPStatus.OK, {"status": "ready"})
+        self.reply(*readiness_answer(self.server.readiness()))
 
 
 class MetricsHandler(BaseHandler):

@@ -34,20 +34,14 @@ def serve(
     every model loaded and every template pre-filled at start; /health/ready says when."""
     import tornado.ioloop
 
-    from preheat.catalog import load_catalog
     from preheat.settings import get_settings
-    from workers.kvcache import CacheBudget
     from workers.runtime import WorkerRuntime
     from workers.serve import ServeConfig, Server, listen
 
     logging.basicConfig(level=get_settings().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = get_settings()
     context = _tls_context(settings.serve_tls_cert, settings.serve_tls_key)
-    runtime = WorkerRuntime(
-        catalog=load_catalog(settings.catalog), device_preference=settings.device,
-        probe_repeats=settings.probe_repeats, warm_factor=settings.warm_factor,
-        cache_budget=CacheBudget(settings.kv_cache_max_entries, int(settings.kv_cache_max_bytes),
-                                 settings.kv_cache_pinned_share))
+    runtime = WorkerRuntime.from_settings(settings)
     config = ServeConfig(
         token=settings.serve_token.get_secret_value() if settings.serve_token else None,
         api_key=settings.serve_api_key.get_secret_value() if settings.serve_api_key else None,
