@@ -15,8 +15,10 @@ It is a TOML file (``PREHEAT_CATALOG``, default ``preheat.toml``)::
     base_url = "http://vllm:8000/v1"
     templates = ["support"]
 
-    [schedules.weekday-morning]
-    cron = "50 8 * * 1-5"
+    [schedules.weekday-morning]           # copied into the schedules table by beat
+    cron = "0 9 * * 1-5"                  # the peak, in timezone (default PREHEAT_TIMEZONE)
+    timezone = "Europe/Berlin"
+    lead_time_s = 600                     # fire ten minutes ahead
     templates = ["support"]
 
 Relative paths are resolved against the catalog file's folder, as docker-compose does,
@@ -30,7 +32,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from preheat.errors import ConfigError, UnknownNameError
 
@@ -126,29 +128,21 @@ class EndpointSpec(_Strict):
         return start <= now < end if start <= end else (now >= start or now < end)
 
 
-def parse_cron(expression: str, app=None):
-    """A five-field cron expression as a Celery crontab (minute hour day-of-month month weekday)."""
-    from celery.schedules import crontab
-
-    fields = expression.split()
-    if len(fields) != 5:
-        raise ValueError(f"cron {expression!r} must have 5 fields (minute hour day month weekday)")
-    minute, hour, day_of_month, month, day_of_week = fields
-    try:
-        return crontab(minute, hour, day_of_week, day_of_month, month, app=app)
-    except (ValueError, KeyError) as exc:
-        raise ValueError(f"cron {expression!r} is invalid: {exc}") from None
-
-
 class ScheduleSpec(_Strict):
+    """A schedule declared in the file; beat copies it into the schedules table (kind
+    `catalog`) at start, where it fires like one added with `preheat schedule add`."""
+
     cron: str
     templates: list[str] = Field(min_length=1)
+    timezone: str | None = None  # default: PREHEAT_TIMEZONE
+    lead_time_s: int = Field(0, ge=0, le=86400)
 
-    @field_validator("cron")
-    @classmethod
-    def _valid_cron(cls, value: str) -> str:
-        parse_cron(value)
-        return value
+    @model_validator(mode="after")
+    def _valid_cron(self) -> ScheduleSpec:
+        from preheat.cron import Cron
+
+        Cron.parse(self.cron, self.timezone or "UTC")  # CronError is a ValueError: pydantic reports it
+        return self
 
 
 class Catalog(_Strict):

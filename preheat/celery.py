@@ -102,8 +102,7 @@ def celery_config(settings: Settings) -> dict:
         "timezone": settings.timezone,
         "enable_utc": True,
         # By name: the scheduler lives in schedules/, which may import preheat, not the reverse.
-        "beat_scheduler": "schedules.beat:CatalogScheduler",
-        "beat_schedule_filename": str((settings.home / "celerybeat-schedule").resolve()),
+        "beat_scheduler": "schedules.beat:DatabaseScheduler",
     }
 
 

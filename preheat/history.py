@@ -21,12 +21,18 @@ _FAILURE = {JobStatus.failed, JobStatus.lost}
 
 
 def create_run(
-    session: Session, *, trigger: TriggerKind, requested_by: str, detail: dict | None = None
+    session: Session, *, trigger: TriggerKind, requested_by: str, detail: dict | None = None,
+    trigger_key: str | None = None,
 ) -> WarmupRun:
-    run = WarmupRun(trigger=trigger, trigger_detail=detail or {}, requested_by=requested_by)
+    run = WarmupRun(trigger=trigger, trigger_detail=detail or {}, requested_by=requested_by, trigger_key=trigger_key)
     session.add(run)
     session.flush()
     return run
+
+
+def run_for_key(session: Session, trigger_key: str) -> WarmupRun | None:
+    """The run a trigger already made (see WarmupRun.trigger_key)."""
+    return session.scalars(select(WarmupRun).where(WarmupRun.trigger_key == trigger_key)).first()
 
 
 def add_jobs(

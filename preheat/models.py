@@ -1,5 +1,5 @@
-"""The history: runs (why a warmup happened) and jobs (where it ran, what it measured),
-plus the peak schedules that start runs."""
+"""The history: runs (why a warmup happened) and jobs (where it ran, what it measured);
+the schedules that start runs, each slot they fired, and the traffic that peaks are learned from."""
 
 from __future__ import annotations
 
@@ -49,8 +49,17 @@ class TargetKind(enum.StrEnum):
 
 
 class ScheduleKind(enum.StrEnum):
-    manual = "manual"
-    peak = "peak"
+    manual = "manual"  # `preheat schedule add`
+    peak = "peak"  # `preheat peaks suggest --apply`: learned from traffic
+    catalog = "catalog"  # declared in the catalog's [schedules.*]; beat keeps it in step with the file
+
+
+class SlotStatus(enum.StrEnum):
+    claimed = "claimed"  # a beat took it and is sending it
+    sent = "sent"  # its run is recorded and its jobs sent
+    unsent = "unsent"  # sending failed (broker away); retried while within the grace window
+    failed = "failed"  # nothing to send it to (no live worker), with the reason
+    missed = "missed"  # no beat could fire it in time (or a later slot fired instead)
 
 
 class WarmupRun(Model):
@@ -58,6 +67,10 @@ class WarmupRun(Model):
 
     trigger: Mapped[TriggerKind]
     trigger_detail: Mapped[dict] = mapped_column(default=dict)
+    # What made this run, as a unique key: a schedule's slot, a pod's Ready transition, a
+    # worker's start. A trigger that fires again (beat restarted, a watcher re-listed) finds
+    # its run instead of making a second one.
+    trigger_key: Mapped[str | None] = mapped_column(String(255), unique=True)
     requested_by: Mapped[str] = mapped_column(String(200))
     status: Mapped[RunStatus] = mapped_column(default=RunStatus.queued)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
@@ -140,14 +153,72 @@ class EndpointKeepAlive(Model):
 
 
 class Schedule(Model):
+    """A peak to be warm for: `cron` (in `timezone`) says when traffic arrives; the warmup
+    fires `lead_time_s` earlier. Beat reads this table every tick, so edits need no restart."""
+
     __tablename__ = "schedules"
 
     name: Mapped[str] = mapped_column(String(64), unique=True)
     kind: Mapped[ScheduleKind] = mapped_column(default=ScheduleKind.manual)
     cron: Mapped[str] = mapped_column(String(120))
     timezone: Mapped[str] = mapped_column(String(64), default="UTC")
-    targets: Mapped[dict] = mapped_column(default=dict)  # {"templates": [...], "workers": [...]}
+    # {"templates": [...], "workers": [...]} or {"templates": [...], "endpoints": [...]}
+    targets: Mapped[dict] = mapped_column(default=dict)
     lead_time_s: Mapped[int] = mapped_column(default=0)
     enabled: Mapped[bool] = mapped_column(default=True)
+    # Slots before this are not wanted (added or resumed later), so never `missed`.
+    active_since: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    detail: Mapped[dict] = mapped_column(default=dict)  # kind peak: the peak it anticipates
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class ScheduleSlot(Model):
+    """One slot of one schedule, recorded before it is sent: the unique key is what makes
+    two beats, or a beat restarted mid-send, fire a slot at most once."""
+
+    __tablename__ = "schedule_slots"
+
+    schedule_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("schedules.id", ondelete="CASCADE"))
+    schedule_name: Mapped[str] = mapped_column(String(64))
+    slot_at: Mapped[dt.datetime]  # the cron time: when the peak begins
+    fire_at: Mapped[dt.datetime]  # slot_at - lead time
+    status: Mapped[SlotStatus]
+    run_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("warmup_runs.id", ondelete="SET NULL"))
+    claimed_by: Mapped[str | None] = mapped_column(String(255))
+    claimed_at: Mapped[dt.datetime | None]
+    attempts: Mapped[int] = mapped_column(default=0)
+    error: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (
+        UniqueConstraint("schedule_id", "slot_at", name="uq_schedule_slots_schedule_slot"),
+        Index("ix_schedule_slots_status", "status"),
+    )
+
+
+class BeatLease(Model):
+    """The leader lock of beat: the holder fires slots until `expires_at`, renewing each tick."""
+
+    __tablename__ = "beat_leases"
+
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    holder: Mapped[str] = mapped_column(String(255))
+    acquired_at: Mapped[dt.datetime]
+    expires_at: Mapped[dt.datetime]
+
+
+class TrafficCount(Model):
+    """Requests per model, template and minute: what peaks and template ranks are learned from."""
+
+    __tablename__ = "traffic_counts"
+
+    minute: Mapped[dt.datetime]
+    model: Mapped[str] = mapped_column(String(64))
+    template: Mapped[str] = mapped_column(String(64))  # "" for raw prompts (no template)
+    requests: Mapped[int]
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)  # summed over the requests
+    prefix_tokens: Mapped[int | None]  # the template's system prompt, in tokens
+
+    __table_args__ = (
+        UniqueConstraint("minute", "model", "template", name="uq_traffic_counts_minute_model_template"),
+    )

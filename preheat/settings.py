@@ -70,6 +70,12 @@ class Settings(BaseSettings):
     serve_max_body_bytes: ByteSize = Field(ByteSize(1024**2), gt=0)
     serve_tls_cert: Path | None = None
     serve_tls_key: Path | None = None
+    # Beat (schedules/beat.py): it reads the schedules table every tick; the leader holds a
+    # lease it renews each tick, and a standby takes over once the lease has expired.
+    beat_tick_s: float = Field(1.0, gt=0, le=60)
+    beat_lease_s: float = Field(15.0, gt=0)
+    # A slot whose fire time passed longer ago than this (no beat ran) is `missed`, not fired.
+    schedule_grace_s: float = Field(300.0, ge=0)
 
     @field_validator("broker_url")
     @classmethod
@@ -132,6 +138,15 @@ class Settings(BaseSettings):
                 f"PREHEAT_WORKER_DEAD_AFTER_S ({self.worker_dead_after_s:g}) must be at least twice "
                 f"PREHEAT_HEARTBEAT_INTERVAL_S ({self.heartbeat_interval_s:g}), or one late heartbeat "
                 f"declares a live worker dead"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lease_spans_ticks(self) -> Settings:
+        if self.beat_lease_s < 3 * self.beat_tick_s:
+            raise ValueError(
+                f"PREHEAT_BEAT_LEASE_S ({self.beat_lease_s:g}) must be at least three times PREHEAT_BEAT_TICK_S "
+                f"({self.beat_tick_s:g}), or a leader loses its lease between two renewals"
             )
         return self
 

@@ -1,35 +1,54 @@
-"""The beat scheduler: the catalog's ``[schedules.*]`` peaks, fired as ``preheat.warm_fleet``,
-and a keep-alive per ``[endpoints.*]``, fired as ``preheat.keep_alive_endpoint``.
+"""Beat, with the schedules in the database: `celery -A preheat beat` runs DatabaseScheduler.
 
-Each entry fires one fleet warmup whose run records the trigger (``schedule``) and the
-schedule's name. Cron fields are read in the app's time zone (``PREHEAT_TIMEZONE``).
+Why not a library: celery-redbeat keeps schedules in Redis (they would not survive a Redis
+restart without persistence) and has no per-schedule time zone; sqlalchemy-celery-beat
+has time zones and runtime edits but no leader lock, creates its own tables outside
+Alembic and records no slots. Celery's ``Scheduler`` still runs the loop and the static
+entries (each endpoint's keep-alive); slots come from the ``schedules`` table.
+
+Each tick the leader (schedules.leader) reads the enabled schedules, so edits apply within
+a tick. For each schedule it finds the slots whose fire time (cron time − lead time) has
+come since its last recorded slot. A slot is recorded (claimed) before it is sent, under a
+unique (schedule, slot) key, and its run carries the slot as trigger key; so two beats, or
+a beat restarted mid-send, fire a slot at most once. A slot whose fire time passed longer
+than the grace window ago, while no beat ran, is recorded `missed`; of several slots within
+the window only the newest fires (the others are `missed`, superseded). A slot that could
+not be sent (broker away) is `unsent` and retried while within the window.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
+import uuid
+from dataclasses import dataclass
 
-from celery.beat import PersistentScheduler
+from celery.beat import Scheduler
+from kombu.exceptions import OperationalError as BrokerError
+from sqlalchemy.exc import SQLAlchemyError
 
-from preheat.catalog import Catalog, load_catalog, parse_cron
+from preheat.catalog import Catalog, load_catalog
+from preheat.cron import Cron
+from preheat.db import session_scope, utcnow
+from preheat.errors import PreheatError
+from preheat.models import Schedule, ScheduleKind, SlotStatus, TriggerKind
+from preheat.registry import aware
 from preheat.settings import get_settings
+from schedules import leader, store
 
 log = logging.getLogger(__name__)
 
-ENTRY_PREFIX = "schedule:"
 KEEPALIVE_PREFIX = "keepalive:"
+# After a long outage, look back this far for slots to record as missed, and record at most
+# this many per schedule (a per-minute cron down for a week would be 10,080 rows).
+MISSED_LOOKBACK = dt.timedelta(days=1)
+MAX_MISSED_RECORDED = 100
 
 
-def catalog_entries(catalog: Catalog, app=None) -> dict:
+def keepalive_entries(catalog: Catalog) -> dict:
+    """A keep-alive entry per endpoint with templates, fired as `preheat.keep_alive_endpoint`."""
     entries = {}
-    for name, spec in catalog.schedules.items():
-        entries[f"{ENTRY_PREFIX}{name}"] = {
-            "task": "preheat.warm_fleet",
-            "schedule": parse_cron(spec.cron, app=app),
-            "kwargs": {"templates": spec.templates, "trigger": "schedule", "detail": {"schedule": name},
-                       "requested_by": "beat"},
-        }
     for name, endpoint in catalog.endpoints.items():
         if endpoint.keepalive_interval_s and endpoint.templates:
             # Below the provider's prompt-cache TTL (checked by the catalog); the task itself
@@ -43,11 +62,182 @@ def catalog_entries(catalog: Catalog, app=None) -> dict:
     return entries
 
 
-class CatalogScheduler(PersistentScheduler):
-    """Celery's persistent scheduler, with the catalog's schedules added at start."""
+@functools.lru_cache(maxsize=256)
+def _cron(expression: str, timezone: str) -> Cron:
+    return Cron.parse(expression, timezone)
 
-    def setup_schedule(self):
-        entries = catalog_entries(load_catalog(get_settings().catalog), app=self.app)
-        self.app.conf.beat_schedule = {**self.app.conf.beat_schedule, **entries}
-        log.info("beat: %d catalog schedule(s): %s", len(entries), ", ".join(sorted(entries)) or "none")
-        super().setup_schedule()
+
+@dataclass(frozen=True)
+class DueSlot:
+    schedule_id: uuid.UUID
+    name: str
+    kind: ScheduleKind
+    targets: dict
+    detail: dict
+    lead_time_s: int
+    slot_at: dt.datetime
+    fire_at: dt.datetime
+
+    @property
+    def trigger_key(self) -> str:
+        return f"schedule:{self.schedule_id}:{self.slot_at:%Y-%m-%dT%H:%M:%SZ}"
+
+
+def find_due(now: dt.datetime, grace_s: float) -> list[DueSlot]:
+    """Record the slots that are too late as missed; return the ones to fire now."""
+    grace = dt.timedelta(seconds=grace_s)
+    due = []
+    with session_scope() as session:
+        last = store.last_slots(session)
+        for schedule in store.enabled(session):
+            lead = dt.timedelta(seconds=schedule.lead_time_s)
+            # Fire times after the schedule became active, slots after its newest recorded one.
+            since = max(aware(schedule.active_since) + lead, last.get(schedule.id, dt.datetime.min.replace(tzinfo=dt.UTC)),
+                        now + lead - MISSED_LOOKBACK)
+            slots = list(_cron(schedule.cron, schedule.timezone).slots(since, now + lead))[-MAX_MISSED_RECORDED:]
+            in_time = [slot for slot in slots if now - (slot - lead) <= grace]
+            for slot in slots:
+                if slot not in in_time:
+                    late = (now - (slot - lead)).total_seconds()
+                    store.record_missed(session, schedule, slot, slot - lead,
+                                        f"no beat ran: fire time passed {late:.0f} s ago (grace {grace_s:g} s)")
+            for slot in in_time[:-1]:
+                store.record_missed(session, schedule, slot, slot - lead, f"superseded by the slot at {in_time[-1]:%Y-%m-%d %H:%M}Z")
+            if in_time:
+                due.append(DueSlot(schedule.id, schedule.name, schedule.kind, dict(schedule.targets),
+                                   dict(schedule.detail), schedule.lead_time_s, in_time[-1], in_time[-1] - lead))
+    return due
+
+
+def send_slot(slot: DueSlot, holder: str, now: dt.datetime) -> tuple[SlotStatus, uuid.UUID | None, str | None]:
+    """Dispatch the slot's warmup (its run keyed by the slot); what became of it, and why."""
+    from tasks.fleet import dispatch_endpoint_warmup, dispatch_warmup
+
+    detail = {"schedule": slot.name, "slot": slot.slot_at.isoformat(), "fire_at": slot.fire_at.isoformat(),
+              "lead_time_s": slot.lead_time_s, "late_s": round((now - slot.fire_at).total_seconds(), 1)}
+    if slot.detail:
+        detail["peak"] = slot.detail
+    trigger = TriggerKind.peak if slot.kind == ScheduleKind.peak else TriggerKind.schedule
+    common = {"templates": slot.targets.get("templates") or None, "trigger": trigger, "detail": detail,
+              "requested_by": f"beat {holder}", "trigger_key": slot.trigger_key}
+    try:
+        if slot.targets.get("endpoints"):
+            dispatched = dispatch_endpoint_warmup(slot.targets["endpoints"], **common)
+        else:
+            dispatched = dispatch_warmup(workers=slot.targets.get("workers") or None, **common)
+    except PreheatError as exc:  # no live worker, a target gone from the catalog: nothing to send
+        return SlotStatus.failed, None, str(exc)
+    except BrokerError as exc:
+        return SlotStatus.unsent, None, f"broker unreachable: {exc}"
+    log.info("fired %s slot %s (lead %d s) -> run %s on %s%s", slot.name, slot.slot_at.isoformat(), slot.lead_time_s,
+             dispatched.run_id.hex[:8], ", ".join(dispatched.workers), " (recorded before)" if dispatched.duplicate else "")
+    return SlotStatus.sent, dispatched.run_id, None
+
+
+def fire(slot: DueSlot, slot_id: uuid.UUID, holder: str, now: dt.datetime) -> SlotStatus:
+    status, run_id, error = send_slot(slot, holder, now)
+    if error:
+        log.warning("slot %s of %s is %s: %s", slot.slot_at.isoformat(), slot.name, status, error)
+    with session_scope() as session:
+        store.settle(session, slot_id, status, run_id=run_id, error=error)
+    return status
+
+
+def fire_due(now: dt.datetime, holder: str, *, grace_s: float, lease_s: float) -> dict[str, SlotStatus]:
+    """One pass of the leader: new due slots, then slots to retry. Returns what each became."""
+    fired = {}
+    for slot in find_due(now, grace_s):
+        with session_scope() as session:
+            schedule = session.get(Schedule, slot.schedule_id)
+            claimed = schedule is not None and store.claim(session, schedule, slot.slot_at, slot.fire_at, holder, now)
+            slot_id = claimed.id if claimed else None
+        if slot_id is not None:
+            fired[slot.trigger_key] = fire(slot, slot_id, holder, now)
+    fired.update(retry(now, holder, grace_s=grace_s, stale_before=now - dt.timedelta(seconds=lease_s)))
+    return fired
+
+
+def retry(now: dt.datetime, holder: str, *, grace_s: float, stale_before: dt.datetime) -> dict[str, SlotStatus]:
+    fired = {}
+    with session_scope() as session:
+        pending = [(row, session.get(Schedule, row.schedule_id)) for row in store.to_retry(session, stale_before)]
+        work = []
+        for row, schedule in pending:
+            if schedule is None:
+                continue
+            if (now - aware(row.fire_at)).total_seconds() > grace_s:
+                store.settle(session, row.id, SlotStatus.missed,
+                             error=f"could not be sent within the grace window ({grace_s:g} s): {row.error or 'beat stopped mid-send'}")
+                continue
+            if store.reclaim(session, row, holder, stale_before, now):
+                work.append((row.id, DueSlot(schedule.id, schedule.name, schedule.kind, dict(schedule.targets),
+                                             dict(schedule.detail), schedule.lead_time_s, aware(row.slot_at),
+                                             aware(row.fire_at))))
+    for slot_id, slot in work:
+        fired[slot.trigger_key] = fire(slot, slot_id, holder, now)
+    return fired
+
+
+class DatabaseScheduler(Scheduler):
+    """Celery beat over the schedules table, with a leader lease (see the module's docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.settings = get_settings()
+        self.holder = leader.holder_id()
+        self.leading = False
+        self._catalog_synced = False
+        super().__init__(*args, **kwargs)
+        self.max_interval = min(self.max_interval, self.settings.beat_tick_s)
+
+    def setup_schedule(self) -> None:
+        self.install_default_entries(self.data)
+        catalog = load_catalog(self.settings.catalog)
+        entries = keepalive_entries(catalog)
+        self.merge_inplace({**self.app.conf.beat_schedule, **entries})
+        log.info("beat %s: %d keep-alive entr%s; schedules from the database", self.holder, len(entries),
+                 "y" if len(entries) == 1 else "ies")
+
+    def _sync_catalog(self) -> None:
+        if self._catalog_synced:
+            return
+        with session_scope() as session:
+            changes = store.sync_catalog(session, load_catalog(self.settings.catalog), self.settings.timezone)
+        self._catalog_synced = True
+        log.info("beat: catalog schedules in step%s", f" ({', '.join(changes)})" if changes else "")
+
+    def _hold(self) -> bool:
+        with session_scope() as session:
+            held = leader.hold(session, self.holder, self.settings.beat_lease_s)
+        if held != self.leading:
+            log.info("beat %s %s", self.holder, "leads" if held else "is standby")
+        self.leading = held
+        return held
+
+    def tick(self, *args, **kwargs) -> float:
+        tick_s = self.settings.beat_tick_s
+        try:
+            if not self._hold():
+                return tick_s
+            self._sync_catalog()
+            fire_due(utcnow(), self.holder, grace_s=self.settings.schedule_grace_s,
+                     lease_s=self.settings.beat_lease_s)
+        except SQLAlchemyError as exc:
+            # Beat outlives a database outage: nothing is fired (nothing could be recorded),
+            # and slots still within the grace window fire once it is back.
+            log.warning("beat: history database unavailable, retrying: %s", str(exc).splitlines()[0])
+            self.leading = False
+            return tick_s
+        except PreheatError as exc:
+            log.error("beat: %s", exc)
+            return tick_s
+        return min(super().tick(*args, **kwargs), tick_s)
+
+    def close(self) -> None:
+        if self.leading:
+            try:
+                with session_scope() as session:
+                    leader.release(session, self.holder)
+                log.info("beat %s gave up the lead", self.holder)
+            except SQLAlchemyError as exc:
+                log.warning("beat: could not release the lead (it expires): %s", str(exc).splitlines()[0])
+        super().close()

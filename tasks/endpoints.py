@@ -18,14 +18,22 @@ log = logging.getLogger(__name__)
 
 
 @app.task(bind=True, name="preheat.warm_endpoint", **DB_RETRY)
-def warm_endpoint_task(self, run_id: str, endpoint: str, templates: list[str]) -> dict:
-    """Open the endpoint's pool, send the templates' prompts concurrently, record each."""
-    if not self.start_jobs(run_id, endpoint, templates):
+def warm_endpoint_task(self, run_id: str, endpoint: str, templates: list[str], base_url: str | None = None,
+                       target: str | None = None) -> dict:
+    """Open the endpoint's pool, send the templates' prompts concurrently, record each.
+    With `base_url`, warm one replica of it (a pod that just became ready), as `target`."""
+    target = target or endpoint
+    if not self.start_jobs(run_id, target, templates):
         return {}
     catalog = load_catalog(get_settings().catalog)
-    results = warm_endpoint(endpoint, catalog.endpoint(endpoint), catalog, templates)
+    spec = catalog.endpoint(endpoint)
+    if base_url:
+        spec = spec.model_copy(update={"base_url": base_url})
+    results = warm_endpoint(target, spec, catalog, templates)
+    if base_url:
+        POOLS.discard(target)  # one replica's warmup; traffic reaches it through the endpoint's own pool
     for result in results:
-        self.finish_job(run_id, endpoint, result.template, result.status, result.as_record())
+        self.finish_job(run_id, target, result.template, result.status, result.as_record())
     return {result.template: result.status for result in results}
 
 

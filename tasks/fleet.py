@@ -9,6 +9,9 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from sqlalchemy.exc import IntegrityError
 
 from preheat import history, registry
 from preheat.catalog import load_catalog
@@ -26,6 +29,7 @@ class Dispatched:
     run_id: uuid.UUID
     workers: list[str]
     templates: list[str]
+    duplicate: bool = False  # the trigger key had a run already: nothing was sent
 
 
 def live_workers() -> list[str]:
@@ -54,8 +58,10 @@ def dispatch_warmup(
     requested_by: str,
     detail: dict | None = None,
     only_if_cold: bool = False,
+    trigger_key: str | None = None,
 ) -> Dispatched:
-    """Validate the request, record the run and its queued jobs, then send one task per worker."""
+    """Validate the request, record the run and its queued jobs, then send one task per worker.
+    With a `trigger_key` that already has a run (a trigger firing again), send nothing."""
     settings = get_settings()
     catalog = load_catalog(settings.catalog)
     templates = list(dict.fromkeys(templates or catalog.templates))
@@ -65,8 +71,11 @@ def dispatch_warmup(
     _ensure_broker()  # before anything is recorded: a run whose jobs cannot be sent is half-written
     targets = _choose_targets(workers, live_workers())
 
-    run_id, task_ids = _record_run(trigger, requested_by, detail, TargetKind.worker,
-                                   {worker: model_templates for worker in targets})
+    recorded = _record_run(trigger, requested_by, detail, TargetKind.worker,
+                           {worker: model_templates for worker in targets}, trigger_key)
+    if recorded is None:
+        return _duplicate(trigger_key)
+    run_id, task_ids = recorded
     for worker, task_id in task_ids.items():
         kwargs = {"run_id": str(run_id), "worker": worker, "templates": templates, "only_if_cold": only_if_cold}
         _send("preheat.warm_worker", kwargs, task_id, f"run={run_id.hex[:8]} worker={worker} "
@@ -75,17 +84,33 @@ def dispatch_warmup(
 
 
 def _record_run(trigger: TriggerKind, requested_by: str, detail: dict | None, kind: TargetKind,
-                plan: dict[str, list[tuple[str, str]]]) -> tuple[uuid.UUID, dict[str, str]]:
+                plan: dict[str, list[tuple[str, str]]],
+                trigger_key: str | None = None) -> tuple[uuid.UUID, dict[str, str]] | None:
     """Record a run and each target's queued (model, template) jobs, and commit; returns the
-    run id and each target's task id. Callers send only after this: a task never arrives
-    for a row that was rolled back."""
+    run id and each target's task id, or None when `trigger_key` has its run already.
+    Callers send only after this: a task never arrives for a row that was rolled back."""
     task_ids = {target: str(uuid.uuid4()) for target in plan}
+    try:
+        with session_scope() as session:
+            if trigger_key and history.run_for_key(session, trigger_key) is not None:
+                return None
+            run = history.create_run(session, trigger=trigger, requested_by=requested_by, detail=detail,
+                                     trigger_key=trigger_key)
+            for target, model_templates in plan.items():
+                history.add_jobs(session, run, target=target, model_templates=model_templates,
+                                 task_id=task_ids[target], target_kind=kind)
+            return run.id, task_ids
+    except IntegrityError:
+        if trigger_key is None:
+            raise
+        return None  # another process recorded this trigger between our check and insert
+
+
+def _duplicate(trigger_key: str) -> Dispatched:
     with session_scope() as session:
-        run = history.create_run(session, trigger=trigger, requested_by=requested_by, detail=detail)
-        for target, model_templates in plan.items():
-            history.add_jobs(session, run, target=target, model_templates=model_templates,
-                             task_id=task_ids[target], target_kind=kind)
-        return run.id, task_ids
+        run = history.get_run(session, history.run_for_key(session, trigger_key).id)
+        return Dispatched(run.id, sorted({job.target for job in run.jobs}),
+                          sorted({job.template for job in run.jobs}), duplicate=True)
 
 
 def prime_dispatch() -> None:
@@ -121,21 +146,37 @@ def dispatch_endpoint_warmup(
     trigger: TriggerKind = TriggerKind.manual,
     requested_by: str,
     detail: dict | None = None,
+    trigger_key: str | None = None,
+    replica: str | None = None,
 ) -> Dispatched:
     """Record a run with one job per endpoint and template, then send one
-    `preheat.warm_endpoint` per endpoint (any worker runs it: it only talks HTTP)."""
+    `preheat.warm_endpoint` per endpoint (any worker runs it: it only talks HTTP).
+    `replica` ("host:port") warms one replica of each endpoint (a pod that just became
+    ready): the job's target is then "endpoint@host:port"."""
     catalog = load_catalog(get_settings().catalog)
-    plan = {}
+    plan, calls = {}, {}
     for name in dict.fromkeys(endpoints):
         spec = catalog.endpoint(name)
         chosen = list(dict.fromkeys(templates or spec.templates))
         if not chosen:
             raise ConfigError(f"endpoint {name!r} names no templates to prime; give --template")
-        plan[name] = [(spec.model or catalog.template(t).model, t) for t in chosen]
+        target = f"{name}@{replica}" if replica else name
+        plan[target] = [(spec.model or catalog.template(t).model, t) for t in chosen]
+        calls[target] = {"endpoint": name, "templates": chosen}
+        if replica:
+            calls[target].update(base_url=replica_url(spec.base_url, replica), target=target)
     _ensure_broker()
-    run_id, task_ids = _record_run(trigger, requested_by, detail, TargetKind.endpoint, plan)
-    for name, task_id in task_ids.items():
-        chosen = [template for _, template in plan[name]]
-        _send("preheat.warm_endpoint", {"run_id": str(run_id), "endpoint": name, "templates": chosen}, task_id,
-              f"run={run_id.hex[:8]} endpoint={name} templates={','.join(chosen)}")
+    recorded = _record_run(trigger, requested_by, detail, TargetKind.endpoint, plan, trigger_key)
+    if recorded is None:
+        return _duplicate(trigger_key)
+    run_id, task_ids = recorded
+    for target, task_id in task_ids.items():
+        call = calls[target]
+        _send("preheat.warm_endpoint", {"run_id": str(run_id), **call}, task_id,
+              f"run={run_id.hex[:8]} endpoint={target} templates={','.join(call['templates'])}")
     return Dispatched(run_id, list(plan), sorted({t for ts in plan.values() for _, t in ts}))
+
+
+def replica_url(base_url: str, replica: str) -> str:
+    """The endpoint's URL with one replica's host:port in place of its own (path kept)."""
+    return urlsplit(base_url)._replace(netloc=replica).geturl()

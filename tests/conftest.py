@@ -198,7 +198,7 @@ def _empty_tables(url: str) -> None:
 
     engine = make_engine(url)
     with engine.begin() as connection:
-        connection.execute(text("TRUNCATE warmup_jobs, warmup_runs, schedules, workers, endpoint_keepalives"))
+        connection.execute(text("TRUNCATE warmup_jobs, warmup_runs, schedule_slots, schedules, beat_leases, traffic_counts, workers, endpoint_keepalives"))
     engine.dispose()
 
 
@@ -226,6 +226,26 @@ def _make_stack(kind: str, request, tmp_path: Path, model_dir: Path, apply_env) 
 def stack(request, tmp_path, tiny_model, apply_env) -> Stack:
     """The embedded default (filesystem broker, SQLite) and the real services (Redis, Postgres)."""
     return _make_stack(request.param, request, tmp_path, tiny_model, apply_env)
+
+
+@pytest.fixture
+def stack_app(stack):
+    """This process's Celery app, pointed at the stack's broker: for code that sends tasks
+    in-process (beat's dispatch, the watchers), as their own processes would."""
+    from preheat.celery import app, celery_config
+    from preheat.settings import get_settings
+
+    _point_app(app, celery_config(get_settings()))
+    yield app
+    _point_app(app, None)
+
+
+def _point_app(app, config: dict | None) -> None:
+    # Kombu keeps one pool per broker URL for the process (not closed here: it is shared).
+    app._pool = None
+    app.amqp._producer_pool = None
+    if config is not None:
+        app.conf.update(config)
 
 
 @pytest.fixture

@@ -19,12 +19,13 @@ err = Console(stderr=True)
 
 
 def _register() -> None:
-    from preheat.cli import bench, config, db, dev, endpoints, history, infer, serve, warm, workers
+    from preheat.cli import bench, config, db, dev, endpoints, history, infer, schedule, serve, warm, workers
 
     app.add_typer(bench.app, name="bench")
     app.add_typer(db.app, name="db")
     app.add_typer(dev.app, name="dev")
     app.add_typer(config.app, name="config")
+    app.add_typer(schedule.app, name="schedule")
     app.command("warm")(warm.warm)
     app.command("history")(history.history)
     app.command("infer")(infer.infer)

@@ -25,7 +25,7 @@ def saved_pct(job: WarmupJob) -> float | None:
     return 100.0 * (1 - job.ttft_warm_ms / job.ttft_cold_ms)
 
 
-def _when(value: dt.datetime | None) -> str:
+def when(value: dt.datetime | None) -> str:
     return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
 
 
@@ -70,8 +70,8 @@ def runs_table(runs: list[WarmupRun]) -> Table:
     for run in runs:
         done = sum(1 for job in run.jobs if job.status.is_final)
         detail = ", ".join(f"{k}={v}" for k, v in (run.trigger_detail or {}).items()) or "-"
-        table.add_row(short_id(run), _when(run.created_at), str(run.trigger), detail, run.requested_by,
-                      str(run.status), f"{done}/{len(run.jobs)}", _when(run.finished_at))
+        table.add_row(short_id(run), when(run.created_at), str(run.trigger), detail, run.requested_by,
+                      str(run.status), f"{done}/{len(run.jobs)}", when(run.finished_at))
     return table
 
 
@@ -151,7 +151,7 @@ def workers_table(records: list[tuple[WorkerRecord, bool]]) -> Table:
         models = ", ".join(f"{name} ({spec['device']})" for name, spec in state.get("models", {}).items()) or "-"
         lookups = cache.get("hits", 0) + cache.get("misses", 0)
         table.add_row(
-            record.nodename, worker_state(record, live), _when(record.heartbeat_at), models,
+            record.nodename, worker_state(record, live), when(record.heartbeat_at), models,
             f"{cache.get('entries', 0)}/{cache.get('max_entries', '-')}",
             f"{cache.get('bytes', 0) / 2**20:,.1f}/{cache.get('max_bytes', 0) / 2**20:,.0f}",
             f"{100 * cache.get('hits', 0) / lookups:.0f}%" if lookups else "-",
