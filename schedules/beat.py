@@ -184,7 +184,7 @@ class DatabaseScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         self.settings = get_settings()
         self.holder = leader.holder_id()
-        self.leading = False
+        self.leading: bool | None = None  # unknown until the first tick: then logged either way
         self._catalog_synced = False
         super().__init__(*args, **kwargs)
         self.max_interval = min(self.max_interval, self.settings.beat_tick_s)

@@ -1,0 +1,134 @@
+"""The schedule guarantees with real `celery beat` processes, a real worker, Redis and Postgres.
+
+Slots are minutes apart in cron, so each schedule here fires every minute with a lead time
+that puts its fire time a few seconds from now: several slots fit in one test, on the clock.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+
+import pytest
+from sqlalchemy import select
+
+from preheat import procs
+from preheat.db import session_scope, utcnow
+from preheat.models import ScheduleSlot, SlotStatus, WarmupRun
+from schedules import store
+
+pytestmark = pytest.mark.slow
+
+WORKER = "gpu0@beat-procs"
+BEAT_ENV = {"PREHEAT_BEAT_TICK_S": "0.5", "PREHEAT_BEAT_LEASE_S": "3"}
+
+
+def lead_for(fire_at: dt.datetime) -> int:
+    """The lead time that makes a per-minute cron fire at `fire_at` (to the second)."""
+    slot = dt.datetime.fromtimestamp(math.ceil(fire_at.timestamp() / 60) * 60, dt.UTC)
+    return int((slot - fire_at).total_seconds())
+
+
+def add_firing_at(stack, name: str, fire_at: dt.datetime, cli: bool = False) -> None:
+    """Add a schedule while beat runs: through the CLI, or the same service in-process (faster)."""
+    if cli:
+        added = stack.cli("schedule", "add", name, "--cron", "* * * * *", "--lead", str(lead_for(fire_at)))
+        assert added.returncode == 0, added.stderr
+        return
+    with session_scope() as session:
+        store.add(session, name=name, cron="* * * * *", timezone="UTC", targets={"templates": ["support"]},
+                  lead_time_s=lead_for(fire_at))
+
+
+def slot_rows() -> dict[str, list[ScheduleSlot]]:
+    rows: dict[str, list[ScheduleSlot]] = {}
+    with session_scope() as session:
+        for row in session.scalars(select(ScheduleSlot).order_by(ScheduleSlot.slot_at)):
+            rows.setdefault(row.schedule_name, []).append(row)
+    return rows
+
+
+def settled(name: str):
+    rows = slot_rows().get(name, [])
+    return rows if rows and all(row.status != SlotStatus.claimed for row in rows) else None
+
+
+def runs_by_schedule() -> dict[str, list[WarmupRun]]:
+    found: dict[str, list[WarmupRun]] = {}
+    with session_scope() as session:
+        for run in session.scalars(select(WarmupRun)):
+            found.setdefault(run.trigger_detail.get("schedule"), []).append(run)
+    return found
+
+
+@pytest.fixture
+def fleet(services_stack, tmp_path):
+    stack = services_stack
+    stack.env.update(BEAT_ENV)
+    worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
+    with procs.running(worker):
+        procs.wait_for_log(worker, f"{WORKER} ready.", 90)
+        yield stack
+
+
+def start_beat(stack, name: str, tmp_path):
+    return procs.start(name, procs.celery_command("beat", "--loglevel=INFO"), stack.env, tmp_path / "logs",
+                       cwd=stack.home)
+
+
+def test_two_beats_fire_each_slot_once_and_the_standby_takes_over_a_killed_leader(fleet, tmp_path):
+    stack = fleet
+    first = start_beat(stack, "beat-a", tmp_path)
+    with procs.running(first):
+        procs.wait_for_log(first, "leads")
+        second = start_beat(stack, "beat-b", tmp_path)
+        with procs.running(second):
+            procs.wait_for_log(second, "is standby")
+            # Added while both run: picked up without a restart.
+            now = utcnow()
+            add_firing_at(stack, "before-kill", now + dt.timedelta(seconds=6), cli=True)
+            add_firing_at(stack, "after-kill", now + dt.timedelta(seconds=16))
+            add_firing_at(stack, "paused", now + dt.timedelta(seconds=8))
+            with session_scope() as session:
+                store.set_enabled(session, "paused", False)
+            procs.poll(lambda: settled("before-kill"), 30, what="the first slot fired")
+            procs.kill(first)  # SIGKILL: no lease released; the standby waits for it to expire
+            killed_at = utcnow()
+            procs.poll(lambda: settled("after-kill"), 40, what="the standby firing the next slot")
+            assert "leads" in second.log()
+    rows, runs = slot_rows(), runs_by_schedule()
+    assert "paused" not in rows and "paused" not in runs
+    for name in ("before-kill", "after-kill"):
+        [row] = rows[name]
+        assert row.status == SlotStatus.sent, (row.status, row.error)
+        assert [run.id for run in runs[name]] == [row.run_id]  # one run per slot, the slot's
+    assert rows["after-kill"][0].claimed_by.split(":")[1] == str(second.popen.pid)
+    assert rows["after-kill"][0].claimed_at - killed_at < dt.timedelta(seconds=20)
+    assert "Traceback" not in second.log(), second.log()[-3000:]
+
+
+def test_a_restarted_beat_neither_loses_nor_repeats_a_slot_and_records_what_it_missed(fleet, tmp_path):
+    stack = fleet
+    stack.env["PREHEAT_SCHEDULE_GRACE_S"] = "10"
+    first = start_beat(stack, "beat-first", tmp_path)
+    with procs.running(first):
+        procs.wait_for_log(first, "leads")
+        now = utcnow()
+        add_firing_at(stack, "fired-before", now + dt.timedelta(seconds=4))
+        add_firing_at(stack, "too-late", now + dt.timedelta(seconds=6))  # down 13+ s past it: missed
+        procs.poll(lambda: settled("fired-before"), 30, what="the slot before the crash")
+        procs.kill(first)
+    restart_at = now + dt.timedelta(seconds=6 + 10 + 3)
+    add_firing_at(stack, "late-in-grace", restart_at - dt.timedelta(seconds=2))  # passes while down
+    add_firing_at(stack, "on-time", restart_at + dt.timedelta(seconds=7))
+    procs.poll(lambda: utcnow() >= restart_at, 40, every_s=0.1, what="the restart time")
+    second = start_beat(stack, "beat-second", tmp_path)
+    with procs.running(second):
+        procs.poll(lambda: settled("on-time"), 40, what="the slot after the restart")
+    rows, runs = slot_rows(), runs_by_schedule()
+    assert [row.status for row in rows["fired-before"]] == [SlotStatus.sent] and len(runs["fired-before"]) == 1
+    [missed] = rows["too-late"]
+    assert missed.status == SlotStatus.missed and "no beat ran" in missed.error and "too-late" not in runs
+    [late] = rows["late-in-grace"]
+    assert late.status == SlotStatus.sent and runs["late-in-grace"][0].trigger_detail["late_s"] > 0
+    assert [row.status for row in rows["on-time"]] == [SlotStatus.sent] and len(runs["on-time"]) == 1
