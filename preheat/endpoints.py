@@ -100,11 +100,10 @@ class EndpointPool:
             # Only now read them: a body read to its end hands its connection back (idle, kept
             # alive); one closed unread would be dropped.
             for response in responses:
-                for _ in response.iter_lines():  # as a streamed reply is read (stream_chat)
-                    pass
+                lines = list(response.iter_lines())  # as a streamed reply is read (stream_chat)
                 if response.status_code >= (400 if primer else 500):
                     raise EndpointError(f"{method} {response.url.path} answered {response.status_code}: "
-                                        f"{response.text[:200]}")
+                                        f"{' '.join(lines)[:200]}")
         if self.spec.min_connections and not primer:  # a primer's answer already showed the server serves
             checked = self.client.get(open_url(self.spec))
             if checked.status_code >= 400:

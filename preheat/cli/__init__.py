@@ -19,7 +19,7 @@ err = Console(stderr=True)
 
 
 def _register() -> None:
-    from preheat.cli import bench, config, db, dev, endpoints, history, infer, schedule, serve, warm, workers
+    from preheat.cli import bench, config, db, dev, endpoints, history, infer, schedule, serve, warm, watch, workers
 
     app.add_typer(bench.app, name="bench")
     app.add_typer(db.app, name="db")
@@ -32,6 +32,8 @@ def _register() -> None:
     app.command("workers")(workers.workers)
     app.command("serve")(serve.serve)
     app.command("endpoints")(endpoints.endpoints)
+    app.command("watch-pods")(watch.watch_pods)
+    app.command("watch-workers")(watch.watch_workers)
 
 
 _register()
