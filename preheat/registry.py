@@ -143,6 +143,7 @@ class Heartbeat:
     interval_s: float
     dead_after_s: float
     time_limit_s: float
+    on_beat: Callable[[], object] | None = None  # more bookkeeping on the same beat (traffic counts)
 
     def __post_init__(self) -> None:
         self.started_at = utcnow()
@@ -161,6 +162,8 @@ class Heartbeat:
                 beat(session, self.nodename, started_at=self.started_at, ready=bool(state.get("ready")), state=state)
             with session_scope() as session:
                 reap(session, dead_after_s=self.dead_after_s, time_limit_s=self.time_limit_s)
+            if self.on_beat is not None:
+                self.on_beat()
         except SQLAlchemyError as exc:
             # The worker keeps serving; it shows as dead only if this lasts past dead_after_s.
             log.warning("heartbeat of %s not recorded: %s", self.nodename, str(exc).splitlines()[0])
@@ -176,6 +179,8 @@ class Heartbeat:
         if self._thread.is_alive():
             self._thread.join(self.interval_s + 5)
         try:
+            if self.on_beat is not None:
+                self.on_beat()
             with session_scope() as session:
                 mark_stopped(session, self.nodename)
         except SQLAlchemyError as exc:

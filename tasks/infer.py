@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from preheat.celery import app
+from preheat.traffic import TRAFFIC
 from tasks.runtime import get_runtime
 
 
 @app.task(bind=True, name="preheat.infer", ignore_result=False)
 def infer(self, template: str, user_input: str, max_new_tokens: int = 64) -> dict:
     """Template + user input -> completion, with its TTFT and how many tokens came from the cache."""
-    return get_runtime().infer(template, user_input, max_new_tokens).as_dict()
+    completion = get_runtime().infer(template, user_input, max_new_tokens)
+    # Counted for the peak learner and `preheat templates rank`; written with the heartbeat.
+    TRAFFIC.count(completion.model, template, completion.prompt_tokens, completion.cached_tokens or None)
+    return completion.as_dict()

@@ -14,6 +14,7 @@ import threading
 
 from celery import bootsteps
 
+from preheat import traffic
 from preheat.celery import app, infer_queue
 from preheat.endpoints import POOLS
 from preheat.errors import ConfigError, exit_with
@@ -78,7 +79,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         health_port = self.health.port
         self.heartbeat = Heartbeat(worker.hostname, lambda: {**runtime.describe(), "health_port": health_port},
                                    settings.heartbeat_interval_s, settings.worker_dead_after_s,
-                                   settings.task_time_limit_s).start()
+                                   settings.task_time_limit_s, on_beat=traffic.flush).start()
         threading.Thread(target=runtime.preload, name="preheat-preload", daemon=True).start()
 
     def stop(self, worker) -> None:

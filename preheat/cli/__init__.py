@@ -19,13 +19,17 @@ err = Console(stderr=True)
 
 
 def _register() -> None:
-    from preheat.cli import bench, config, db, dev, endpoints, history, infer, schedule, serve, warm, watch, workers
+    from preheat.cli import (bench, config, db, dev, endpoints, history, infer, learn, schedule, serve, warm, watch,
+                             workers)
 
     app.add_typer(bench.app, name="bench")
     app.add_typer(db.app, name="db")
     app.add_typer(dev.app, name="dev")
     app.add_typer(config.app, name="config")
     app.add_typer(schedule.app, name="schedule")
+    app.add_typer(learn.traffic_app, name="traffic")
+    app.add_typer(learn.peaks_app, name="peaks")
+    app.add_typer(learn.templates_app, name="templates")
     app.command("warm")(warm.warm)
     app.command("history")(history.history)
     app.command("infer")(infer.infer)

@@ -39,6 +39,24 @@ def test_a_request_sent_before_the_worker_exists_is_served_only_once_it_is_warm(
         assert "preheat_kv_cache_hits_total 2.0" in metrics and "preheat_kv_cache_misses_total 0.0" in metrics
         assert 'preheat_prefills_total{model="tiny"} 1.0' in metrics  # pre-filled once, at start
 
+        # Both requests are counted for the peak learner, written with the next heartbeat.
+        counted = procs.poll(lambda: _traffic("tiny", "support"), 15, what="traffic counted")
+        assert counted == (2, answer["prompt_tokens"] + second["prompt_tokens"], answer["cached_tokens"])
+
+
+def _traffic(model: str, template: str):
+    from sqlalchemy import func, select
+
+    from preheat.db import session_scope
+    from preheat.models import TrafficCount
+
+    with session_scope() as session:
+        requests, prompt_tokens, prefix_tokens = session.execute(
+            select(func.sum(TrafficCount.requests), func.sum(TrafficCount.prompt_tokens),
+                   func.max(TrafficCount.prefix_tokens))
+            .where(TrafficCount.model == model, TrafficCount.template == template)).one()
+    return (requests, prompt_tokens, prefix_tokens) if requests == 2 else None
+
 
 @pytest.mark.slow
 def test_a_worker_with_a_broken_model_starts_serves_the_others_and_says_why_not_ready(stack, tmp_path):

@@ -1,0 +1,264 @@
+"""Learned peaks and template ranks, from the traffic counts and the warmup history.
+
+`suggest`: fold the last weeks of a model's traffic onto one week of buckets in a time
+zone, find where the rate rises to `factor` times the week's mean, and propose a schedule
+per start time that fires ahead of it by a lead time measured from history: the p95 of
+how long this model's warmups took (dispatch to the last job finished), plus a margin.
+
+`rank`: order templates by the time pre-filling saves, request rate × measured prefill
+time, and say which fit the pinned share of the KV cache budget. Measure first, then
+choose what to pre-fill: a long system prompt asked for twice a day saves less than a
+short one asked for every second.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from zoneinfo import ZoneInfo
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from preheat import traffic
+from preheat.catalog import Catalog
+from preheat.models import JobStatus, RunStatus, TargetKind, WarmupJob, WarmupRun
+from preheat.registry import aware
+
+DAY_NAMES = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")  # cron's numbering: 0 is Sunday
+MINUTES_PER_WEEK = 7 * 24 * 60
+
+
+@dataclass(frozen=True)
+class LeadTime:
+    seconds: int
+    p95_s: float | None  # of the recorded warmup durations; None when there were none
+    margin_s: float
+    runs: int
+
+    def explain(self) -> str:
+        if self.p95_s is None:
+            return f"no recorded warmups of this model: default {self.seconds} s"
+        return f"p95 {self.p95_s:.1f} s of {self.runs} warmup(s) + margin {self.margin_s:g} s"
+
+
+@dataclass
+class Peak:
+    model: str
+    days: list[int]  # cron weekday numbers, 0 = Sunday
+    start: str  # local HH:MM the rate first reaches the threshold
+    end: str  # local HH:MM it falls below it again
+    peak_rpm: float  # the highest bucket's requests per minute
+    baseline_rpm: float  # the week's mean
+    templates: list[str] = field(default_factory=list)
+
+    @property
+    def cron(self) -> str:
+        hour, minute = self.start.split(":")
+        return f"{int(minute)} {int(hour)} * * {_days_field(self.days)}"
+
+    @property
+    def name(self) -> str:
+        return f"peak-{self.model}-{_days_field(self.days, names=True)}-{self.start.replace(':', '')}"[:64]
+
+
+@dataclass
+class Suggestion:
+    peak: Peak
+    timezone: str
+    lead: LeadTime
+
+    def detail(self, weeks: int) -> dict:
+        return {"model": self.peak.model, "days": [DAY_NAMES[d] for d in self.peak.days], "starts": self.peak.start,
+                "ends": self.peak.end, "peak_rpm": round(self.peak.peak_rpm, 2),
+                "baseline_rpm": round(self.peak.baseline_rpm, 2), "weeks": weeks,
+                "lead": {"seconds": self.lead.seconds, "p95_s": self.lead.p95_s, "margin_s": self.lead.margin_s,
+                         "runs": self.lead.runs}}
+
+
+def _days_field(days: list[int], names: bool = False) -> str:
+    """Weekday numbers as a cron field, runs as ranges: [1,2,3,4,5] -> "1-5" (or "mon-fri")."""
+    label = (lambda d: DAY_NAMES[d]) if names else str
+    parts, run = [], []
+    for day in sorted(days) + [None]:
+        if run and (day is None or day != run[-1] + 1):
+            parts.append(label(run[0]) if len(run) == 1 else f"{label(run[0])}-{label(run[-1])}")
+            run = []
+        if day is not None:
+            run.append(day)
+    return ",".join(parts) if len(days) < 7 else "*"
+
+
+# Peaks -------------------------------------------------------------------------------------
+
+
+def weekly_rates(rows, timezone: str, bucket_min: int, since: dt.datetime, until: dt.datetime) -> list[float]:
+    """Requests per minute in each bucket of the week (Sunday 00:00 local first), averaged over
+    the times that bucket occurred between `since` and `until`."""
+    zone = ZoneInfo(timezone)
+    buckets = MINUTES_PER_WEEK // bucket_min
+    totals, occurrences = [0] * buckets, [0] * buckets
+    for row in rows:
+        totals[_bucket(aware(row.minute), zone, bucket_min)] += row.requests
+    minute = since
+    while minute <= until:  # count each bucket's minutes in the window, zone changes included
+        occurrences[_bucket(minute, zone, bucket_min)] += 1
+        minute += dt.timedelta(minutes=1)
+    return [total / count if count else 0.0 for total, count in zip(totals, occurrences)]
+
+
+def _bucket(moment: dt.datetime, zone: ZoneInfo, bucket_min: int) -> int:
+    local = moment.astimezone(zone)
+    minute_of_week = (local.isoweekday() % 7) * 1440 + local.hour * 60 + local.minute
+    return minute_of_week // bucket_min
+
+
+def find_peaks(model: str, rates: list[float], bucket_min: int, factor: float) -> list[Peak]:
+    """Runs of buckets at or above `factor` × the week's mean, grouped by start time."""
+    mean = statistics.fmean(rates) if rates else 0.0
+    threshold = factor * mean
+    if mean == 0:
+        return []
+    count, onsets = len(rates), []
+    for index in range(count):
+        if rates[index] >= threshold and rates[index - 1] < threshold:  # index - 1 wraps: the week is a circle
+            end = index
+            while rates[(end + 1) % count] >= threshold and (end + 1) % count != index:
+                end += 1
+            onsets.append((index, end + 1))
+    by_start: dict[str, Peak] = {}
+    for start, stop in onsets:
+        minute_of_week = start * bucket_min
+        day, start_text = minute_of_week // 1440, _hhmm(minute_of_week % 1440)
+        end_text = _hhmm((stop * bucket_min) % 1440)
+        peak_rpm = max(rates[i % count] for i in range(start, stop))
+        peak = by_start.setdefault(start_text, Peak(model, [], start_text, end_text, 0.0, mean))
+        peak.days.append(day)
+        peak.peak_rpm = max(peak.peak_rpm, peak_rpm)
+    return sorted(by_start.values(), key=lambda p: (p.start, p.days))
+
+
+def _hhmm(minute_of_day: int) -> str:
+    return f"{minute_of_day // 60:02d}:{minute_of_day % 60:02d}"
+
+
+def peak_templates(rows, peak: Peak, zone: ZoneInfo, bucket_min: int, catalog: Catalog) -> list[str]:
+    """The model's templates requested during the peak; all of its templates if none are named."""
+    known = set(catalog.templates_of(peak.model))
+    seen = set()
+    start_minute = int(peak.start[:2]) * 60 + int(peak.start[3:])
+    for row in rows:
+        local = aware(row.minute).astimezone(zone)
+        if local.isoweekday() % 7 in peak.days and row.template in known and \
+                0 <= local.hour * 60 + local.minute - start_minute < 60:
+            seen.add(row.template)
+    return sorted(seen) or sorted(known)
+
+
+def warmup_durations(session: Session, model: str, limit: int = 200) -> list[float]:
+    """Seconds from dispatch to the last job finished, of this model's recent finished runs on workers."""
+    query = (select(WarmupRun.created_at, WarmupRun.finished_at).join(WarmupJob)
+             .where(WarmupJob.model == model, WarmupJob.target_kind == TargetKind.worker,
+                    WarmupRun.status.in_([RunStatus.succeeded, RunStatus.degraded]),
+                    WarmupRun.finished_at.is_not(None))
+             .group_by(WarmupRun.id, WarmupRun.created_at, WarmupRun.finished_at)
+             .order_by(WarmupRun.created_at.desc()).limit(limit))
+    return [(aware(finished) - aware(created)).total_seconds() for created, finished in session.execute(query)]
+
+
+def p95(values: list[float]) -> float:
+    """Nearest-rank 95th percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def lead_time(session: Session, model: str, margin_s: float, default_s: int) -> LeadTime:
+    durations = warmup_durations(session, model)
+    if not durations:
+        return LeadTime(default_s, None, margin_s, 0)
+    percentile = p95(durations)
+    return LeadTime(math.ceil(percentile + margin_s), round(percentile, 3), margin_s, len(durations))
+
+
+def suggest(session: Session, catalog: Catalog, *, model: str | None, timezone: str, weeks: int, bucket_min: int,
+            factor: float, margin_s: float, default_lead_s: int) -> list[Suggestion]:
+    suggestions = []
+    zone = ZoneInfo(timezone)
+    for name in [model] if model else traffic.models(session):
+        until = traffic.latest_minute(session, name)
+        if until is None:
+            continue
+        since = until - dt.timedelta(weeks=weeks) + dt.timedelta(minutes=1)
+        rows = traffic.counts(session, name, since, until)
+        lead = lead_time(session, name, margin_s, default_lead_s)
+        for peak in find_peaks(name, weekly_rates(rows, timezone, bucket_min, since, until), bucket_min, factor):
+            peak.templates = peak_templates(rows, peak, zone, bucket_min, catalog)
+            suggestions.append(Suggestion(peak, timezone, lead))
+    return suggestions
+
+
+# Template ranks --------------------------------------------------------------------------------
+
+
+@dataclass
+class TemplateRank:
+    template: str
+    model: str
+    requests_per_hour: float
+    prefix_tokens: int | None
+    prefill_ms: float | None  # median of measured warmups
+    cache_bytes: int | None  # median of measured warmups
+    in_catalog: bool
+    fits: bool | None = None  # within the pinned budget, in rank order; None when not measured
+
+    @property
+    def saved_s_per_hour(self) -> float | None:
+        if self.prefill_ms is None:
+            return None
+        return self.requests_per_hour * self.prefill_ms / 1000
+
+
+def rank(session: Session, catalog: Catalog, *, days: int, max_bytes: int, max_entries: int,
+         model: str | None = None) -> list[TemplateRank]:
+    until = traffic.latest_minute(session, model)
+    rows = traffic.counts(session, model, until - dt.timedelta(days=days), until) if until else []
+    hours = days * 24
+    requests, prefix, models = defaultdict(int), {}, {}
+    for row in rows:
+        if row.template:
+            requests[row.template] += row.requests
+            prefix[row.template] = row.prefix_tokens or prefix.get(row.template)
+            models[row.template] = row.model
+    names = set(requests) | {t for t in catalog.templates if model is None or catalog.templates[t].model == model}
+    measured = _measured(session)
+    ranks = []
+    for name in names:
+        prefill, cache_bytes, tokens = measured.get(name, (None, None, None))
+        ranks.append(TemplateRank(name, models.get(name) or catalog.templates[name].model, requests[name] / hours,
+                                  prefix.get(name) or tokens, prefill, cache_bytes, name in catalog.templates))
+    ranks.sort(key=lambda r: (-(r.saved_s_per_hour or 0), -r.requests_per_hour, r.template))
+    used_bytes = used_entries = 0
+    for entry in ranks:
+        if entry.cache_bytes is None:
+            continue
+        entry.fits = used_bytes + entry.cache_bytes <= max_bytes and used_entries + 1 <= max_entries
+        if entry.fits:
+            used_bytes, used_entries = used_bytes + entry.cache_bytes, used_entries + 1
+    return ranks
+
+
+def _measured(session: Session) -> dict[str, tuple[float, int, int]]:
+    """Per template: median prefill ms, cache bytes and cached tokens of its warm worker jobs."""
+    query = (select(WarmupJob.template, WarmupJob.prefill_ms, WarmupJob.cache_bytes, WarmupJob.cached_tokens)
+             .where(WarmupJob.status == JobStatus.warm, WarmupJob.target_kind == TargetKind.worker,
+                    WarmupJob.prefill_ms.is_not(None), WarmupJob.cache_bytes.is_not(None))
+             .order_by(WarmupJob.finished_at.desc()).limit(5000))
+    found = defaultdict(list)
+    for template, prefill_ms, cache_bytes, tokens in session.execute(query):
+        found[template].append((prefill_ms, cache_bytes, tokens))
+    return {template: (statistics.median(v[0] for v in values), int(statistics.median(v[1] for v in values)),
+                       int(statistics.median(v[2] or 0 for v in values)))
+            for template, values in found.items()}
