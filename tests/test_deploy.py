@@ -83,9 +83,9 @@ def test_the_gpu_worker_is_one_solo_process_per_gpu(manifests):
     assert statefulset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 1800
 
 
-def test_beat_runs_exactly_once_and_flower_only_with_auth_from_a_secret(manifests):
+def test_beat_runs_as_leader_and_standby_and_flower_only_with_auth_from_a_secret(manifests):
     beat = manifests[("Deployment", "preheat-beat")]
-    assert beat["spec"]["replicas"] == 1 and beat["spec"]["strategy"]["type"] == "Recreate"
+    assert beat["spec"]["replicas"] == 2  # a leader lease in the database; slots unique per schedule
     [flower] = _containers(manifests[("Deployment", "preheat-flower")])
     assert "secretKeyRef" in _env(flower)["FLOWER_BASIC_AUTH"]["valueFrom"]
     for (kind, _), doc in manifests.items():
@@ -96,10 +96,29 @@ def test_beat_runs_exactly_once_and_flower_only_with_auth_from_a_secret(manifest
                         assert "value" not in item, f"{name} must come from a secret"
 
 
-@pytest.mark.parametrize("component", ["preheat-gpu-worker", "preheat-beat", "preheat-flower", "preheat-migrate"])
+def test_the_pod_watcher_may_only_read_pods_and_watches_the_workers_by_their_names(manifests):
+    role = manifests[("Role", "preheat-pod-watcher")]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = manifests[("RoleBinding", "preheat-pod-watcher")]
+    assert binding["roleRef"]["name"] == "preheat-pod-watcher"
+    assert binding["subjects"][0]["name"] == "preheat-pod-watcher"
+    watcher = manifests[("Deployment", "preheat-watch-pods")]
+    assert watcher["spec"]["template"]["spec"]["serviceAccountName"] == "preheat-pod-watcher"
+    command = _containers(watcher)[0]["command"]
+    worker = manifests[("StatefulSet", "preheat-gpu-worker")]
+    labels = worker["spec"]["template"]["metadata"]["labels"]
+    selector = command[command.index("--selector") + 1]
+    assert all(labels.get(key) == value for key, value in (term.split("=") for term in selector.split(",")))
+    worker_name = _containers(worker)[0]["command"][_containers(worker)[0]["command"].index("-n") + 1]
+    assert command[command.index("--worker-name") + 1] == worker_name.replace("$(POD_NAME)", "{pod}")
+
+
+@pytest.mark.parametrize("component", ["preheat-gpu-worker", "preheat-beat", "preheat-flower", "preheat-migrate",
+                                       "preheat-watch-pods", "preheat-watch-workers"])
 def test_each_command_is_a_real_command_with_real_options(manifests, component, embedded_stack):
     [doc] = [doc for (kind, name), doc in manifests.items() if name == component and kind != "Service"]
-    argv = [arg.replace("$(POD_NAME)", "pod-0") for arg in _containers(doc)[0]["command"]]
+    argv = [arg.replace("$(POD_NAME)", "pod-0").replace("$(POD_NAMESPACE)", "preheat")
+            for arg in _containers(doc)[0]["command"]]
     full = [sys.executable, "-m", "celery", *argv[1:]] if argv[0] == "celery" else [PREHEAT_CLI, *argv[1:]]
     env = {**embedded_stack.env, "FLOWER_BASIC_AUTH": "ci:ci"}
     done = subprocess.run([*full, "--help"], env=env, capture_output=True, text=True, timeout=60)

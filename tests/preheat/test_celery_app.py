@@ -75,10 +75,10 @@ def test_results_only_for_requests_in_redis_or_files(settings, tmp_path):
     assert celery_config(settings)["worker_pool"] == "solo"
 
 
-def test_beat_uses_the_catalog_scheduler_with_its_state_in_home(settings):
+def test_beat_uses_the_database_scheduler_and_keeps_no_state_file(settings):
     config = celery_config(settings)
-    assert config["beat_scheduler"] == "schedules.beat:CatalogScheduler"
-    assert config["beat_schedule_filename"] == str((settings.home / "celerybeat-schedule").resolve())
+    assert config["beat_scheduler"] == "schedules.beat:DatabaseScheduler"
+    assert "beat_schedule_filename" not in config  # slots are recorded in the database
 
 
 def test_tasks_are_named_under_preheat_and_share_the_base_task(settings):

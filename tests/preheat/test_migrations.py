@@ -8,7 +8,8 @@ from preheat import migrate
 from preheat.db import make_engine
 from preheat.models import WarmupJob
 
-TABLES = {"warmup_runs", "warmup_jobs", "schedules", "workers", "endpoint_keepalives", "alembic_version"}
+TABLES = {"warmup_runs", "warmup_jobs", "schedules", "schedule_slots", "beat_leases", "traffic_counts", "workers",
+          "endpoint_keepalives", "alembic_version"}
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
