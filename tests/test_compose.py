@@ -9,7 +9,7 @@ import yaml
 
 from tests.conftest import PREHEAT_CLI, REPO
 
-SERVICES = {"redis", "postgres", "migrate", "gpu-worker", "beat", "flower"}
+SERVICES = {"redis", "postgres", "migrate", "gpu-worker", "beat", "watch-workers", "flower"}
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +24,10 @@ def preheat_commands(compose) -> dict[str, list[str]]:
 
 def test_the_services_are_all_there(compose):
     assert set(compose["services"]) == SERVICES
-    assert set(preheat_commands(compose)) == {"migrate", "gpu-worker", "beat", "flower"}
+    assert set(preheat_commands(compose)) == {"migrate", "gpu-worker", "beat", "watch-workers", "flower"}
 
 
-@pytest.mark.parametrize("service", ["migrate", "gpu-worker", "beat", "flower"])
+@pytest.mark.parametrize("service", ["migrate", "gpu-worker", "beat", "watch-workers", "flower"])
 def test_each_command_is_a_real_command_with_real_options(compose, service, embedded_stack):
     argv = compose["services"][service]["command"]
     assert argv[0] in {"celery", "preheat"}
