@@ -180,6 +180,31 @@ class Stack:
         return subprocess.run([PREHEAT_CLI, *args], env=self.env, capture_output=True, text=True,
                               timeout=timeout, cwd=self.home)
 
+    def cli_here(self, *args: str) -> subprocess.CompletedProcess:
+        """The same `preheat` entry point, run in this process (the stack's settings are this
+        process's): for tables of bad input, where a process start per row is most of the time."""
+        return run_cli_here(*args)
+
+
+def run_cli_here(*args: str) -> subprocess.CompletedProcess:
+    import contextlib
+    import io
+
+    from preheat.cli import main
+
+    out, err, argv = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = ["preheat", *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(["preheat", *args], code, out.getvalue(), err.getvalue())
+
 
 def _base_env(home: Path, catalog: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREHEAT_")}

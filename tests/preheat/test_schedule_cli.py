@@ -15,9 +15,9 @@ import pytest
     (("pause", "nope"), "unknown schedule 'nope'"),
 ])
 def test_bad_schedule_input_is_refused_with_the_reason(embedded_stack, args, message):
-    result = embedded_stack.cli("schedule", *args)
+    result = embedded_stack.cli_here("schedule", *args)
     assert result.returncode == 2 and message in result.stderr, result.stderr
-    assert json.loads(embedded_stack.cli("schedule", "list", "--json").stdout) == []
+    assert json.loads(embedded_stack.cli_here("schedule", "list", "--json").stdout) == []
 
 
 def test_add_list_pause_resume_remove(embedded_stack):

@@ -70,7 +70,8 @@ def record_warmups(durations_s: list[float], measured: dict[str, tuple[float, in
 
 
 @pytest.fixture
-def learned(stack, tmp_path, tiny_model):
+def learned(services_stack, tmp_path, tiny_model):
+    stack = services_stack  # the SQLite upsert is covered by the worker's own traffic counts
     write_catalog(tmp_path, tiny_model, EXTRA_TEMPLATES)  # the stack's catalog path, rewritten
     imported = stack.cli("traffic", "import", str(write_csv(tmp_path / "traffic.csv")))
     assert imported.returncode == 0, imported.stderr
@@ -146,7 +147,7 @@ def test_a_bad_traffic_file_is_refused_with_its_line_and_nothing_is_written(embe
     path = tmp_path / "traffic.csv"
     path.write_text("minute,model,requests\n2026-11-29T09:00Z,tiny,5\n" + content.split("\n", 1)[1]
                     if content.startswith("minute,model,requests\n") else content)
-    result = embedded_stack.cli("traffic", "import", str(path))
+    result = embedded_stack.cli_here("traffic", "import", str(path))
     assert result.returncode == 2 and message in result.stderr, result.stderr
     with session_scope() as session:  # not even the good first row
         assert session.scalars(select(TrafficCount)).first() is None
@@ -155,9 +156,9 @@ def test_a_bad_traffic_file_is_refused_with_its_line_and_nothing_is_written(embe
 def test_non_utf8_and_missing_files_are_one_line(embedded_stack, tmp_path):
     path = tmp_path / "latin1.csv"
     path.write_bytes("minute,model,requests\n2026-11-30T09:00Z,caf\xe9,1\n".encode("latin-1"))
-    result = embedded_stack.cli("traffic", "import", str(path))
+    result = embedded_stack.cli_here("traffic", "import", str(path))
     assert result.returncode == 2 and "not UTF-8" in result.stderr
-    missing = embedded_stack.cli("traffic", "import", str(tmp_path / "nope.csv"))
+    missing = embedded_stack.cli_here("traffic", "import", str(tmp_path / "nope.csv"))
     assert missing.returncode == 2 and "cannot read" in missing.stderr
 
 
