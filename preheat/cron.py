@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 UTC = dt.UTC
-_MINUTE = dt.timedelta(minutes=1)
+_MINUTE, _HOUR = dt.timedelta(minutes=1), dt.timedelta(hours=1)
+_MARGIN = dt.timedelta(hours=3)  # more than any zone's offset change
+_DAY, _STEADY_SPAN = dt.timedelta(days=1), dt.timedelta(days=20)
 # A cron that matches no day in this many years never fires (e.g. "0 0 30 2 *").
 _SEARCH_YEARS = 5
 
@@ -91,13 +93,30 @@ class Cron:
 
     # Slots ----------------------------------------------------------------------
 
-    def _instants_of(self, day: dt.date) -> list[dt.datetime]:
-        """This day's slots as sorted UTC instants, with DST handled as cron does."""
+    def _instants_of(self, day: dt.date, low: dt.datetime, high: dt.datetime) -> list[dt.datetime]:
+        """This day's slots with wall times in [low, high] (naive local), as sorted UTC
+        instants, with DST handled as cron does."""
         instants = set()
         for hour in self.hours:
+            start = dt.datetime(day.year, day.month, day.day, hour)
+            if start + _HOUR < low or start > high:  # whole hours outside the span: skipped unresolved
+                continue
             for minute in self.minutes:
-                instants.update(self._resolve(dt.datetime(day.year, day.month, day.day, hour, minute)))
+                wall = start.replace(minute=minute)
+                if low <= wall <= high:
+                    instants.update(self._resolve(wall))
         return sorted(instants)
+
+    def _wall_span(self, after: dt.datetime, until: dt.datetime | None) -> tuple[dt.datetime, dt.datetime]:
+        """Local wall-clock bounds of the span: exact (to the minute) when the zone's offset
+        is the same a day either side of it, else widened past any offset change."""
+        end = until or after
+        steady = (end - after < _STEADY_SPAN and (after - _DAY).astimezone(self.tz).utcoffset()
+                  == (end + _DAY).astimezone(self.tz).utcoffset())
+        margin = _MINUTE if steady else _MARGIN
+        low = after.astimezone(self.tz).replace(tzinfo=None) - margin
+        high = dt.datetime.max if until is None else until.astimezone(self.tz).replace(tzinfo=None) + margin
+        return low, high
 
     def _resolve(self, wall: dt.datetime) -> list[dt.datetime]:
         first = wall.replace(tzinfo=self.tz, fold=0).astimezone(UTC)
@@ -111,22 +130,23 @@ class Cron:
 
     def slots(self, after: dt.datetime, until: dt.datetime) -> Iterator[dt.datetime]:
         """Slots in (after, until], in order, as UTC instants."""
-        day = after.astimezone(self.tz).date() - dt.timedelta(days=1)
-        last = until.astimezone(self.tz).date() + dt.timedelta(days=1)
+        low, high = self._wall_span(after, until)
+        day, last = low.date(), high.date()
         while day <= last:
             if self.matches_day(day):
-                for instant in self._instants_of(day):
+                for instant in self._instants_of(day, low, high):
                     if after < instant <= until:
                         yield instant
             day += dt.timedelta(days=1)
 
     def next_after(self, after: dt.datetime) -> dt.datetime | None:
         """The first slot after `after`, or None if there is none within the search horizon."""
-        day = after.astimezone(self.tz).date() - dt.timedelta(days=1)
+        low, high = self._wall_span(after, None)
+        day = low.date()
         horizon = day + dt.timedelta(days=366 * _SEARCH_YEARS)
         while day <= horizon:
             if self.matches_day(day):
-                for instant in self._instants_of(day):
+                for instant in self._instants_of(day, low, high):
                     if instant > after:
                         return instant
             day += dt.timedelta(days=1)

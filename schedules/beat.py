@@ -85,8 +85,13 @@ class DueSlot:
 
 def find_due(now: dt.datetime, grace_s: float) -> list[DueSlot]:
     """Record the slots that are too late as missed; return the ones to fire now."""
+    return _due_and_next(now, grace_s)[0]
+
+
+def _due_and_next(now: dt.datetime, grace_s: float) -> tuple[list[DueSlot], dt.datetime | None]:
+    """The slots to fire now, and the next fire time after now of any enabled schedule."""
     grace = dt.timedelta(seconds=grace_s)
-    due = []
+    due, next_fire = [], None
     with session_scope() as session:
         last = store.last_slots(session)
         for schedule in store.enabled(session):
@@ -106,7 +111,10 @@ def find_due(now: dt.datetime, grace_s: float) -> list[DueSlot]:
             if in_time:
                 due.append(DueSlot(schedule.id, schedule.name, schedule.kind, dict(schedule.targets),
                                    dict(schedule.detail), schedule.lead_time_s, in_time[-1], in_time[-1] - lead))
-    return due
+            upcoming = _cron(schedule.cron, schedule.timezone).next_after(now + lead)
+            if upcoming is not None and (next_fire is None or upcoming - lead < next_fire):
+                next_fire = upcoming - lead
+    return due, next_fire
 
 
 def send_slot(slot: DueSlot, holder: str, now: dt.datetime) -> tuple[SlotStatus, uuid.UUID | None, str | None]:
@@ -145,8 +153,14 @@ def fire(slot: DueSlot, slot_id: uuid.UUID, holder: str, now: dt.datetime) -> Sl
 
 def fire_due(now: dt.datetime, holder: str, *, grace_s: float, lease_s: float) -> dict[str, SlotStatus]:
     """One pass of the leader: new due slots, then slots to retry. Returns what each became."""
+    return _fire_pass(now, holder, grace_s=grace_s, lease_s=lease_s)[0]
+
+
+def _fire_pass(now: dt.datetime, holder: str, *, grace_s: float,
+               lease_s: float) -> tuple[dict[str, SlotStatus], dt.datetime | None]:
     fired = {}
-    for slot in find_due(now, grace_s):
+    due, next_fire = _due_and_next(now, grace_s)
+    for slot in due:
         with session_scope() as session:
             schedule = session.get(Schedule, slot.schedule_id)
             claimed = schedule is not None and store.claim(session, schedule, slot.slot_at, slot.fire_at, holder, now)
@@ -154,7 +168,7 @@ def fire_due(now: dt.datetime, holder: str, *, grace_s: float, lease_s: float) -
         if slot_id is not None:
             fired[slot.trigger_key] = fire(slot, slot_id, holder, now)
     fired.update(retry(now, holder, grace_s=grace_s, stale_before=now - dt.timedelta(seconds=lease_s)))
-    return fired
+    return fired, next_fire
 
 
 def retry(now: dt.datetime, holder: str, *, grace_s: float, stale_before: dt.datetime) -> dict[str, SlotStatus]:
@@ -219,8 +233,8 @@ class DatabaseScheduler(Scheduler):
             if not self._hold():
                 return tick_s
             self._sync_catalog()
-            fire_due(utcnow(), self.holder, grace_s=self.settings.schedule_grace_s,
-                     lease_s=self.settings.beat_lease_s)
+            _, next_fire = _fire_pass(utcnow(), self.holder, grace_s=self.settings.schedule_grace_s,
+                                      lease_s=self.settings.beat_lease_s)
         except SQLAlchemyError as exc:
             # Beat outlives a database outage: nothing is fired (nothing could be recorded),
             # and slots still within the grace window fire once it is back.
@@ -230,7 +244,10 @@ class DatabaseScheduler(Scheduler):
         except PreheatError as exc:
             log.error("beat: %s", exc)
             return tick_s
-        return min(super().tick(*args, **kwargs), tick_s)
+        # Wake for the next fire time itself, not the tick after it (a slot fires on time,
+        # late only by the work of sending it); the tick bounds how soon edits are seen.
+        until_next = (next_fire - utcnow()).total_seconds() if next_fire else tick_s
+        return min(super().tick(*args, **kwargs), tick_s, max(until_next, 0.01))
 
     def close(self) -> None:
         if self.leading:

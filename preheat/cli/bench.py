@@ -254,6 +254,56 @@ def fanout(
     _write(report, json_path or settings.home / "bench" / "fanout.json", console)
 
 
+@app.command()
+def beat(
+    slots: int = typer.Option(12, min=2, max=16, help="Slots to fire, one per schedule."),
+    spacing: int = typer.Option(3, min=1, max=10, help="Seconds between fire times (all within a minute)."),
+    kill_after: int = typer.Option(3, min=1, help="Kill the leading beat after this many slots fired."),
+    template: str = typer.Option(None, help="Template each slot warms (default: the catalog's first)."),
+    timeout: float = typer.Option(120.0, min=10.0, help="Seconds to wait for processes and slots."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/beat.json."),
+) -> None:
+    """Scheduled warmups fired by two real beats, the leader killed midway: how late each slot
+    fired, before the kill, during the takeover and after, and how long the takeover took."""
+    from rich.table import Table
+
+    from preheat.cli import render
+    from preheat.cli.beatbench import phases, run
+
+    console = render.console()
+    if slots * spacing >= 55:
+        raise typer.BadParameter("slots x spacing must stay under 55 s (each schedule fires once a minute)")
+    if kill_after >= slots:
+        raise typer.BadParameter("--kill-after must leave slots for the standby")
+    settings, catalog = _bench_setup(console, "bench beat starts its own worker and beats")
+    template = template or next(iter(catalog.templates))
+    catalog.template(template)
+    lease_s = settings.beat_lease_s
+    timings, killed_at, took_over, runs = run(slots, spacing, kill_after, lease_s, template,
+                                        settings.home / "bench" / "logs", timeout)
+    takeover_s = (took_over - killed_at).total_seconds() if took_over else None
+    rows = phases(timings, killed_at, took_over)
+    report = {"benchmark": "beat", "host": _host(), "slots": slots, "spacing_s": spacing, "tick_s": settings.beat_tick_s,
+              "lease_s": lease_s, "takeover_s": takeover_s, "runs": runs, "phases": [vars(row) for row in rows],
+              "slots_detail": [{"fire_at": t.fire_at.isoformat(), "late_ms": t.late_ms, "status": t.status,
+                                "fired_by": t.fired_by} for t in timings]}
+    table = Table(title="scheduled warmups: fired how late, leader killed midway", title_justify="left",
+                  caption=f"late = run recorded − fire time; tick {settings.beat_tick_s:g} s, lease {lease_s:g} s; "
+                          f"takeover {'-' if takeover_s is None else f'{takeover_s:.1f} s'} after the kill",
+                  caption_justify="left")
+    for header in ("phase", "slots", "sent", "late p50 ms", "late max ms"):
+        table.add_column(header, justify="left" if header == "phase" else "right")
+    for row in rows:
+        table.add_row(row.name, str(row.slots), str(row.sent),
+                      "-" if row.late_p50_ms is None else f"{row.late_p50_ms:,.0f}",
+                      "-" if row.late_max_ms is None else f"{row.late_max_ms:,.0f}")
+    console.print(table)
+    console.print(f"{sum(r.sent for r in rows)} of {slots} slots sent, {runs} run(s) recorded; takeover "
+                  + (f"{takeover_s:.1f} s (bound: lease {lease_s:g} s + tick {settings.beat_tick_s:g} s)"
+                     if takeover_s is not None else "not seen"))
+    _write(report, json_path or settings.home / "bench" / "beat.json", console)
+
+
 CONNECT_TARGET = 1.2  # first request through a pre-opened pool / steady state
 
 

@@ -31,9 +31,9 @@ def test_ttft_prints_the_table_and_writes_the_json(embedded_stack, tmp_path):
 
 
 def test_bad_input_is_one_line_and_a_non_zero_exit(embedded_stack):
-    unknown = bench(embedded_stack, "--model", "nope")
+    unknown = embedded_stack.cli_here("bench", "ttft", "--model", "nope")
     assert unknown.returncode == 2 and "unknown model 'nope'" in unknown.stderr
-    too_long = bench(embedded_stack, "--lengths", "5000")
+    too_long = embedded_stack.cli_here("bench", "ttft", "--lengths", "5000")
     assert too_long.returncode == 2 and "leaves no room in tiny's context of 4096" in too_long.stderr
-    garbage = bench(embedded_stack, "--lengths", "a,b")
+    garbage = bench(embedded_stack, "--lengths", "a,b")  # one through the installed command
     assert garbage.returncode == 2 and "not a comma-separated list" in garbage.stderr

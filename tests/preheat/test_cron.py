@@ -101,3 +101,14 @@ def test_a_week_across_a_change_keeps_the_local_time():
 def test_bad_expressions_and_zones_say_why(expression, timezone, message):
     with pytest.raises(CronError, match=message):
         Cron.parse(expression, timezone)
+
+
+def test_a_short_span_next_to_a_change_still_finds_the_slot_at_the_change():
+    # What beat asks each tick: a span of seconds. The wall-clock shortcut must not lose this slot.
+    cron = Cron.parse("30 2 * * *", NEW_YORK)
+    change = dt.datetime(2026, 3, 8, 7, 0, tzinfo=UTC)
+    assert list(cron.slots(change - dt.timedelta(seconds=5), change + dt.timedelta(seconds=5))) == [change]
+    assert cron.next_after(change - dt.timedelta(seconds=1)) == change
+    every = Cron.parse("* * * * *", BERLIN)
+    now = dt.datetime(2026, 11, 30, 8, 0, 30, tzinfo=UTC)
+    assert list(every.slots(now, now + dt.timedelta(seconds=40))) == [dt.datetime(2026, 11, 30, 8, 1, tzinfo=UTC)]

@@ -1,4 +1,4 @@
-"""`preheat bench first-request` and `preheat bench fanout` as a user runs them: real worker
+"""`preheat bench first-request`, `fanout` and `beat` as a user runs them: real worker
 processes, a table, a JSON file. Behaviour only: the figures are the benchmark's business."""
 
 import json
@@ -65,3 +65,19 @@ def test_connect_measures_fresh_preopened_and_steady_against_preheat_serve_over_
     assert (embedded_stack.home / "bench" / "tls" / "ca.pem").exists()  # its own CA, made for the run
     unknown = embedded_stack.cli("bench", "connect", "--endpoint", "nope")
     assert unknown.returncode == 2 and "unknown endpoint 'nope'" in unknown.stderr
+
+
+def test_beat_bench_fires_every_slot_once_through_a_killed_leader(embedded_stack, tmp_path):
+    stack = embedded_stack
+    stack.env.update(PREHEAT_BEAT_LEASE_S="3", PREHEAT_BEAT_TICK_S="0.5")
+    out = tmp_path / "beat.json"
+    done = stack.cli("bench", "beat", "--slots", "4", "--spacing", "2", "--kill-after", "1", "--json", str(out),
+                     timeout=300)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "leader (before the kill)" in done.stdout and "4 of 4 slots sent, 4 run(s) recorded" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["lease_s"] == 3 and report["runs"] == 4 and 0 < report["takeover_s"] < 3 + 0.5 + 2
+    assert sum(phase["sent"] for phase in report["phases"]) == 4
+    assert {slot["status"] for slot in report["slots_detail"]} == {"sent"}
+    bad = stack.cli_here("bench", "beat", "--slots", "10", "--spacing", "6")
+    assert bad.returncode == 2 and "under 55 s" in bad.stderr

@@ -227,3 +227,22 @@ def test_each_endpoint_gets_a_keep_alive_entry_below_its_prompt_cache_ttl(tmp_pa
     hosted = entries["keepalive:hosted"]
     assert hosted["task"] == "preheat.keep_alive_endpoint" and hosted["kwargs"] == {"endpoint": "hosted"}
     assert hosted["schedule"] == dt.timedelta(seconds=270) and hosted["options"] == {"expires": 270}
+
+
+def test_beat_sleeps_until_the_next_fire_time_when_it_comes_before_the_next_tick(stack, stack_app, monkeypatch):
+    from preheat.settings import get_settings
+
+    monkeypatch.setenv("PREHEAT_BEAT_TICK_S", "5")
+    get_settings.cache_clear()
+    live_worker()
+    scheduler = beat.DatabaseScheduler(app=stack_app)
+    try:
+        assert scheduler.tick() == pytest.approx(5, abs=0.01)  # leads; nothing scheduled: the tick
+        now = utcnow()
+        fire_at = now.replace(microsecond=0) + dt.timedelta(seconds=2)  # 1 to 2 s away, on a whole second
+        add_schedule("soon", "* * * * *", lead=(60 - fire_at.second) % 60, since=now)
+        wait = scheduler.tick()
+        assert wait == pytest.approx((fire_at - utcnow()).total_seconds(), abs=0.2)
+    finally:
+        scheduler.close()
+        get_settings.cache_clear()

@@ -1,0 +1,143 @@
+"""`preheat bench beat`: how late scheduled warmups fire, and how long a standby beat takes
+to take over from a leader that was killed, with real `celery beat` processes and a real
+worker on the configured stack.
+
+Each slot's lateness is its run's creation time minus its fire time (cron time − lead): what
+a peak schedule's user waits beyond the time they asked for. Slots whose fire time falls
+between the kill and the takeover fire late by up to the lease; the table shows them apart.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import statistics
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import delete, select
+
+from preheat import procs
+from preheat.cli.fleetbench import _nodename, _worker_env, ensure_no_live_workers
+from preheat.db import session_scope, utcnow
+from preheat.errors import ConfigError
+from preheat.models import Schedule, ScheduleSlot, SlotStatus, WarmupRun
+from preheat.registry import aware
+
+
+@dataclass(frozen=True)
+class SlotTiming:
+    fire_at: dt.datetime
+    fired_at: dt.datetime | None  # the run's creation; None if the slot was not sent
+    status: str
+    fired_by: str | None
+
+    @property
+    def late_ms(self) -> float | None:
+        return None if self.fired_at is None else (self.fired_at - self.fire_at).total_seconds() * 1000
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    slots: int
+    sent: int
+    late_p50_ms: float | None
+    late_max_ms: float | None
+
+
+def _lead_for(fire_at: dt.datetime) -> int:
+    slot = dt.datetime.fromtimestamp(math.ceil(fire_at.timestamp() / 60) * 60, dt.UTC)
+    return int((slot - fire_at).total_seconds())
+
+
+def ensure_no_beat() -> None:
+    from schedules import leader
+
+    with session_scope() as session:
+        lease = leader.current(session)
+    if lease is not None and aware(lease.expires_at) > utcnow():
+        raise ConfigError(f"a beat is running ({lease.holder} holds the lead): stop it, or point PREHEAT_HOME / the "
+                          f"database at a separate stack")
+
+
+def run(slots: int, spacing_s: int, kill_after: int, lease_s: float, template: str, log_dir: Path,
+        timeout_s: float) -> tuple[list[SlotTiming], dt.datetime, dt.datetime | None, int]:
+    """Start a worker and two beats, schedule `slots` fire times `spacing_s` apart, kill the
+    leader after `kill_after` have fired; returns each slot, the kill time, the takeover time
+    and how many runs the slots made (one each, if no slot fired twice)."""
+    from schedules import leader, store
+
+    ensure_no_live_workers("bench beat starts its own worker")
+    ensure_no_beat()
+    env = _worker_env(PREHEAT_BEAT_LEASE_S=f"{lease_s:g}")
+    nodename = _nodename("beat")
+    worker = procs.start_worker(nodename, env, log_dir)
+    beat_argv = procs.celery_command("beat", "--loglevel=INFO")
+    prefix = f"bench-beat-{uuid.uuid4().hex[:6]}"
+    try:
+        with procs.running(worker):
+            procs.wait_for_log(worker, f"{nodename} ready.", timeout_s)
+            leader_proc = procs.start("beat-leader", beat_argv, env, log_dir)
+            with procs.running(leader_proc):
+                procs.wait_for_log(leader_proc, "leads", timeout_s)
+                standby = procs.start("beat-standby", beat_argv, env, log_dir)
+                with procs.running(standby):
+                    procs.wait_for_log(standby, "is standby", timeout_s)
+                    first = utcnow() + dt.timedelta(seconds=3)
+                    fire_times = [first + dt.timedelta(seconds=i * spacing_s) for i in range(slots)]
+                    with session_scope() as session:
+                        for i, fire_at in enumerate(fire_times):
+                            store.add(session, name=f"{prefix}-{i:02d}", cron="* * * * *", timezone="UTC",
+                                      targets={"templates": [template], "workers": [nodename]},
+                                      lead_time_s=_lead_for(fire_at))
+                    procs.poll(lambda: _settled(prefix, kill_after), timeout_s, what="the slots before the kill")
+                    procs.kill(leader_proc)
+                    killed_at = utcnow()
+                    procs.poll(lambda: _settled(prefix, slots), timeout_s + lease_s, what="every slot")
+                    with session_scope() as session:
+                        lease = leader.current(session)
+                        took_over = (aware(lease.acquired_at)
+                                     if lease and f":{standby.popen.pid}:" in lease.holder else None)
+        return _timings(prefix), killed_at, took_over, _runs_of(prefix, first)
+    finally:
+        with session_scope() as session:
+            session.execute(delete(Schedule).where(Schedule.name.like(f"{prefix}-%")))
+
+
+def _runs_of(prefix: str, since: dt.datetime) -> int:
+    with session_scope() as session:
+        details = session.scalars(select(WarmupRun.trigger_detail).where(
+            WarmupRun.created_at >= since - dt.timedelta(minutes=1))).all()
+    return sum(1 for detail in details if str(detail.get("schedule", "")).startswith(prefix))
+
+
+def _settled(prefix: str, count: int) -> bool:
+    with session_scope() as session:
+        rows = session.scalars(select(ScheduleSlot.status).where(ScheduleSlot.schedule_name.like(f"{prefix}-%"))).all()
+    return len([s for s in rows if s != SlotStatus.claimed]) >= count
+
+
+def _timings(prefix: str) -> list[SlotTiming]:
+    with session_scope() as session:
+        rows = session.execute(select(ScheduleSlot, WarmupRun.created_at).outerjoin(
+            WarmupRun, WarmupRun.id == ScheduleSlot.run_id).where(ScheduleSlot.schedule_name.like(f"{prefix}-%"))
+            .order_by(ScheduleSlot.fire_at)).all()
+        return [SlotTiming(aware(slot.fire_at), aware(created) if created else None, str(slot.status),
+                           slot.claimed_by) for slot, created in rows]
+
+
+def phases(timings: list[SlotTiming], killed_at: dt.datetime, took_over: dt.datetime | None) -> list[Phase]:
+    took_over = took_over or killed_at
+    groups = {
+        "leader (before the kill)": [t for t in timings if t.fire_at < killed_at],
+        "between kill and takeover": [t for t in timings if killed_at <= t.fire_at < took_over],
+        "standby (after takeover)": [t for t in timings if t.fire_at >= took_over],
+    }
+    return [_phase(name, group) for name, group in groups.items()]
+
+
+def _phase(name: str, group: list[SlotTiming]) -> Phase:
+    late = [t.late_ms for t in group if t.late_ms is not None]
+    return Phase(name, len(group), len(late), statistics.median(late) if late else None, max(late) if late else None)
