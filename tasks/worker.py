@@ -10,9 +10,12 @@ once its templates are warm, so no request lands on a cold model.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 
 from celery import bootsteps
+from celery.signals import worker_shutdown
 
 from preheat import traffic
 from preheat.celery import app, infer_queue
@@ -93,3 +96,14 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
 
 
 app.steps["worker"].add(WorkerRuntimeStep)
+
+
+@worker_shutdown.connect
+def _exit_without_teardown(sender, **_) -> None:
+    """Exit as soon as the warm shutdown is done (tasks acked, registry told, counts written),
+    without the interpreter's teardown: it spent about 2 s garbage-collecting the model's
+    objects (measured, small model), time a rolling update or a test waits for nothing."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(sender.exitcode or 0)
