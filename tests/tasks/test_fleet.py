@@ -20,6 +20,12 @@ W1, W2 = "w1@fleet-test", "w2@fleet-test"
 LONG_PROMPT = " ".join(f"Rule {i}: answer parcel question {i} with the tracking record." for i in range(120))
 
 
+def one_core_each(env: dict[str, str]) -> dict[str, str]:
+    """Two workers on a 2-core machine, each with its share: with an OpenMP pool of 2 threads
+    each they oversubscribe the cores, and a probe can take 10x its steady time (`degraded`)."""
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
 def _workers(stack) -> dict[str, dict]:
     listed = stack.cli("workers", "--all", "--json")
     assert listed.returncode == 0, listed.stderr
@@ -33,8 +39,9 @@ def _all_ready(stack, *names):
 
 def test_one_warm_reaches_both_workers_and_history_matches_what_each_measured(services_stack, tmp_path):
     stack = services_stack
-    w1 = procs.start_worker(W1, stack.env, tmp_path / "logs", cwd=stack.home)
-    w2 = procs.start_worker(W2, stack.env, tmp_path / "logs", cwd=stack.home)
+    env = one_core_each(stack.env)
+    w1 = procs.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)
+    w2 = procs.start_worker(W2, env, tmp_path / "logs", cwd=stack.home)
     with procs.running(w1, w2):
         procs.wait_for_log(w1, f"{W1} ready.")
         procs.wait_for_log(w2, f"{W2} ready.")
@@ -80,7 +87,7 @@ def test_a_worker_killed_mid_warmup_leaves_no_job_running_and_its_replacement_wa
         services_stack, tmp_path, tiny_model):
     write_catalog(tmp_path, tiny_model,
                   f'\n[templates.long]\nmodel = "tiny"\nsystem_prompt = "{LONG_PROMPT}"\nprobe = "Where is it?"\n')
-    env = {**services_stack.env, "PREHEAT_PROBE_REPEATS": "40"}
+    env = one_core_each({**services_stack.env, "PREHEAT_PROBE_REPEATS": "40"})
     stack = services_stack
     victim = procs.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)
     witness = procs.start_worker(W2, env, tmp_path / "logs", cwd=stack.home)
