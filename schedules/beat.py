@@ -179,6 +179,9 @@ def retry(now: dt.datetime, holder: str, *, grace_s: float, stale_before: dt.dat
         for row, schedule in pending:
             if schedule is None:
                 continue
+            if not schedule.enabled:
+                store.settle(session, row.id, SlotStatus.missed, error=f"paused before it could be sent: {row.error}")
+                continue
             if (now - aware(row.fire_at)).total_seconds() > grace_s:
                 store.settle(session, row.id, SlotStatus.missed,
                              error=f"could not be sent within the grace window ({grace_s:g} s): {row.error or 'beat stopped mid-send'}")
@@ -214,10 +217,13 @@ class DatabaseScheduler(Scheduler):
     def _sync_catalog(self) -> None:
         if self._catalog_synced:
             return
-        with session_scope() as session:
-            changes = store.sync_catalog(session, load_catalog(self.settings.catalog), self.settings.timezone)
+        try:
+            with session_scope() as session:
+                changes = store.sync_catalog(session, load_catalog(self.settings.catalog), self.settings.timezone)
+            log.info("beat: catalog schedules in step%s", f" ({', '.join(changes)})" if changes else "")
+        except PreheatError as exc:  # a clash of names: the database's schedules still fire
+            log.error("beat: catalog schedules not copied: %s", exc)
         self._catalog_synced = True
-        log.info("beat: catalog schedules in step%s", f" ({', '.join(changes)})" if changes else "")
 
     def _hold(self) -> bool:
         with session_scope() as session:

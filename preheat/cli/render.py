@@ -69,7 +69,9 @@ def runs_table(runs: list[WarmupRun]) -> Table:
         table.add_column(header)
     for run in runs:
         done = sum(1 for job in run.jobs if job.status.is_final)
-        detail = ", ".join(f"{k}={v}" for k, v in (run.trigger_detail or {}).items()) or "-"
+        # Nested parts (a peak schedule's peak) are in --json; the table keeps to one line each.
+        detail = ", ".join(f"{k}={v}" for k, v in (run.trigger_detail or {}).items()
+                           if not isinstance(v, dict | list)) or "-"
         table.add_row(short_id(run), when(run.created_at), str(run.trigger), detail, run.requested_by,
                       str(run.status), f"{done}/{len(run.jobs)}", when(run.finished_at))
     return table
@@ -84,6 +86,7 @@ def run_json(run: WarmupRun) -> dict:
         "id": str(run.id),
         "trigger": str(run.trigger),
         "trigger_detail": run.trigger_detail,
+        "trigger_key": run.trigger_key,
         "requested_by": run.requested_by,
         "status": str(run.status),
         "created_at": _iso(run.created_at),

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select
 
 from preheat import procs
-from preheat.db import session_scope
+from preheat.db import session_scope, utcnow
 from preheat.errors import ConfigError
 from preheat.models import JobStatus, TriggerKind, WarmupRun
 from schedules.pods import PodTarget, ReadyTracker, transition_of
@@ -157,3 +157,23 @@ def _jobs(run_id):
 
 def _finished(run_id) -> bool:
     return all(job.status.is_final for job in _jobs(run_id))
+
+
+@pytest.mark.parametrize("stack", ["services"], indirect=True)
+def test_a_ready_worker_pod_is_warmed_on_its_own_queue_once(stack, stack_app, redis_client):
+    from preheat import registry
+    from schedules.pods import send_warmup
+
+    with session_scope() as session:
+        registry.beat(session, "gpu0@preheat-gpu-worker-1", started_at=utcnow(),
+                      ready=True, state={})
+    target = PodTarget(worker_name="gpu0@{pod}")
+    transition = transition_of(pod("preheat-gpu-worker-1", "uid-w1", ready=True, since=T1))
+    first = send_warmup(target, transition)
+    again = send_warmup(target, transition)  # a second watcher, or this one restarted
+    assert first == again
+    [run] = pod_runs()[f"preheat-gpu-worker-1@{T1}"]
+    assert run.trigger_detail["worker"] == "gpu0@preheat-gpu-worker-1" and run.trigger_key == f"pod:uid-w1:{T1}"
+    assert redis_client.llen("preheat.w.gpu0_preheat-gpu-worker-1") == 1  # sent once
+    gone = transition_of(pod("preheat-gpu-worker-2", "uid-w2", ready=True, since=T1))
+    assert send_warmup(target, gone) is None  # not a live worker: logged, nothing recorded
