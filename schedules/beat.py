@@ -261,6 +261,7 @@ class DatabaseScheduler(Scheduler):
                 with session_scope() as session:
                     leader.release(session, self.holder)
                 log.info("beat %s gave up the lead", self.holder)
+                self.leading = False  # Celery may close a scheduler twice
             except SQLAlchemyError as exc:
                 log.warning("beat: could not release the lead (it expires): %s", str(exc).splitlines()[0])
         super().close()

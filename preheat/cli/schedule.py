@@ -57,7 +57,7 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON instead
         console.print("no schedules (add one with `preheat schedule add`)")
         return
     table = Table(title="schedules", title_justify="left")
-    for header in ("name", "kind", "cron", "time zone", "lead s", "targets", "state", "next fire", "latest slot"):
+    for header in ("name", "kind", "cron", "time zone", "lead s", "targets", "state", "next fire (UTC)", "latest slot (UTC)"):
         table.add_column(header, no_wrap=header != "targets")
     for schedule, slot in rows:
         next_fire = next_fire_at(schedule)
