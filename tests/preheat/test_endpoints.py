@@ -104,6 +104,9 @@ def test_a_warmup_of_two_endpoints_is_recorded_with_connect_time_and_ttft(embedd
     worker = procs.start_worker("io@endpoint-test", env, tmp_path / "logs", cwd=embedded_stack.home)
     with procs.running(worker):
         procs.wait_for_log(worker, "io@endpoint-test ready.")
+        # Once its own model is loaded: the server's probe, timed against its steady state,
+        # must not share the two cores with a model load (seen: degraded on a fresh clone).
+        procs.wait_for_log(worker, "preload done")
         done = embedded_stack.cli("warm", "--endpoint", "as-vllm", "--endpoint", "as-preheat", "--wait", "--json",
                                   "--timeout", "120")
         assert done.returncode == 0, done.stderr + worker.log()[-3000:]
