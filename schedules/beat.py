@@ -44,6 +44,7 @@ KEEPALIVE_PREFIX = "keepalive:"
 # this many per schedule (a per-minute cron down for a week would be 10,080 rows).
 MISSED_LOOKBACK = dt.timedelta(days=1)
 MAX_MISSED_RECORDED = 100
+NEVER = dt.datetime.min.replace(tzinfo=dt.UTC)
 
 
 def keepalive_entries(catalog: Catalog) -> dict:
@@ -97,8 +98,7 @@ def _due_and_next(now: dt.datetime, grace_s: float) -> tuple[list[DueSlot], dt.d
         for schedule in store.enabled(session):
             lead = dt.timedelta(seconds=schedule.lead_time_s)
             # Fire times after the schedule became active, slots after its newest recorded one.
-            since = max(aware(schedule.active_since) + lead, last.get(schedule.id, dt.datetime.min.replace(tzinfo=dt.UTC)),
-                        now + lead - MISSED_LOOKBACK)
+            since = max(aware(schedule.active_since) + lead, last.get(schedule.id, NEVER), now + lead - MISSED_LOOKBACK)
             slots = list(_cron(schedule.cron, schedule.timezone).slots(since, now + lead))[-MAX_MISSED_RECORDED:]
             in_time = [slot for slot in slots if now - (slot - lead) <= grace]
             for slot in slots:
@@ -107,7 +107,8 @@ def _due_and_next(now: dt.datetime, grace_s: float) -> tuple[list[DueSlot], dt.d
                     store.record_missed(session, schedule, slot, slot - lead,
                                         f"no beat ran: fire time passed {late:.0f} s ago (grace {grace_s:g} s)")
             for slot in in_time[:-1]:
-                store.record_missed(session, schedule, slot, slot - lead, f"superseded by the slot at {in_time[-1]:%Y-%m-%d %H:%M}Z")
+                store.record_missed(session, schedule, slot, slot - lead,
+                                    f"superseded by the slot at {in_time[-1]:%Y-%m-%d %H:%M}Z")
             if in_time:
                 due.append(DueSlot(schedule.id, schedule.name, schedule.kind, dict(schedule.targets),
                                    dict(schedule.detail), schedule.lead_time_s, in_time[-1], in_time[-1] - lead))
@@ -138,7 +139,8 @@ def send_slot(slot: DueSlot, holder: str, now: dt.datetime) -> tuple[SlotStatus,
     except BrokerError as exc:
         return SlotStatus.unsent, None, f"broker unreachable: {exc}"
     log.info("fired %s slot %s (lead %d s) -> run %s on %s%s", slot.name, slot.slot_at.isoformat(), slot.lead_time_s,
-             dispatched.run_id.hex[:8], ", ".join(dispatched.workers), " (recorded before)" if dispatched.duplicate else "")
+             dispatched.run_id.hex[:8], ", ".join(dispatched.workers),
+             " (recorded before)" if dispatched.duplicate else "")
     return SlotStatus.sent, dispatched.run_id, None
 
 
@@ -183,8 +185,9 @@ def retry(now: dt.datetime, holder: str, *, grace_s: float, stale_before: dt.dat
                 store.settle(session, row.id, SlotStatus.missed, error=f"paused before it could be sent: {row.error}")
                 continue
             if (now - aware(row.fire_at)).total_seconds() > grace_s:
+                why = row.error or "beat stopped mid-send"
                 store.settle(session, row.id, SlotStatus.missed,
-                             error=f"could not be sent within the grace window ({grace_s:g} s): {row.error or 'beat stopped mid-send'}")
+                             error=f"could not be sent within the grace window ({grace_s:g} s): {why}")
                 continue
             if store.reclaim(session, row, holder, stale_before, now):
                 work.append((row.id, DueSlot(schedule.id, schedule.name, schedule.kind, dict(schedule.targets),

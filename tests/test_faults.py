@@ -5,7 +5,6 @@ the password never written where people read."""
 from __future__ import annotations
 
 import datetime as dt
-import math
 import socket
 import subprocess
 import time
@@ -18,6 +17,7 @@ import redis
 from sqlalchemy import select
 
 from preheat import procs
+from preheat.cli.beatbench import minutely_lead_for
 from preheat.db import session_scope, utcnow
 from preheat.models import JobStatus, ScheduleSlot, SlotStatus, WarmupJob, WarmupRun
 
@@ -79,11 +79,6 @@ def tls_redis(tmp_path):
     server.stop()
 
 
-def _lead_for(fire_at: dt.datetime) -> int:
-    slot = dt.datetime.fromtimestamp(math.ceil(fire_at.timestamp() / 60) * 60, dt.UTC)
-    return int((slot - fire_at).total_seconds())
-
-
 def _slot(name: str) -> ScheduleSlot | None:
     with session_scope() as session:
         return session.scalars(select(ScheduleSlot).where(ScheduleSlot.schedule_name == name)).first()
@@ -119,7 +114,7 @@ def test_redis_restarted_under_a_worker_and_beat_loses_no_slot_and_leaks_no_pass
         fire_at = utcnow() + dt.timedelta(seconds=6)
         with session_scope() as session:
             store.add(session, name="through-outage", cron="* * * * *", timezone="UTC",
-                      targets={"templates": ["support"], "workers": [WORKER]}, lead_time_s=_lead_for(fire_at))
+                      targets={"templates": ["support"], "workers": [WORKER]}, lead_time_s=minutely_lead_for(fire_at))
         tls_redis.stop()
         unsent = procs.poll(lambda: (row := _slot("through-outage")) and row.status == SlotStatus.unsent and row,
                             30, what="the slot recorded unsent")

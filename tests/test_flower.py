@@ -76,10 +76,15 @@ def test_the_warmup_task_shows_in_flower_in_a_browser_and_in_its_api(services_st
         kwargs_shown = f"run={run_prefix} worker=w1@flower-test templates=support"
 
         base = f"http://127.0.0.1:{port}"
-        tasks = httpx.get(f"{base}/api/tasks", auth=("admin", "correct-horse"), timeout=10).json()
-        warmups = [{**task, "uuid": uuid} for uuid, task in tasks.items() if task["name"] == "preheat.warm_worker"]
+
+        def succeeded_warmups():
+            tasks = httpx.get(f"{base}/api/tasks", auth=("admin", "correct-horse"), timeout=10).json()
+            found = [{**task, "uuid": uuid} for uuid, task in tasks.items() if task["name"] == "preheat.warm_worker"]
+            return found if found and all(task["state"] == "SUCCESS" for task in found) else None
+
+        # History is final before the task returns; Flower hears of its success a moment later.
+        warmups = procs.poll(succeeded_warmups, 15, what="Flower seeing the task succeed")
         assert [task["kwargs"] for task in warmups] == [kwargs_shown]  # readable, not a blob
-        assert warmups[0]["state"] == "SUCCESS"
 
         browser = _chromium(tmp_path)
         try:

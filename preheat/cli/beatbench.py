@@ -47,7 +47,9 @@ class Phase:
     late_max_ms: float | None
 
 
-def _lead_for(fire_at: dt.datetime) -> int:
+def minutely_lead_for(fire_at: dt.datetime) -> int:
+    """The lead time that makes a per-minute cron ("* * * * *") fire at `fire_at`, to the
+    second: how the benchmark (and the tests) put several slots into one minute."""
     slot = dt.datetime.fromtimestamp(math.ceil(fire_at.timestamp() / 60) * 60, dt.UTC)
     return int((slot - fire_at).total_seconds())
 
@@ -91,7 +93,7 @@ def run(slots: int, spacing_s: int, kill_after: int, lease_s: float, template: s
                         for i, fire_at in enumerate(fire_times):
                             store.add(session, name=f"{prefix}-{i:02d}", cron="* * * * *", timezone="UTC",
                                       targets={"templates": [template], "workers": [nodename]},
-                                      lead_time_s=_lead_for(fire_at))
+                                      lead_time_s=minutely_lead_for(fire_at))
                     procs.poll(lambda: _settled(prefix, kill_after), timeout_s, what="the slots before the kill")
                     procs.kill(leader_proc)
                     killed_at = utcnow()

@@ -7,12 +7,12 @@ that puts its fire time a few seconds from now: several slots fit in one test, o
 from __future__ import annotations
 
 import datetime as dt
-import math
 
 import pytest
 from sqlalchemy import select
 
 from preheat import procs, registry
+from preheat.cli.beatbench import minutely_lead_for
 from preheat.db import session_scope, utcnow
 from preheat.models import ScheduleSlot, SlotStatus, WarmupRun
 from schedules import store
@@ -23,21 +23,15 @@ WORKER = "gpu0@beat-procs"
 BEAT_ENV = {"PREHEAT_BEAT_TICK_S": "0.5", "PREHEAT_BEAT_LEASE_S": "3"}
 
 
-def lead_for(fire_at: dt.datetime) -> int:
-    """The lead time that makes a per-minute cron fire at `fire_at` (to the second)."""
-    slot = dt.datetime.fromtimestamp(math.ceil(fire_at.timestamp() / 60) * 60, dt.UTC)
-    return int((slot - fire_at).total_seconds())
-
-
 def add_firing_at(stack, name: str, fire_at: dt.datetime, cli: bool = False) -> None:
     """Add a schedule while beat runs: through the CLI, or the same service in-process (faster)."""
     if cli:
-        added = stack.cli("schedule", "add", name, "--cron", "* * * * *", "--lead", str(lead_for(fire_at)))
+        added = stack.cli("schedule", "add", name, "--cron", "* * * * *", "--lead", str(minutely_lead_for(fire_at)))
         assert added.returncode == 0, added.stderr
         return
     with session_scope() as session:
         store.add(session, name=name, cron="* * * * *", timezone="UTC", targets={"templates": ["support"]},
-                  lead_time_s=lead_for(fire_at))
+                  lead_time_s=minutely_lead_for(fire_at))
 
 
 def slot_rows() -> dict[str, list[ScheduleSlot]]:
