@@ -15,7 +15,7 @@ from celery import Celery, Task
 from celery.signals import celeryd_after_setup, worker_process_init
 from sqlalchemy.exc import OperationalError
 
-from preheat.errors import ConfigError, exit_with
+from preheat.errors import ConfigError, PreheatError, exit_with
 from preheat.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -106,18 +106,46 @@ def celery_config(settings: Settings) -> dict:
     }
 
 
+class BadTaskArguments(PreheatError):
+    """A task message whose arguments do not fit the task's schema; nothing was done."""
+
+    exit_code = 2
+
+
 class PreheatTask(Task):
     """The plumbing every task shares, so task bodies are only domain work:
     timing and logging, and failed jobs recorded in history when a task raises."""
 
     typing = True
+    arguments = None  # a pydantic model of the task's arguments (tasks/arguments.py)
 
     def __call__(self, *args, **kwargs):
         started = time.perf_counter()
         try:
-            return super().__call__(*args, **kwargs)
+            return super().__call__(*args, **self.checked(args, kwargs))
         finally:
             log.info("%s[%s] took %.0f ms", self.name, self.request.id, (time.perf_counter() - started) * 1000)
+
+    def checked(self, args: tuple, kwargs: dict) -> dict:
+        """The call's arguments by name, checked against `arguments` before the body runs:
+        a message is untrusted input. Raises BadTaskArguments with the first problem."""
+        if self.arguments is None:
+            return kwargs
+        import inspect
+
+        from pydantic import ValidationError
+
+        try:
+            bound = inspect.signature(self.run).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise BadTaskArguments(f"{self.name}: {exc}") from None
+        try:
+            self.arguments.model_validate(bound.arguments)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "arguments"
+            raise BadTaskArguments(f"{self.name}: {where}: {first['msg']}") from None
+        return kwargs
 
     # History of the run a warmup task works for: the task takes ids and re-fetches rows.
 

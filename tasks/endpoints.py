@@ -12,12 +12,13 @@ from preheat.db import session_scope, utcnow
 from preheat.endpoints import POOLS, keep_alive, warm_endpoint
 from preheat.errors import UnknownNameError
 from preheat.settings import get_settings
+from tasks.arguments import KeepAliveArguments, WarmEndpointArguments
 from tasks.warmup import DB_RETRY
 
 log = logging.getLogger(__name__)
 
 
-@app.task(bind=True, name="preheat.warm_endpoint", **DB_RETRY)
+@app.task(bind=True, name="preheat.warm_endpoint", arguments=WarmEndpointArguments, **DB_RETRY)
 def warm_endpoint_task(self, run_id: str, endpoint: str, templates: list[str], base_url: str | None = None,
                        target: str | None = None) -> dict:
     """Open the endpoint's pool, send the templates' prompts concurrently, record each.
@@ -37,7 +38,7 @@ def warm_endpoint_task(self, run_id: str, endpoint: str, templates: list[str], b
     return {result.template: result.status for result in results}
 
 
-@app.task(name="preheat.keep_alive_endpoint", **DB_RETRY)
+@app.task(name="preheat.keep_alive_endpoint", arguments=KeepAliveArguments, **DB_RETRY)
 def keep_alive_endpoint(endpoint: str) -> dict:
     """One keep-alive tick: a short prompt per template within the active hours, counted."""
     catalog = load_catalog(get_settings().catalog)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from preheat.celery import app
 from preheat.traffic import TRAFFIC
+from tasks.arguments import InferArguments
 from tasks.runtime import get_runtime
 
 
-@app.task(bind=True, name="preheat.infer", ignore_result=False)
+@app.task(bind=True, name="preheat.infer", ignore_result=False, arguments=InferArguments)
 def infer(self, template: str, user_input: str, max_new_tokens: int = 64) -> dict:
     """Template + user input -> completion, with its TTFT and how many tokens came from the cache."""
     completion = get_runtime().infer(template, user_input, max_new_tokens)

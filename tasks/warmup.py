@@ -6,6 +6,7 @@ from sqlalchemy.exc import OperationalError
 
 from preheat.celery import app
 from preheat.models import TriggerKind
+from tasks.arguments import WarmFleetArguments, WarmWorkerArguments
 from tasks.fleet import dispatch_warmup
 from tasks.runtime import get_runtime
 
@@ -13,7 +14,7 @@ from tasks.runtime import get_runtime
 DB_RETRY = {"autoretry_for": (OperationalError,), "retry_backoff": 2, "retry_backoff_max": 60, "max_retries": 8}
 
 
-@app.task(bind=True, name="preheat.warm_worker", **DB_RETRY)
+@app.task(bind=True, name="preheat.warm_worker", arguments=WarmWorkerArguments, **DB_RETRY)
 def warm_worker(self, run_id: str, worker: str, templates: list[str], only_if_cold: bool = False) -> dict:
     """Make this worker warm for `templates`: model resident, prefixes pre-filled, probe measured."""
     if not self.start_jobs(run_id, worker, templates):
@@ -26,7 +27,7 @@ def warm_worker(self, run_id: str, worker: str, templates: list[str], only_if_co
     return statuses
 
 
-@app.task(bind=True, name="preheat.warm_fleet", **DB_RETRY)
+@app.task(bind=True, name="preheat.warm_fleet", arguments=WarmFleetArguments, **DB_RETRY)
 def warm_fleet(self, templates: list[str] | None = None, trigger: str = "schedule", detail: dict | None = None,
                requested_by: str = "beat", workers: list[str] | None = None, only_if_cold: bool = False) -> str:
     """List live workers and send each its own warm_worker job (for clients that only send tasks;

@@ -109,6 +109,27 @@ def test_redis_restarted_under_a_worker_and_beat_loses_no_slot_and_leaks_no_pass
                                    queue=worker_queue(WORKER), serializer="pickle")
         procs.wait_for_log(worker, "Refusing to deserialize untrusted content of type pickle", 30)
 
+        # Arguments that do not fit the task's schema: its job fails with the reason, nothing runs.
+        from preheat import history
+        from preheat.models import TriggerKind
+
+        task_id = str(uuid.uuid4())
+        with session_scope() as session:
+            run = history.create_run(session, trigger=TriggerKind.manual, requested_by="test")
+            history.add_jobs(session, run, target=WORKER, model_templates=[("tiny", "support")], task_id=task_id)
+            bad_run = run.id
+        sender.send_task("preheat.warm_worker", task_id=task_id, queue=worker_queue(WORKER),
+                         kwargs={"run_id": str(bad_run), "worker": WORKER, "templates": ["support"],
+                                 "only_if_cold": "yes"})
+
+        def refused():
+            with session_scope() as session:
+                [job] = history.get_run(session, bad_run).jobs
+                return job if job.status == JobStatus.failed else None
+
+        refused_job = procs.poll(refused, 30, what="the job of the bad message failed")
+        assert "only_if_cold" in refused_job.error and refused_job.started_at is None
+
         # A slot comes due while Redis is down: recorded `unsent` with why, sent once it is back.
         procs.wait_for_log(beat, "leads")
         fire_at = utcnow() + dt.timedelta(seconds=6)

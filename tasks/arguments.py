@@ -1,0 +1,54 @@
+"""What each task accepts, as a schema: a message from the broker is untrusted input (any
+client that can reach Redis can send one), so its arguments are checked before the task
+body runs or writes anything. The base task (preheat.celery.PreheatTask) applies them."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from preheat.catalog import NAME_PATTERN
+
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+RunId = Annotated[str, Field(pattern=r"^[0-9a-fA-F]{8}-?([0-9a-fA-F]{4}-?){3}[0-9a-fA-F]{12}$")]
+Nodename = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[^\s]+$")]
+
+
+class _Arguments(BaseModel):
+    # strict: "1" is not 1 and 0 is not False; extra: an unknown argument is a sender's bug.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class WarmWorkerArguments(_Arguments):
+    run_id: RunId
+    worker: Nodename
+    templates: list[Name] = Field(min_length=1, max_length=256)
+    only_if_cold: bool = False
+
+
+class WarmEndpointArguments(_Arguments):
+    run_id: RunId
+    endpoint: Name
+    templates: list[Name] = Field(min_length=1, max_length=256)
+    base_url: str | None = Field(None, pattern=r"^https?://[^/\s]+", max_length=2048)
+    target: Nodename | None = None
+
+
+class KeepAliveArguments(_Arguments):
+    endpoint: Name
+
+
+class InferArguments(_Arguments):
+    template: Name
+    user_input: str = Field(max_length=200_000)
+    max_new_tokens: int = Field(64, ge=1, le=4096)
+
+
+class WarmFleetArguments(_Arguments):
+    templates: list[Name] | None = Field(None, max_length=256)
+    trigger: str = Field("schedule", pattern=r"^(schedule|pod_event|worker_online|manual|peak)$")
+    detail: dict | None = None
+    requested_by: str = Field("beat", min_length=1, max_length=200)
+    workers: list[Nodename] | None = Field(None, max_length=1024)
+    only_if_cold: bool = False

@@ -1,0 +1,81 @@
+"""Task arguments are untrusted input: every task checks them against its schema before its
+body runs, and anything else is one clear BadTaskArguments, never a crash (hypothesis)."""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tasks.endpoints  # noqa: F401 - registers the tasks
+import tasks.infer  # noqa: F401
+import tasks.warmup  # noqa: F401
+from preheat.celery import BadTaskArguments, app
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12)
+
+VALID = {
+    "preheat.warm_worker": {"run_id": str(uuid.uuid4()), "worker": "gpu0@node-1", "templates": ["support"],
+                            "only_if_cold": True},
+    "preheat.warm_endpoint": {"run_id": str(uuid.uuid4()), "endpoint": "vllm", "templates": ["support"],
+                              "base_url": "http://10.0.0.5:8000/v1", "target": "vllm@10.0.0.5:8000"},
+    "preheat.keep_alive_endpoint": {"endpoint": "vllm"},
+    "preheat.infer": {"template": "support", "user_input": "Where is my parcel?", "max_new_tokens": 8},
+    "preheat.warm_fleet": {"templates": ["support"], "trigger": "peak", "detail": {"schedule": "x"},
+                           "requested_by": "beat", "workers": ["gpu0@node-1"], "only_if_cold": False},
+}
+TASKS = sorted(VALID)
+
+
+def test_every_task_has_a_schema_and_accepts_what_preheat_sends():
+    assert sorted(name for name in app.tasks if name.startswith("preheat.")) == TASKS
+    for name in TASKS:
+        task = app.tasks[name]
+        assert task.arguments is not None, f"{name} checks nothing"
+        assert task.checked((), VALID[name]) == VALID[name]
+
+
+@pytest.mark.parametrize("name", TASKS)
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_garbage_arguments_are_one_clear_error(name, data):
+    task = app.tasks[name]
+    parameters = list(inspect.signature(task.run).parameters)
+    # Valid arguments with some replaced or added, or arguments made up from nothing.
+    mutated = dict(VALID[name])
+    for key in data.draw(st.lists(st.sampled_from(parameters + ["surprise"]), max_size=3)):
+        mutated[key] = data.draw(json_values)
+    kwargs = data.draw(st.sampled_from([mutated, data.draw(st.dictionaries(st.sampled_from(parameters),
+                                                                            json_values, max_size=5))]))
+    try:
+        task.checked((), kwargs)
+    except BadTaskArguments as exc:
+        assert str(exc).startswith(f"{name}: ") and len(str(exc)) < 400
+    else:  # accepted: then every value has the schema's type
+        task.arguments.model_validate({**kwargs})
+
+
+@pytest.mark.parametrize(("name", "change", "message"), [
+    ("preheat.warm_worker", {"run_id": "'; DROP TABLE warmup_runs; --"}, "run_id"),
+    ("preheat.warm_worker", {"templates": []}, "templates"),
+    ("preheat.warm_worker", {"only_if_cold": "yes"}, "only_if_cold"),
+    ("preheat.warm_worker", {"templates": ["../../etc/passwd"]}, "templates.0"),
+    ("preheat.infer", {"max_new_tokens": 0}, "max_new_tokens"),
+    ("preheat.infer", {"max_new_tokens": -5}, "max_new_tokens"),
+    ("preheat.infer", {"user_input": "x" * 200_001}, "user_input"),
+    ("preheat.infer", {"user_input": b"\xff\xfe".decode("latin-1") * 2}, None),  # odd text is still text
+    ("preheat.warm_endpoint", {"base_url": "file:///etc/passwd"}, "base_url"),
+    ("preheat.warm_fleet", {"trigger": "cron"}, "trigger"),
+])
+def test_bad_values_name_the_argument(name, change, message):
+    task = app.tasks[name]
+    if message is None:
+        task.checked((), {**VALID[name], **change})
+        return
+    with pytest.raises(BadTaskArguments, match=message):
+        task.checked((), {**VALID[name], **change})
