@@ -19,7 +19,6 @@ not be sent (broker away) is `unsent` and retried while within the window.
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import logging
 import uuid
 from dataclasses import dataclass
@@ -29,7 +28,6 @@ from kombu.exceptions import OperationalError as BrokerError
 from sqlalchemy.exc import SQLAlchemyError
 
 from preheat.catalog import Catalog, load_catalog
-from preheat.cron import Cron
 from preheat.db import session_scope, utcnow
 from preheat.errors import PreheatError
 from preheat.models import Schedule, ScheduleKind, SlotStatus, TriggerKind
@@ -63,11 +61,6 @@ def keepalive_entries(catalog: Catalog) -> dict:
     return entries
 
 
-@functools.lru_cache(maxsize=256)
-def _cron(expression: str, timezone: str) -> Cron:
-    return Cron.parse(expression, timezone)
-
-
 @dataclass(frozen=True)
 class DueSlot:
     schedule_id: uuid.UUID
@@ -78,6 +71,11 @@ class DueSlot:
     lead_time_s: int
     slot_at: dt.datetime
     fire_at: dt.datetime
+
+    @classmethod
+    def of(cls, schedule: Schedule, slot_at: dt.datetime, fire_at: dt.datetime) -> DueSlot:
+        return cls(schedule.id, schedule.name, schedule.kind, dict(schedule.targets), dict(schedule.detail),
+                   schedule.lead_time_s, slot_at, fire_at)
 
     @property
     def trigger_key(self) -> str:
@@ -99,22 +97,21 @@ def _due_and_next(now: dt.datetime, grace_s: float) -> tuple[list[DueSlot], dt.d
             lead = dt.timedelta(seconds=schedule.lead_time_s)
             # Fire times after the schedule became active, slots after its newest recorded one.
             since = max(aware(schedule.active_since) + lead, last.get(schedule.id, NEVER), now + lead - MISSED_LOOKBACK)
-            slots = list(_cron(schedule.cron, schedule.timezone).slots(since, now + lead))[-MAX_MISSED_RECORDED:]
+            slots = list(store.cron_of(schedule.cron, schedule.timezone).slots(since, now + lead))
+            slots = slots[-MAX_MISSED_RECORDED:]
             in_time = [slot for slot in slots if now - (slot - lead) <= grace]
-            for slot in slots:
-                if slot not in in_time:
-                    late = (now - (slot - lead)).total_seconds()
-                    store.record_missed(session, schedule, slot, slot - lead,
-                                        f"no beat ran: fire time passed {late:.0f} s ago (grace {grace_s:g} s)")
+            for slot in slots[:len(slots) - len(in_time)]:  # slots are in order: the late ones come first
+                late = (now - (slot - lead)).total_seconds()
+                store.record_missed(session, schedule, slot, slot - lead,
+                                    f"no beat ran: fire time passed {late:.0f} s ago (grace {grace_s:g} s)")
             for slot in in_time[:-1]:
                 store.record_missed(session, schedule, slot, slot - lead,
                                     f"superseded by the slot at {in_time[-1]:%Y-%m-%d %H:%M}Z")
             if in_time:
-                due.append(DueSlot(schedule.id, schedule.name, schedule.kind, dict(schedule.targets),
-                                   dict(schedule.detail), schedule.lead_time_s, in_time[-1], in_time[-1] - lead))
-            upcoming = _cron(schedule.cron, schedule.timezone).next_after(now + lead)
-            if upcoming is not None and (next_fire is None or upcoming - lead < next_fire):
-                next_fire = upcoming - lead
+                due.append(DueSlot.of(schedule, in_time[-1], in_time[-1] - lead))
+            upcoming = store.next_fire_at(schedule, now)
+            if upcoming is not None and (next_fire is None or upcoming < next_fire):
+                next_fire = upcoming
     return due, next_fire
 
 
@@ -164,8 +161,7 @@ def _fire_pass(now: dt.datetime, holder: str, *, grace_s: float,
     due, next_fire = _due_and_next(now, grace_s)
     for slot in due:
         with session_scope() as session:
-            schedule = session.get(Schedule, slot.schedule_id)
-            claimed = schedule is not None and store.claim(session, schedule, slot.slot_at, slot.fire_at, holder, now)
+            claimed = store.claim(session, slot.schedule_id, slot.name, slot.slot_at, slot.fire_at, holder, now)
             slot_id = claimed.id if claimed else None
         if slot_id is not None:
             fired[slot.trigger_key] = fire(slot, slot_id, holder, now)
@@ -190,9 +186,7 @@ def retry(now: dt.datetime, holder: str, *, grace_s: float, stale_before: dt.dat
                              error=f"could not be sent within the grace window ({grace_s:g} s): {why}")
                 continue
             if store.reclaim(session, row, holder, stale_before, now):
-                work.append((row.id, DueSlot(schedule.id, schedule.name, schedule.kind, dict(schedule.targets),
-                                             dict(schedule.detail), schedule.lead_time_s, aware(row.slot_at),
-                                             aware(row.fire_at))))
+                work.append((row.id, DueSlot.of(schedule, aware(row.slot_at), aware(row.fire_at))))
     for slot_id, slot in work:
         fired[slot.trigger_key] = fire(slot, slot_id, holder, now)
     return fired

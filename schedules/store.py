@@ -8,6 +8,7 @@ before anything is written (cron, time zone, targets against the catalog), so a 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import re
 import uuid
 
@@ -54,6 +55,19 @@ def check(name: str, cron: str, timezone: str, lead_time_s: int) -> Cron:
         return Cron.parse(cron, timezone)
     except CronError as exc:
         raise ConfigError(str(exc)) from None
+
+
+@functools.lru_cache(maxsize=256)
+def cron_of(expression: str, timezone: str) -> Cron:
+    """A stored schedule's cron, parsed once per process (beat asks every tick)."""
+    return Cron.parse(expression, timezone)
+
+
+def next_fire_at(schedule: Schedule, after: dt.datetime) -> dt.datetime | None:
+    """The schedule's first fire time (cron time − lead) after `after`."""
+    lead = dt.timedelta(seconds=schedule.lead_time_s)
+    slot = cron_of(schedule.cron, schedule.timezone).next_after(after + lead)
+    return None if slot is None else slot - lead
 
 
 def add(session: Session, *, name: str, cron: str, timezone: str, targets: dict, lead_time_s: int = 0,
@@ -142,11 +156,12 @@ def last_slots(session: Session) -> dict[uuid.UUID, dt.datetime]:
     return {schedule_id: aware(slot_at) for schedule_id, slot_at in rows}
 
 
-def claim(session: Session, schedule: Schedule, slot_at: dt.datetime, fire_at: dt.datetime,
+def claim(session: Session, schedule_id: uuid.UUID, schedule_name: str, slot_at: dt.datetime, fire_at: dt.datetime,
           holder: str, now: dt.datetime | None = None) -> ScheduleSlot | None:
     """Record the slot as claimed by `holder`; None when it is recorded already (by another
-    beat, or before a restart). The unique key decides, not the leader lock alone."""
-    slot = ScheduleSlot(schedule_id=schedule.id, schedule_name=schedule.name, slot_at=slot_at, fire_at=fire_at,
+    beat, or before a restart), or its schedule was removed meanwhile. The unique key
+    decides, not the leader lock alone."""
+    slot = ScheduleSlot(schedule_id=schedule_id, schedule_name=schedule_name, slot_at=slot_at, fire_at=fire_at,
                         status=SlotStatus.claimed, claimed_by=holder, claimed_at=now or utcnow(), attempts=1)
     try:
         with session.begin_nested():

@@ -124,13 +124,9 @@ def _set_enabled(name: str, value: bool) -> None:
 
 
 def next_fire_at(schedule: Schedule):
-    import datetime as dt
+    from schedules import store
 
-    from preheat.cron import Cron
-
-    lead = dt.timedelta(seconds=schedule.lead_time_s)
-    slot = Cron.parse(schedule.cron, schedule.timezone).next_after(utcnow() + lead)
-    return None if slot is None else slot - lead
+    return store.next_fire_at(schedule, utcnow())
 
 
 def _targets(targets: dict) -> str:

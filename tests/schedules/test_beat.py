@@ -14,7 +14,7 @@ from sqlalchemy import select
 from preheat import registry
 from preheat.catalog import load_catalog
 from preheat.db import session_scope, utcnow
-from preheat.models import Schedule, ScheduleKind, ScheduleSlot, SlotStatus, TriggerKind, WarmupRun
+from preheat.models import ScheduleKind, ScheduleSlot, SlotStatus, TriggerKind, WarmupRun
 from schedules import beat, leader, store
 from tests.conftest import write_catalog
 
@@ -121,7 +121,7 @@ def test_a_beat_that_died_between_claim_and_send_is_taken_over_once(stack, stack
     # Beat A claims the slot and dies before sending.
     [due] = beat.find_due(now, GRACE_S)
     with session_scope() as session:
-        store.claim(session, session.get(Schedule, schedule_id), due.slot_at, due.fire_at, "beat-a", now)
+        store.claim(session, schedule_id, due.name, due.slot_at, due.fire_at, "beat-a", now)
     # Beat B, within A's lease, leaves it alone; once the lease is over, it sends it.
     assert fire(now + dt.timedelta(seconds=LEASE_S / 2), holder="beat-b") == {}
     assert list(fire(now + dt.timedelta(seconds=LEASE_S + 2), holder="beat-b").values()) == [SlotStatus.sent]
@@ -136,7 +136,7 @@ def test_a_beat_that_died_after_recording_the_run_does_not_send_it_twice(stack, 
     now = at(2026, 11, 30, 9, 0, 1)
     [due] = beat.find_due(now, GRACE_S)
     with session_scope() as session:
-        store.claim(session, session.get(Schedule, schedule_id), due.slot_at, due.fire_at, "beat-a", now)
+        store.claim(session, schedule_id, due.name, due.slot_at, due.fire_at, "beat-a", now)
     status, run_id, _ = beat.send_slot(due, "beat-a", now)  # recorded and sent; then beat A died
     assert fire(now + dt.timedelta(seconds=LEASE_S + 2), holder="beat-b")
     [slot] = slots_of("halfway")
