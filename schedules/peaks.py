@@ -145,15 +145,17 @@ def _hhmm(minute_of_day: int) -> str:
     return f"{minute_of_day // 60:02d}:{minute_of_day % 60:02d}"
 
 
-def peak_templates(rows, peak: Peak, zone: ZoneInfo, bucket_min: int, catalog: Catalog) -> list[str]:
-    """The model's templates requested during the peak; all of its templates if none are named."""
+def peak_templates(rows, peak: Peak, zone: ZoneInfo, catalog: Catalog) -> list[str]:
+    """The model's templates requested during the peak (from its start to its end on the
+    peak's days); all of its templates if none are named."""
     known = set(catalog.templates_of(peak.model))
     seen = set()
     start_minute = int(peak.start[:2]) * 60 + int(peak.start[3:])
+    span = (int(peak.end[:2]) * 60 + int(peak.end[3:]) - start_minute) % 1440 or 1440
     for row in rows:
         local = aware(row.minute).astimezone(zone)
         if local.isoweekday() % 7 in peak.days and row.template in known and \
-                0 <= local.hour * 60 + local.minute - start_minute < 60:
+                0 <= local.hour * 60 + local.minute - start_minute < span:
             seen.add(row.template)
     return sorted(seen) or sorted(known)
 
@@ -195,7 +197,7 @@ def suggest(session: Session, catalog: Catalog, *, model: str | None, timezone: 
         rows = traffic.counts(session, name, since, until)
         lead = lead_time(session, name, margin_s, default_lead_s)
         for peak in find_peaks(name, weekly_rates(rows, timezone, bucket_min, since, until), bucket_min, factor):
-            peak.templates = peak_templates(rows, peak, zone, bucket_min, catalog)
+            peak.templates = peak_templates(rows, peak, zone, catalog)
             suggestions.append(Suggestion(peak, timezone, lead))
     return suggestions
 
