@@ -15,6 +15,7 @@ from celery import Celery, Task
 from celery.signals import celeryd_after_setup, worker_process_init
 from sqlalchemy.exc import OperationalError
 
+from preheat.db import utcnow
 from preheat.errors import ConfigError, PreheatError, exit_with
 from preheat.settings import Settings, get_settings
 
@@ -148,39 +149,32 @@ class PreheatTask(Task):
         return kwargs
 
     # History of the run a warmup task works for: the task takes ids and re-fetches rows.
+    # Written through the worker's outbox (preheat.outbox): with the database away, the
+    # warmup goes on and its record is written when the database is back.
 
     def start_jobs(self, run_id: str, target: str, templates: list[str]) -> bool:
-        """Mark this target's jobs running; False (quietly) when the run is gone."""
-        import uuid
+        """Mark this target's jobs running; False (quietly) when the run is gone. With the
+        database away the run cannot be checked: the warmup goes ahead."""
+        from preheat import outbox
 
-        from preheat import history
-        from preheat.db import session_scope
-
-        with session_scope() as session:
-            if history.start_jobs(session, uuid.UUID(run_id), target=target, templates=templates,
-                                  task_id=self.request.id):
-                return True
-        log.info("run %s is gone; nothing to warm", run_id)
-        return False
+        started = outbox.record("job.start", {"run_id": run_id, "target": target, "templates": templates,
+                                              "task_id": self.request.id, "at": utcnow()})
+        if started is False:
+            log.info("run %s is gone; nothing to warm", run_id)
+            return False
+        return True
 
     def finish_job(self, run_id: str, target: str, template: str, status: str, measured: dict) -> None:
-        import uuid
+        from preheat import outbox
 
-        from preheat import history
-        from preheat.db import session_scope
-        from preheat.models import JobStatus
-
-        with session_scope() as session:
-            history.finish_job(session, uuid.UUID(run_id), target=target, template=template,
-                               status=JobStatus(status), measured=measured)
+        outbox.record("job.finish", {"run_id": run_id, "target": target, "template": template, "status": status,
+                                     "measured": measured, "at": utcnow()})
 
     def on_failure(self, exc, task_id, args, kwargs, einfo):
-        from preheat import history
-        from preheat.db import session_scope
+        from preheat import outbox
 
         try:
-            with session_scope() as session:
-                history.fail_task_jobs(session, task_id, f"{type(exc).__name__}: {exc}")
+            outbox.record("task.fail", {"task_id": task_id, "error": f"{type(exc).__name__}: {exc}", "at": utcnow()})
         except OperationalError:
             log.exception("could not record the failure of %s[%s] in history", self.name, task_id)
 

@@ -65,7 +65,10 @@ def make_engine(url: str) -> Engine:
         return engine
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    # A database behind a partition answers nothing: give up on connecting after a while
+    # (the worker's outbox keeps its writes) rather than hang the caller.
+    connect_args = {} if "connect_timeout=" in url else {"connect_timeout": 10}
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5, connect_args=connect_args)
 
 
 @functools.cache

@@ -32,6 +32,11 @@ class ModelLoadError(PreheatError):
     """A catalog model could not be loaded (missing directory, corrupt weights, …)."""
 
 
+class DeviceOutOfMemory(PreheatError):
+    """The device (GPU, or the CPU's allocator) could not hold what a prefill or a request
+    needed. The memory is released and the worker goes on; the message says what was asked."""
+
+
 def exit_with(exc: PreheatError) -> NoReturn:
     """One line on stderr and the error's exit code, for processes `celery` starts, where a
     traceback would bury the message."""

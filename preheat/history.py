@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from preheat.db import utcnow
 from preheat.models import EndpointKeepAlive, JobStatus, RunStatus, TargetKind, TriggerKind, WarmupJob, WarmupRun
+from preheat.outbox import writer
 
 # A job in one of these states counts for the run as…
 _SUCCESS = {JobStatus.warm, JobStatus.skipped}
@@ -71,14 +72,16 @@ def lock_run(session: Session, run_id: uuid.UUID, *, skip_locked: bool = False) 
 
 
 def start_jobs(
-    session: Session, run_id: uuid.UUID, *, target: str, templates: Sequence[str], task_id: str
+    session: Session, run_id: uuid.UUID, *, target: str, templates: Sequence[str], task_id: str,
+    at: dt.datetime | None = None,
 ) -> list[WarmupJob]:
-    """Mark a target's jobs running. Returns [] when the run is gone (deleted meanwhile)."""
+    """Mark a target's jobs running (`at`: when, if written later from the outbox).
+    Returns [] when the run is gone (deleted meanwhile)."""
     run = lock_run(session, run_id)
     if run is None:
         return []
     jobs = _jobs_of(session, run_id, target, templates)
-    now = utcnow()
+    now = at or utcnow()
     for job in jobs:
         # A re-delivered message (worker died, visibility timeout) restarts its own row.
         job.status, job.started_at, job.finished_at, job.error = JobStatus.running, now, None, None
@@ -89,7 +92,7 @@ def start_jobs(
 
 
 def finish_job(session: Session, run_id: uuid.UUID, *, target: str, template: str, status: JobStatus,
-               measured: dict) -> WarmupJob | None:
+               measured: dict, at: dt.datetime | None = None) -> WarmupJob | None:
     if lock_run(session, run_id) is None:
         return None
     jobs = _jobs_of(session, run_id, target, [template])
@@ -98,13 +101,14 @@ def finish_job(session: Session, run_id: uuid.UUID, *, target: str, template: st
     job = jobs[0]
     for column, value in measured.items():
         setattr(job, column, value)
-    job.status, job.finished_at = status, utcnow()
+    # The worker's word is final, even over a `lost` a reaper wrote while its writes waited.
+    job.status, job.finished_at = status, at or utcnow()
     session.flush()
     refresh_run_status(session, run_id)
     return job
 
 
-def fail_task_jobs(session: Session, task_id: str, error: str) -> int:
+def fail_task_jobs(session: Session, task_id: str, error: str, at: dt.datetime | None = None) -> int:
     """A task died with an exception: its unfinished jobs are failed with the reason."""
     unfinished = [JobStatus.queued, JobStatus.running]
     run_ids = session.scalars(select(WarmupJob.run_id).where(WarmupJob.celery_task_id == task_id).distinct()).all()
@@ -116,7 +120,7 @@ def fail_task_jobs(session: Session, task_id: str, error: str) -> int:
                                     WarmupJob.status.in_(unfinished)).with_for_update()
         ).all()
         for job in jobs:
-            job.status, job.finished_at, job.error = JobStatus.failed, utcnow(), error
+            job.status, job.finished_at, job.error = JobStatus.failed, at or utcnow(), error
         session.flush()
         refresh_run_status(session, run_id)
         failed += len(jobs)
@@ -137,10 +141,11 @@ def derive_run_status(statuses: Sequence[JobStatus]) -> RunStatus:
 
 def refresh_run_status(session: Session, run_id: uuid.UUID) -> RunStatus:
     run = session.get(WarmupRun, run_id)
-    statuses = list(session.scalars(select(WarmupJob.status).where(WarmupJob.run_id == run_id)))
-    run.status = derive_run_status(statuses)
+    jobs = session.execute(select(WarmupJob.status, WarmupJob.finished_at).where(WarmupJob.run_id == run_id)).all()
+    run.status = derive_run_status([status for status, _ in jobs])
     if run.status in (RunStatus.succeeded, RunStatus.degraded, RunStatus.failed):
-        run.finished_at = run.finished_at or utcnow()
+        # When its last job finished, which a write from the outbox knows better than now.
+        run.finished_at = run.finished_at or max((at for _, at in jobs if at is not None), default=None) or utcnow()
     return run.status
 
 
@@ -181,7 +186,7 @@ def list_runs(
 
 
 def record_keepalive(session: Session, endpoint: str, *, sent: int, failed: int, skipped: bool,
-                     ttft_ms: float | None, error: str | None) -> EndpointKeepAlive:
+                     ttft_ms: float | None, error: str | None, at: dt.datetime | None = None) -> EndpointKeepAlive:
     """Add one keep-alive tick to the endpoint's counters."""
     row = session.scalars(select(EndpointKeepAlive).where(EndpointKeepAlive.endpoint == endpoint)
                           .with_for_update()).first()
@@ -192,7 +197,7 @@ def record_keepalive(session: Session, endpoint: str, *, sent: int, failed: int,
     row.pings_failed += failed
     row.skipped_inactive += int(skipped)
     if sent or failed:
-        row.last_ping_at, row.last_error = utcnow(), error
+        row.last_ping_at, row.last_error = at or utcnow(), error
         row.last_ttft_ms = ttft_ms if ttft_ms is not None else row.last_ttft_ms
     session.flush()
     return row
@@ -200,3 +205,34 @@ def record_keepalive(session: Session, endpoint: str, *, sent: int, failed: int,
 
 def keepalives(session: Session) -> list[EndpointKeepAlive]:
     return list(session.scalars(select(EndpointKeepAlive).order_by(EndpointKeepAlive.endpoint)))
+
+
+# The same writes as outbox entries (preheat.outbox): a worker's record of its own work,
+# written later, with the times it happened, when the database was away.
+
+
+def _at(payload: dict) -> dt.datetime | None:
+    return dt.datetime.fromisoformat(payload["at"]) if payload.get("at") else None
+
+
+@writer("job.start")
+def _write_job_start(session: Session, p: dict) -> bool:
+    return bool(start_jobs(session, uuid.UUID(p["run_id"]), target=p["target"], templates=p["templates"],
+                           task_id=p["task_id"], at=_at(p)))
+
+
+@writer("job.finish")
+def _write_job_finish(session: Session, p: dict) -> None:
+    finish_job(session, uuid.UUID(p["run_id"]), target=p["target"], template=p["template"],
+               status=JobStatus(p["status"]), measured=p["measured"], at=_at(p))
+
+
+@writer("task.fail")
+def _write_task_failure(session: Session, p: dict) -> None:
+    fail_task_jobs(session, p["task_id"], p["error"], at=_at(p))
+
+
+@writer("keepalive")
+def _write_keepalive(session: Session, p: dict) -> None:
+    record_keepalive(session, p["endpoint"], sent=p["sent"], failed=p["failed"], skipped=p["skipped"],
+                     ttft_ms=p["ttft_ms"], error=p["error"], at=_at(p))

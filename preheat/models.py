@@ -222,3 +222,16 @@ class TrafficCount(Model):
     __table_args__ = (
         UniqueConstraint("minute", "model", "template", name="uq_traffic_counts_minute_model_template"),
     )
+
+
+class AppliedWrite(Model):
+    """An outbox entry written (preheat.outbox), in the same transaction as what it wrote:
+    a replay after a crash finds it here and does not write it twice."""
+
+    __tablename__ = "applied_writes"
+
+    source: Mapped[str] = mapped_column(String(255))  # the worker whose outbox held it
+    kind: Mapped[str] = mapped_column(String(32))
+    applied_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+    __table_args__ = (Index("ix_applied_writes_applied_at", "applied_at"),)

@@ -156,17 +156,30 @@ class Heartbeat:
         return self
 
     def beat_once(self) -> bool:
+        """Write the heartbeat, then the bookkeeping (which keeps its writes in the outbox
+        while the database is away), then reap. True when the heartbeat was recorded."""
         state = self.describe()
+        recorded = self._guarded("heartbeat", lambda: self._write_beat(state))
+        if self.on_beat is not None:  # before reaping: writes that waited may finish jobs
+            self._guarded("bookkeeping", self.on_beat)
+        if recorded:
+            self._guarded("reaper", self._reap)
+        return recorded
+
+    def _write_beat(self, state: dict) -> None:
+        with session_scope() as session:
+            beat(session, self.nodename, started_at=self.started_at, ready=bool(state.get("ready")), state=state)
+
+    def _reap(self) -> None:
+        with session_scope() as session:
+            reap(session, dead_after_s=self.dead_after_s, time_limit_s=self.time_limit_s)
+
+    def _guarded(self, what: str, step: Callable[[], object]) -> bool:
         try:
-            with session_scope() as session:
-                beat(session, self.nodename, started_at=self.started_at, ready=bool(state.get("ready")), state=state)
-            with session_scope() as session:
-                reap(session, dead_after_s=self.dead_after_s, time_limit_s=self.time_limit_s)
-            if self.on_beat is not None:
-                self.on_beat()
+            step()
         except SQLAlchemyError as exc:
             # The worker keeps serving; it shows as dead only if this lasts past dead_after_s.
-            log.warning("heartbeat of %s not recorded: %s", self.nodename, str(exc).splitlines()[0])
+            log.warning("%s of %s not recorded: %s", what, self.nodename, str(exc).splitlines()[0])
             return False
         return True
 

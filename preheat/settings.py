@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     serve_max_body_bytes: ByteSize = Field(ByteSize(1024**2), gt=0)
     serve_tls_cert: Path | None = None
     serve_tls_key: Path | None = None
+    # A worker's history writes wait here while the database is away (preheat/outbox.py);
+    # default: home/outbox. Keep it on a volume that outlives the container.
+    outbox_dir: Path | None = None
     # Beat (schedules/beat.py): it reads the schedules table every tick; the leader holds a
     # lease it renews each tick, and a standby takes over once the lease has expired.
     beat_tick_s: float = Field(1.0, gt=0, le=60)
@@ -166,6 +169,10 @@ class Settings(BaseSettings):
     @property
     def is_embedded(self) -> bool:
         return self.broker_url is None
+
+    @property
+    def outbox_folder(self) -> Path:
+        return (self.outbox_dir or self.home / "outbox").resolve()
 
     @property
     def broker_folder(self) -> Path:

@@ -11,7 +11,7 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sqlalchemy import func, select
@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from preheat.catalog import NAME_PATTERN
 from preheat.errors import ConfigError
 from preheat.models import TrafficCount
+from preheat.outbox import writer
 
 UTC = dt.UTC
 CSV_COLUMNS = ("minute", "model", "template", "requests", "prompt_tokens", "prefix_tokens")
@@ -95,14 +96,19 @@ TRAFFIC = TrafficCounter()  # this process's counts (a worker's preheat.infer)
 
 
 def flush(counter: TrafficCounter = TRAFFIC) -> int:
-    """Add this process's counts to the table (a worker does it with each heartbeat)."""
-    from preheat.db import session_scope
+    """Add this process's counts to the table (a worker does it with each heartbeat); a
+    worker's counts wait in its outbox while the database is away."""
+    from preheat import outbox
 
     def write(tallies: list[Tally]) -> None:
-        with session_scope() as session:
-            record(session, tallies)
+        outbox.record("traffic", {"tallies": [asdict(t) for t in tallies]})
 
     return counter.flush(write)
+
+
+@writer("traffic")
+def _write_tallies(session: Session, payload: dict) -> None:
+    record(session, [Tally(**{**t, "minute": dt.datetime.fromisoformat(t["minute"])}) for t in payload["tallies"]])
 
 
 def _upsert(session: Session, rows: list[dict], *, add: bool) -> None:

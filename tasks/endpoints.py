@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 
-from preheat import history
+from preheat import outbox
 from preheat.catalog import load_catalog
 from preheat.celery import app
-from preheat.db import session_scope, utcnow
+from preheat.db import utcnow
 from preheat.endpoints import POOLS, keep_alive, warm_endpoint
 from preheat.errors import UnknownNameError
 from preheat.settings import get_settings
@@ -49,7 +49,6 @@ def keep_alive_endpoint(endpoint: str) -> dict:
         POOLS.discard(endpoint)
         return {}
     tick = keep_alive(endpoint, spec, catalog, utcnow())
-    with session_scope() as session:
-        history.record_keepalive(session, endpoint, sent=tick.sent, failed=tick.failed, skipped=tick.skipped,
-                                 ttft_ms=tick.ttft_ms, error=tick.error)
+    outbox.record("keepalive", {"endpoint": endpoint, "sent": tick.sent, "failed": tick.failed,
+                                "skipped": tick.skipped, "ttft_ms": tick.ttft_ms, "error": tick.error, "at": utcnow()})
     return {"sent": tick.sent, "failed": tick.failed, "skipped": tick.skipped}

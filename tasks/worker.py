@@ -17,7 +17,7 @@ import threading
 from celery import bootsteps
 from celery.signals import worker_shutdown
 
-from preheat import traffic
+from preheat import outbox, traffic
 from preheat.celery import app, infer_queue
 from preheat.endpoints import POOLS
 from preheat.errors import ConfigError, exit_with
@@ -80,9 +80,12 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
             exit_with(ConfigError(f"health server cannot listen on {settings.health_host}:{settings.health_port} "
                                   f"({exc.strerror}); set PREHEAT_HEALTH_PORT"))
         health_port = self.health.port
-        self.heartbeat = Heartbeat(worker.hostname, lambda: {**runtime.describe(), "health_port": health_port},
+        history_outbox = outbox.open_for(worker.hostname, settings.outbox_folder)
+        self.heartbeat = Heartbeat(worker.hostname,
+                                   lambda: {**runtime.describe(), "health_port": health_port,
+                                            "outbox": history_outbox.counts().as_state()},
                                    settings.heartbeat_interval_s, settings.worker_dead_after_s,
-                                   settings.task_time_limit_s, on_beat=traffic.flush).start()
+                                   settings.task_time_limit_s, on_beat=_bookkeeping).start()
         threading.Thread(target=runtime.preload, name="preheat-preload", daemon=True).start()
 
     def stop(self, worker) -> None:
@@ -90,9 +93,16 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
+        outbox.close()
         if self.health is not None:
             self.health.stop()
             self.health = None
+
+
+def _bookkeeping() -> None:
+    """With each heartbeat: history writes that waited for the database, then traffic counts."""
+    outbox.replay()
+    traffic.flush()
 
 
 app.steps["worker"].add(WorkerRuntimeStep)

@@ -223,7 +223,7 @@ def _empty_tables(url: str) -> None:
 
     engine = make_engine(url)
     with engine.begin() as connection:
-        connection.execute(text("TRUNCATE warmup_jobs, warmup_runs, schedule_slots, schedules, beat_leases, traffic_counts, workers, endpoint_keepalives"))
+        connection.execute(text("TRUNCATE warmup_jobs, warmup_runs, schedule_slots, schedules, beat_leases, traffic_counts, workers, endpoint_keepalives, applied_writes"))
     engine.dispose()
 
 

@@ -4,7 +4,9 @@ the password never written where people read."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import json
 import socket
 import subprocess
 import time
@@ -14,7 +16,7 @@ from urllib.parse import quote
 
 import pytest
 import redis
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from preheat import procs
 from preheat.cli.beatbench import minutely_lead_for
@@ -165,3 +167,162 @@ def test_redis_restarted_under_a_worker_and_beat_loses_no_slot_and_leaks_no_pass
         for where, text in (("worker log", worker_log), ("beat log", beat_log), ("history", recorded),
                             ("CLI", warmed.stdout + warmed.stderr)):
             assert secret not in text, f"the Redis password appears in the {where}"
+
+
+# Postgres away ------------------------------------------------------------------------
+
+OUTAGE_S = 30.0
+
+
+def _outbox_entries(path: Path) -> list[tuple[str, str]]:
+    import sqlite3
+
+    if not path.exists():
+        return []
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        return db.execute("SELECT id, kind FROM entries ORDER BY seq").fetchall()
+
+
+def test_postgres_away_for_30_s_warmups_go_on_and_no_record_is_lost(services_stack, tiny_model, tmp_path):
+    """The worker reaches Postgres through a proxy the test cuts for 30 s; the CLI and the
+    test reach it directly, so runs can be dispatched meanwhile (a partition between the
+    worker and the database)."""
+    from preheat import history
+    from preheat.models import AppliedWrite, RunStatus, TrafficCount
+    from preheat.settings import load_settings
+    from preheat.celery import create_app
+    from tests.conftest import write_catalog
+    from tests.tcp_proxy import TcpProxy
+
+    stack = services_stack
+    write_catalog(stack.catalog.parent, tiny_model,
+                  '\n[templates.summarise]\nmodel = "tiny"\nsystem_prompt = "Summarise the text in one sentence."\n')
+    proxy = TcpProxy("127.0.0.1", 5432).start()
+    real_url = stack.env["PREHEAT_DATABASE_URL"]
+    # Dead after 60 s, heartbeats each second: as in production (45 s, 10 s), the outage
+    # is shorter than the bound, so no reaper calls the worker's jobs lost meanwhile.
+    stack.env.update(PREHEAT_WORKER_DEAD_AFTER_S="60")
+    worker_env = {**stack.env, "PREHEAT_DATABASE_URL": real_url.replace(":5432/", f":{proxy.port}/")}
+    worker = procs.start_worker(WORKER, worker_env, tmp_path / "logs", cwd=stack.home)
+    outbox_path = stack.home / "outbox" / "gpu0_faults-test.sqlite3"
+    client = create_app(load_settings(broker_url=stack.env["PREHEAT_BROKER_URL"]))
+    with procs.running(worker):
+        procs.wait_for_log(worker, f"{WORKER} ready.", 90)
+        procs.poll(lambda: _worker_ready(), 60, what="the worker registered ready")
+
+        proxy.cut()
+        cut_at = utcnow()
+        runs = []
+        for _ in range(3):
+            dispatched = stack.cli("warm", "--json")
+            assert dispatched.returncode == 0, dispatched.stderr
+            runs.append(uuid.UUID(json.loads(dispatched.stdout)["id"]))
+        answers = [client.send_task("preheat.infer", kwargs={"template": "support", "user_input": f"parcel {n}",
+                                                              "max_new_tokens": 2}) for n in range(5)]
+        assert all(answer.get(timeout=60)["cached_tokens"] > 0 for answer in answers)  # served meanwhile
+        # 3 runs x (a start + 2 finishes), and the 5 requests' counts, wait on the worker's disk.
+        kept = procs.poll(lambda: (e := _outbox_entries(outbox_path)) and
+                          sum(kind.startswith("job.") for _, kind in e) == 9 and "traffic" in {k for _, k in e} and e,
+                          60, what="the worker's writes kept in its outbox")
+        with session_scope() as session:
+            statuses = {job.status for run_id in runs for job in history.get_run(session, run_id).jobs}
+        assert statuses == {JobStatus.queued}, "nothing reached the database while it was away"
+        time.sleep(max(0.0, OUTAGE_S - (utcnow() - cut_at).total_seconds()))
+        kept = _outbox_entries(outbox_path)  # everything the outage left, to be counted
+        proxy.restore()
+        back_at = utcnow()
+
+        def all_written():
+            with session_scope() as session:
+                done = [history.get_run(session, run_id) for run_id in runs]
+                return done if all(run.status == RunStatus.succeeded for run in done) else None
+
+        done = procs.poll(all_written, 60, what="the runs written once Postgres was back")
+        procs.poll(lambda: not _outbox_entries(outbox_path), 30, what="the outbox emptied")
+        # The worker's heartbeat says so too (`preheat workers` shows the outbox).
+        procs.poll(lambda: _worker_state().get("outbox") == {"pending": 0, "dead": 0}, 30,
+                   what="the heartbeat showing an empty outbox")
+    proxy.close()
+    jobs = [job for run in done for job in run.jobs]
+    assert len(jobs) == 6 and {job.status for job in jobs} == {JobStatus.warm}
+    # Written with the times they happened, during the outage, and what they measured.
+    assert all(cut_at <= job.started_at <= job.finished_at < back_at for job in jobs)
+    assert all(job.prefill_ms is not None and job.ttft_cold_ms and job.ttft_warm_ms and job.cached_tokens
+               for job in jobs)
+    with session_scope() as session:
+        applied = set(session.scalars(select(AppliedWrite.id)))
+        assert {uuid.UUID(entry_id) for entry_id, _ in kept} <= applied, "an outbox entry was lost"
+        assert session.scalar(select(func.sum(TrafficCount.requests))) == 5
+
+
+def _worker_ready() -> bool:
+    return _worker_state().get("ready", False)
+
+
+def _worker_state() -> dict:
+    from preheat import registry
+
+    with session_scope() as session:
+        return next((record.state for record in registry.workers(session) if record.nodename == WORKER), {})
+
+
+# Out of memory -------------------------------------------------------------------------
+
+HANDBOOK = " ".join(f"Rule {n}: a parcel late by {n % 7 + 2} working days is investigated, and the customer is "
+                    f"told the outcome within {n % 5 + 1} days." for n in range(85))
+
+
+def _vm_data_bytes(pid: int) -> int:
+    import re
+
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmData:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def test_out_of_memory_during_prefill_is_recorded_and_the_worker_goes_on(embedded_stack, tiny_model, tmp_path):
+    """A real allocator failure: the worker's data segment is capped (RLIMIT_DATA, what a
+    container memory limit does to malloc) a little above what it uses, and a template's
+    system prompt grows to thousands of tokens, whose prefill needs more than that."""
+    import resource
+
+    from tests.conftest import write_catalog
+
+    stack = embedded_stack
+    prompt = stack.catalog.parent / "handbook.txt"
+    prompt.write_text("You answer questions about the parcel handbook.")
+    write_catalog(stack.catalog.parent, tiny_model,
+                  '\n[templates.handbook]\nmodel = "tiny"\nsystem_prompt_file = "handbook.txt"\n')
+    worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
+    with procs.running(worker):
+        procs.wait_for_log(worker, "Started consuming from preheat.infer.tiny", 90)
+        prompt.write_text(HANDBOOK)  # edited: about 3,000 tokens now
+        pid, unlimited = worker.popen.pid, resource.prlimit(worker.popen.pid, resource.RLIMIT_DATA)
+        resource.prlimit(pid, resource.RLIMIT_DATA, (_vm_data_bytes(pid) + 48 * 2**20, unlimited[1]))
+
+        capped = stack.cli("warm", "-t", "handbook", "-t", "support", "--wait", "--json", "--timeout", "120")
+        assert capped.returncode == 1, capped.stderr
+        jobs = {job["template"]: job for job in json.loads(capped.stdout)["jobs"]}
+        assert jobs["handbook"]["status"] == "failed"
+        assert "out of memory on cpu while running" in jobs["handbook"]["error"]
+        assert "can't allocate memory" in jobs["handbook"]["error"]
+        assert jobs["support"]["status"] == "warm"  # the other template, same task, after the failure
+
+        # Still up, under the same cap: it answers a request, and says what is not ready.
+        answered = stack.cli("infer", "support", "Where is my parcel?", "--max-tokens", "2", "--json")
+        assert answered.returncode == 0, answered.stderr
+        assert json.loads(answered.stdout)["cached_tokens"] > 0
+        procs.poll(lambda: "out of memory" in " ".join(_worker_json(stack)["reasons"]), 30,
+                   what="the worker's readiness naming the failed template")
+
+        # Memory back: the same warmup succeeds on the same process.
+        resource.prlimit(pid, resource.RLIMIT_DATA, unlimited)
+        recovered = stack.cli("warm", "-t", "handbook", "--wait", "--json", "--timeout", "120")
+        assert recovered.returncode == 0, recovered.stdout + recovered.stderr
+        assert json.loads(recovered.stdout)["jobs"][0]["cached_tokens"] > 2000
+        assert worker.alive()
+        assert _worker_json(stack)["reasons"] == []
+
+
+def _worker_json(stack) -> dict:
+    [worker] = json.loads(stack.cli("workers", "--json").stdout)
+    return worker

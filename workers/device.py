@@ -6,9 +6,15 @@ a prefork pool forks makes every child fail with "Cannot re-initialize CUDA".
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from preheat.errors import DeviceOutOfMemory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,3 +45,44 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued kernels, so a timer measures the work and not its launch."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# The CPU allocator says it with a RuntimeError (malloc failed: a cgroup or rlimit bound, or
+# the machine is full); CUDA's caching allocator with torch.OutOfMemoryError.
+_CPU_ALLOC_FAILED = re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate \d+ bytes")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and _CPU_ALLOC_FAILED.search(str(exc)) is not None)
+
+
+def _what_failed(exc: BaseException) -> str:
+    match = _CPU_ALLOC_FAILED.search(str(exc))
+    # CUDA's: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity…"
+    return match.group(0) if match else ". ".join(str(exc).split(". ")[:2]).rstrip(".") + "."
+
+
+@contextlib.contextmanager
+def out_of_memory_as_error(device: torch.device, doing: str) -> Iterator[None]:
+    """Turn the device running out of memory during `doing` into DeviceOutOfMemory, after
+    releasing what the failed work held; other errors pass through."""
+    failed = None
+    try:
+        yield
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one
+        if not is_out_of_memory(exc):
+            raise
+        failed = _what_failed(exc)
+    if failed is None:
+        return
+    # Out of the except block: the traceback, and the tensors its frames hold, are gone.
+    release_memory(device)
+    raise DeviceOutOfMemory(f"out of memory on {device.type} while {doing}: {failed}")
+
+
+def release_memory(device: torch.device) -> None:
+    """Give back what failed work held: Python's cycles, and CUDA's cached blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.device import out_of_memory_as_error
 from workers.kvcache import CacheKey
 from workers.models import ResidentModel
 
@@ -101,8 +102,9 @@ def forward(resident: ResidentModel, input_ids: torch.Tensor, cache=None):
     from transformers import DynamicCache
 
     cache = cache if cache is not None else DynamicCache(config=resident.model.config)
-    input_ids = input_ids.to(resident.placement.device, non_blocking=True)
-    with torch.inference_mode():
-        out = resident.model(input_ids=input_ids, use_cache=True, logits_to_keep=1,
+    device = resident.placement.device
+    doing = f"running {input_ids.shape[-1]} tokens through {resident.name} (after {cache.get_seq_length()} cached)"
+    with out_of_memory_as_error(device, doing), torch.inference_mode():
+        out = resident.model(input_ids=input_ids.to(device, non_blocking=True), use_cache=True, logits_to_keep=1,
                              **{resident.cache_kwarg: cache})
     return out.logits[0, -1], cache

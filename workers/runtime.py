@@ -151,18 +151,26 @@ class WorkerRuntime:
 
     def _exercise(self, template: str) -> None:
         """One short request through the cache, off the books: the first real request must
-        not be the one that pays for first-call costs (allocator, kernel selection)."""
-        resident, prefix = self._template_prefix(template)
-        prompt_ids = prefix.prompt_ids(resident, self.catalog.template(template).probe)
-        self.engine.generate(resident, prompt_ids, max_new_tokens=2, record=False, prefix_key=prefix.key).collect()
+        not be the one that pays for first-call costs (allocator, kernel selection). Only
+        the prefix as pre-filled: a prompt file edited since is pre-filled by a warmup."""
+        known = self._prefixes.get(template)
+        resident = self.registry.get(self.catalog.template(template).model)
+        if known is None or resident is None or self.cache.peek(known.key) is None:
+            return
+        prompt_ids = known.prompt_ids(resident, self.catalog.template(template).probe)
+        self.engine.generate(resident, prompt_ids, max_new_tokens=2, record=False, prefix_key=known.key).collect()
 
     def exercise(self, model: str) -> None:
         """One off-the-books request per template of `model`, on the calling thread: the
         thread that will serve requests pays its own first-call costs here (torch's
-        per-thread OpenMP pool is built by the first parallel op a thread runs)."""
+        per-thread OpenMP pool is built by the first parallel op a thread runs). Best
+        effort: a failure here is logged, and must not keep the model from its requests."""
         for name in self.catalog.templates_of(model):
             if self._templates[name] is None:
-                self._exercise(name)
+                try:
+                    self._exercise(name)
+                except (PreheatError, ValueError, RuntimeError, OSError) as exc:
+                    log.warning("first-call exercise of template %s failed: %s", name, exc)
 
     def _announce_if_warm(self, model: str) -> None:
         warm = all(self._templates[name] is None for name in self.catalog.templates_of(model))

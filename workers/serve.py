@@ -34,7 +34,7 @@ import tornado.netutil
 import tornado.web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
-from preheat.errors import PreheatError, UnknownNameError
+from preheat.errors import DeviceOutOfMemory, PreheatError, UnknownNameError
 from workers.generate import Completion, TextStream
 from workers.health import readiness_answer
 from workers.runtime import WorkerRuntime
@@ -340,6 +340,9 @@ class GenerateHandler(BaseHandler):
             raise ApiError(HTTPStatus.NOT_FOUND, str(exc), "model_not_found") from None
         except ValueError as exc:  # longer than the context, …
             raise ApiError(HTTPStatus.BAD_REQUEST, str(exc), "context_length_exceeded") from None
+        except DeviceOutOfMemory as exc:
+            self.set_header("Retry-After", "5")
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "out_of_memory") from None
         except PreheatError as exc:
             raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "model_unavailable") from None
 

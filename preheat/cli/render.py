@@ -144,11 +144,12 @@ def worker_state(record: WorkerRecord, live: bool) -> str:
 def workers_table(records: list[tuple[WorkerRecord, bool]]) -> Table:
     """`preheat workers`: what each worker's latest heartbeat said."""
     table = Table(title="preheat workers", title_justify="left",
-                  caption="cache = the KV prefix cache: entries and bytes against the worker's budget",
+                  caption="cache = the KV prefix cache: entries and bytes against the worker's budget; "
+                          "outbox = history writes waiting for the database",
                   caption_justify="left")
     for header in ("worker", "state", "last heartbeat (UTC)", "models", "cache entries", "cache MiB", "hit rate",
-                   "not ready because"):
-        table.add_column(header, justify="right" if header.startswith(("cache", "hit")) else "left")
+                   "outbox", "not ready because"):
+        table.add_column(header, justify="right" if header.startswith(("cache", "hit", "outbox")) else "left")
     for record, live in records:
         state, cache = record.state or {}, (record.state or {}).get("cache", {})
         models = ", ".join(f"{name} ({spec['device']})" for name, spec in state.get("models", {}).items()) or "-"
@@ -158,9 +159,17 @@ def workers_table(records: list[tuple[WorkerRecord, bool]]) -> Table:
             f"{cache.get('entries', 0)}/{cache.get('max_entries', '-')}",
             f"{cache.get('bytes', 0) / 2**20:,.1f}/{cache.get('max_bytes', 0) / 2**20:,.0f}",
             f"{100 * cache.get('hits', 0) / lookups:.0f}%" if lookups else "-",
+            outbox_cell(state.get("outbox")),
             "; ".join(state.get("reasons", [])) or "-",
         )
     return table
+
+
+def outbox_cell(counts: dict | None) -> str:
+    """History writes waiting for the database (and set aside for good, if any)."""
+    if not counts:
+        return "-"
+    return f"{counts['pending']}" + (f" ({counts['dead']} set aside)" if counts.get("dead") else "")
 
 
 def worker_json(record: WorkerRecord, live: bool) -> dict:

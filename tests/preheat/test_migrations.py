@@ -9,7 +9,7 @@ from preheat.db import make_engine
 from preheat.models import WarmupJob
 
 TABLES = {"warmup_runs", "warmup_jobs", "schedules", "schedule_slots", "beat_leases", "traffic_counts", "workers",
-          "endpoint_keepalives", "alembic_version"}
+          "endpoint_keepalives", "applied_writes", "alembic_version"}
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -18,3 +18,29 @@ def test_cuda_without_a_device_is_a_clear_error():
         return
     with pytest.raises(RuntimeError, match="PREHEAT_DEVICE=cuda but no CUDA device is visible"):
         pick_placement("cuda")
+
+
+
+# Out of memory: what the allocators raise, turned into one error naming the work. (The
+# CPU allocator's real failure, under a capped data segment, is in tests/test_faults.py.)
+
+
+def test_cuda_out_of_memory_becomes_one_error_naming_the_work():
+    from preheat.errors import DeviceOutOfMemory
+    from workers.device import out_of_memory_as_error
+
+    with pytest.raises(DeviceOutOfMemory, match=r"^out of memory on cuda while pre-filling support: "
+                                                r"CUDA out of memory\. Tried to allocate 2\.00 GiB\.$"):
+        with out_of_memory_as_error(torch.device("cuda"), "pre-filling support"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                         "capacity of 79.10 GiB of which 1.06 GiB is free.")
+
+
+def test_other_errors_pass_through_and_no_error_is_no_error():
+    from workers.device import out_of_memory_as_error
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        with out_of_memory_as_error(torch.device("cpu"), "decoding"):
+            raise RuntimeError("shape mismatch")
+    with out_of_memory_as_error(torch.device("cpu"), "decoding"):
+        pass

@@ -78,6 +78,20 @@ def test_a_changed_system_prompt_is_prefilled_again(runtime):
     assert result.prefill_ms > 0 and result.cached_tokens < first.cached_tokens
 
 
+def test_the_serving_threads_exercise_uses_the_prefix_as_prefilled_not_a_prompt_edited_since(runtime):
+    """The worker's serving thread exercises the warm templates once before taking requests;
+    a prompt file edited between the preload and then is pre-filled by a warmup, not there
+    (an out-of-memory there once kept a model from its requests for good)."""
+    runtime.preload()
+    inserts = runtime.cache.stats().inserts
+    runtime.catalog = runtime.catalog.model_copy(update={"templates": {
+        **runtime.catalog.templates,
+        "support": runtime.catalog.templates["support"].model_copy(update={"system_prompt": "Be brief."}),
+    }})
+    runtime.exercise("tiny")
+    assert runtime.cache.stats().inserts == inserts
+
+
 def test_a_missing_model_fails_the_job_and_the_runtime_keeps_serving(runtime):
     broken = runtime.warm_template("orphan")
     assert broken.status == "failed"
