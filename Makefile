@@ -28,13 +28,19 @@ browser:
 demo: install
 	$(BIN)/preheat dev demo
 
+# Two pytest processes: most of an end-to-end test is waiting (a worker starting, a slot
+# coming due, an outage lasting), so two share 2 cores well. Each has its own Redis db and
+# Postgres database (tests/conftest.py). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist worksteal)
+
 ## Every test, slow end-to-end ones included (real Redis, Postgres, worker processes).
 test: install browser
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 ## The quick loop: skips tests marked slow.
 test-fast: install
-	$(BIN)/python -m pytest --skip-slow $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) --skip-slow $(PYTEST_ARGS)
 
 clean:
 	rm -rf .preheat .pytest_cache .hypothesis

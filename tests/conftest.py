@@ -21,7 +21,19 @@ from sqlalchemy import text
 
 REPO = Path(__file__).resolve().parents[1]
 PG_ADMIN_URL = os.environ.get("PREHEAT_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-REDIS_URL = os.environ.get("PREHEAT_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
+
+
+def _redis_url() -> str:
+    """Db 11, or 11 + n for pytest-xdist's worker n: parallel sessions never share a db."""
+    base = os.environ.get("PREHEAT_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    if not worker.isdigit() or worker == "0":
+        return base
+    server, db = base.rsplit("/", 1)
+    return f"{server}/{int(db) + int(worker)}"
+
+
+REDIS_URL = _redis_url()
 PREHEAT_CLI = str(Path(sys.executable).parent / "preheat")
 
 SUPPORT_PROMPT = (
