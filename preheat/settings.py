@@ -209,7 +209,18 @@ def _format_error(exc: ValidationError) -> str:
 
 
 def load_settings(**overrides) -> Settings:
-    """Build settings from the environment, raising ConfigError with one readable line."""
+    """Build settings from the environment, raising ConfigError with one readable line.
+
+    Secrets may also come from files: with PREHEAT_SECRETS_DIR set (a mounted Kubernetes
+    Secret, /run/secrets), a file named like the variable in lower case, e.g.
+    `preheat_database_url`, holds its value; a variable that is set wins over its file."""
+    import os
+
+    secrets_dir = os.environ.get("PREHEAT_SECRETS_DIR")
+    if secrets_dir:
+        if not Path(secrets_dir).is_dir():
+            raise ConfigError(f"invalid setting PREHEAT_SECRETS_DIR: {secrets_dir} is not a directory")
+        overrides["_secrets_dir"] = secrets_dir
     try:
         return Settings(**overrides)
     except ValidationError as exc:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from preheat.catalog import NAME_PATTERN
+from preheat.text import not_text_at
 
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 RunId = Annotated[str, Field(pattern=r"^[0-9a-fA-F]{8}-?([0-9a-fA-F]{4}-?){3}[0-9a-fA-F]{12}$")]
@@ -18,6 +19,15 @@ Nodename = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[^\s]+$
 class _Arguments(BaseModel):
     # strict: "1" is not 1 and 0 is not False; extra: an unknown argument is a sender's bug.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strings_are_text(cls, values):
+        # A lone surrogate ("\ud800" in the message's JSON) is valid JSON but no text: it
+        # would fail in the tokenizer or a database row, after the job had started.
+        if isinstance(values, dict) and (where := not_text_at(values)) is not None:
+            raise ValueError(f"{where or 'an argument'} is not valid text (a lone surrogate)")
+        return values
 
 
 class WarmWorkerArguments(_Arguments):

@@ -22,10 +22,14 @@ from preheat import procs
 from preheat.cli.beatbench import minutely_lead_for
 from preheat.db import session_scope, utcnow
 from preheat.models import JobStatus, ScheduleSlot, SlotStatus, WarmupJob, WarmupRun
+from tests.conftest import PREHEAT_CLI
 
 pytestmark = pytest.mark.slow
 
 WORKER = "gpu0@faults-test"
+# A system prompt of about 3,000 tokens: a long prefill for the tiny model.
+HANDBOOK = " ".join(f"Rule {n}: a parcel late by {n % 7 + 2} working days is investigated, and the customer is "
+                    f"told the outcome within {n % 5 + 1} days." for n in range(85))
 
 
 def free_port() -> int:
@@ -169,6 +173,71 @@ def test_redis_restarted_under_a_worker_and_beat_loses_no_slot_and_leaks_no_pass
             assert secret not in text, f"the Redis password appears in the {where}"
 
 
+
+def _job_of(run_id: uuid.UUID, template: str) -> WarmupJob | None:
+    with session_scope() as session:
+        return session.scalars(select(WarmupJob).where(WarmupJob.run_id == run_id,
+                                                       WarmupJob.template == template)).first()
+
+
+def _runs_for(trigger, worker: str) -> list[WarmupRun]:
+    from sqlalchemy.orm import selectinload
+
+    with session_scope() as session:
+        runs = session.scalars(select(WarmupRun).where(WarmupRun.trigger == trigger)
+                               .options(selectinload(WarmupRun.jobs)))
+        return [run for run in runs if run.trigger_detail.get("worker") == worker]
+
+
+def test_redis_restarted_mid_warmup_the_run_finishes_and_worker_and_watcher_reconnect(
+        services_stack, tls_redis, tiny_model, tmp_path):
+    """Redis (no persistence, as the tests' own) goes away while a warmup runs: the warmup
+    finishes and is recorded (history is in Postgres), the worker takes new warmups once
+    Redis is back, and `preheat watch-workers` reconnects and sees the next worker start."""
+    from preheat.models import TriggerKind
+    from tests.conftest import write_catalog
+
+    stack = services_stack
+    (stack.catalog.parent / "handbook.txt").write_text(HANDBOOK)
+    write_catalog(stack.catalog.parent, tiny_model,
+                  '\n[templates.handbook]\nmodel = "tiny"\nsystem_prompt_file = "handbook.txt"\n')
+    # Probes of a 3,000-token prompt, repeated: a warmup long enough to pull Redis out under it.
+    stack.env.update(PREHEAT_BROKER_URL=tls_redis.url, PREHEAT_PROBE_REPEATS="6")
+    logs = tmp_path / "logs"
+    watcher = procs.start("watch-workers", [PREHEAT_CLI, "watch-workers"], stack.env, logs, cwd=stack.home)
+    worker = procs.start_worker(WORKER, stack.env, logs, cwd=stack.home)
+    with procs.running(watcher, worker):
+        procs.wait_for_log(worker, f"{WORKER} ready.", 90)
+        procs.poll(lambda: (runs := _runs_for(TriggerKind.worker_online, WORKER)) and
+                   all(job.status.is_final for run in runs for job in run.jobs), 90, what="the start-up run")
+
+        dispatched = stack.cli("warm", "-t", "handbook", "--json")
+        assert dispatched.returncode == 0, dispatched.stderr
+        run_id = uuid.UUID(json.loads(dispatched.stdout)["id"])
+        procs.poll(lambda: (job := _job_of(run_id, "handbook")) and job.status == JobStatus.running, 60,
+                   every_s=0.05, what="the warmup running")
+        tls_redis.stop()
+        time.sleep(2)
+        tls_redis.start()
+        job = procs.poll(lambda: (job := _job_of(run_id, "handbook")) and job.status.is_final and job, 90,
+                         what="the warmup finished and recorded")
+        assert job.status == JobStatus.warm and job.cached_tokens > 2000, job.error
+
+        # The worker is back on its queue: a warmup sent after the restart is done.
+        again = stack.cli("warm", "-t", "support", "--wait", "--json", "--timeout", "90")
+        assert again.returncode == 0, again.stdout + again.stderr
+        # The watcher reconnected, and warms a worker that starts now.
+        procs.poll(lambda: watcher.log().count("watching for workers coming online") >= 2, 60,
+                   what="the watcher reconnected")
+        second = procs.start_worker("gpu1@faults-test", stack.env, logs / "second", cwd=stack.home)
+        with procs.running(second):
+            [late] = procs.poll(lambda: _runs_for(TriggerKind.worker_online, "gpu1@faults-test"), 90,
+                                what="the new worker warmed by the reconnected watcher")
+        assert "reconnecting in" in watcher.log()
+    with session_scope() as session:
+        assert not session.scalars(select(WarmupJob).where(WarmupJob.status == JobStatus.running)).all()
+
+
 # Postgres away ------------------------------------------------------------------------
 
 OUTAGE_S = 30.0
@@ -268,9 +337,6 @@ def _worker_state() -> dict:
 
 # Out of memory -------------------------------------------------------------------------
 
-HANDBOOK = " ".join(f"Rule {n}: a parcel late by {n % 7 + 2} working days is investigated, and the customer is "
-                    f"told the outcome within {n % 5 + 1} days." for n in range(85))
-
 
 def _vm_data_bytes(pid: int) -> int:
     import re
@@ -326,3 +392,47 @@ def test_out_of_memory_during_prefill_is_recorded_and_the_worker_goes_on(embedde
 def _worker_json(stack) -> dict:
     [worker] = json.loads(stack.cli("workers", "--json").stdout)
     return worker
+
+
+# Secrets -------------------------------------------------------------------------------
+
+
+def test_a_password_protected_postgres_url_works_from_the_environment_or_a_file(embedded_stack, tmp_path):
+    """A cluster of our own that checks passwords (scram-sha-256); the password has URL
+    characters in it, and '%', which Alembic's config would read as interpolation."""
+    from tests.pg_cluster import PrivatePostgres
+
+    stack = embedded_stack
+    password = f"p@ss:w/rd%{uuid.uuid4().hex[:8]}"
+    server = PrivatePostgres(password).start()
+    try:
+        by_env = {**stack.env, "PREHEAT_DATABASE_URL": server.url()}
+        upgraded = subprocess.run([PREHEAT_CLI, "db", "upgrade"], env=by_env, capture_output=True, text=True,
+                                  timeout=120)
+        assert upgraded.returncode == 0, upgraded.stderr
+
+        # The same URL from a file (a mounted Kubernetes Secret), not the environment.
+        secrets = tmp_path / "secrets"
+        secrets.mkdir()
+        (secrets / "preheat_database_url").write_text(server.url() + "\n")
+        by_file = {**stack.env, "PREHEAT_SECRETS_DIR": str(secrets)}
+        current = subprocess.run([PREHEAT_CLI, "db", "check"], env=by_file, capture_output=True, text=True,
+                                 timeout=120)
+        assert current.returncode == 0, current.stdout + current.stderr  # connected, migrated, no drift
+        listed = subprocess.run([PREHEAT_CLI, "history"], env=by_file, capture_output=True, text=True, timeout=120)
+        assert listed.returncode == 0, listed.stderr
+
+        # A wrong password: one line, the services' exit code, and no password shown.
+        wrong = subprocess.run([PREHEAT_CLI, "history"], env={**stack.env, "PREHEAT_DATABASE_URL": server.url(
+            password + "x")}, capture_output=True, text=True, timeout=120)
+        said = wrong.stdout + wrong.stderr
+        assert wrong.returncode == 5 and "password authentication failed" in said, said
+        assert len(said.strip().splitlines()) == 1
+        for shown in (upgraded, current, listed, wrong):
+            assert password not in shown.stdout + shown.stderr
+            assert quote(password, safe="") not in shown.stdout + shown.stderr
+        missing = subprocess.run([PREHEAT_CLI, "history"], env={**stack.env, "PREHEAT_SECRETS_DIR": "/nonexistent"},
+                                 capture_output=True, text=True, timeout=60)
+        assert missing.returncode == 2 and "PREHEAT_SECRETS_DIR" in missing.stdout + missing.stderr
+    finally:
+        server.stop()

@@ -35,6 +35,7 @@ import tornado.web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
 from preheat.errors import DeviceOutOfMemory, PreheatError, UnknownNameError
+from preheat.text import not_text_at
 from workers.generate import Completion, TextStream
 from workers.health import readiness_answer
 from workers.runtime import WorkerRuntime
@@ -261,6 +262,11 @@ class BaseHandler(tornado.web.RequestHandler):
                 from None
         if not isinstance(body, dict):
             raise ApiError(HTTPStatus.BAD_REQUEST, "body must be a JSON object", "invalid_json")
+        if (where := not_text_at(body)) is not None:
+            # JSON may escape half a UTF-16 pair ("\ud800"): valid JSON, but no text a
+            # tokenizer (or a UTF-8 database column) can take.
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"body is not valid text: a lone surrogate in {where or 'it'}",
+                           "invalid_json")
         return body
 
 

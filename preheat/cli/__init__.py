@@ -11,7 +11,7 @@ import sys
 import typer
 from rich.console import Console
 
-from preheat.errors import PreheatError
+from preheat.errors import ConfigError, PreheatError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="preheat: LLM serving that is never cold when a user arrives.")
@@ -63,8 +63,21 @@ def service_error(exc: Exception) -> str | None:
     return None
 
 
+def check_arguments_are_text(argv: list[str]) -> None:
+    """Arguments are text: bytes that are not UTF-8 reach Python as lone surrogates, which
+    would fail later, half-way (a task message, a database row). One line here instead."""
+    for position, argument in enumerate(argv, start=1):
+        try:
+            argument.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            offset = len(argument[:exc.start].encode("utf-8", "surrogateescape"))
+            byte = argument.encode("utf-8", "surrogateescape")[offset]
+            raise ConfigError(f"argument {position} is not UTF-8 text (byte 0x{byte:02x} at offset {offset})") from None
+
+
 def main() -> None:
     try:
+        check_arguments_are_text(sys.argv[1:])
         app()
     except PreheatError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)

@@ -1,5 +1,6 @@
 """The `preheat` command as a user runs it: one clear line and a non-zero exit on bad input."""
 
+import json
 import subprocess
 
 import pytest
@@ -140,3 +141,35 @@ def test_serve_refuses_a_busy_port_and_half_a_tls_setting_with_one_line(embedded
     assert half.returncode == 2 and "PREHEAT_SERVE_TLS_KEY go together" in one_error_line(half)
     bad_port = run("serve", env={**embedded.env, "PREHEAT_SERVE_PORT": "99999"})
     assert bad_port.returncode == 2 and "invalid setting PREHEAT_SERVE_PORT" in one_error_line(bad_port)
+
+
+# Arguments that are not UTF-8: Python hands them over with lone surrogates in place of the
+# bytes (surrogateescape); every command refuses them before doing anything.
+NOT_UTF8 = "\udcff\udcfe"
+NOT_TEXT_ARGUMENTS = [
+    ("warm", "--template", f"sup{NOT_UTF8}port"),
+    ("warm", "--worker", f"gpu0@node{NOT_UTF8}"),
+    ("infer", "support", f"Where is my parcel {NOT_UTF8}?"),
+    ("schedule", "add", f"peak{NOT_UTF8}", "--cron", "0 9 * * 1-5", "--template", "support"),
+    ("schedule", "add", "peak", "--cron", "0 9 * * 1-5", "--template", "support", "--timezone", f"Europe/{NOT_UTF8}"),
+    ("history", f"{NOT_UTF8}"),
+    ("traffic", "import", f"/tmp/{NOT_UTF8}.csv"),
+    ("peaks", "suggest", "--timezone", f"Europe/{NOT_UTF8}"),
+    ("serve", "--host", f"{NOT_UTF8}"),
+]
+
+
+def test_arguments_that_are_not_utf8_are_one_line_and_nothing_is_written(embedded):
+    for argv in NOT_TEXT_ARGUMENTS:
+        done = embedded.cli_here(*argv)
+        assert done.returncode == 2, (argv, done.stdout, done.stderr)
+        position = next(i for i, arg in enumerate(argv, start=1) if NOT_UTF8 in arg)
+        assert done.stderr.strip().startswith(f"error: argument {position} is not UTF-8 text (byte 0xff at offset"), \
+            (argv, done.stderr)
+    # The same through a real process, bytes and all.
+    raw = subprocess.run([PREHEAT_CLI.encode(), b"warm", b"--template", b"caf\xc3\xa9\xff"], env=embedded.env,
+                         capture_output=True, timeout=120)
+    assert raw.returncode == 2
+    assert raw.stderr.decode().strip() == "error: argument 3 is not UTF-8 text (byte 0xff at offset 5)"
+    for listing in (("history", "--json"), ("schedule", "list", "--json")):
+        assert json.loads(embedded.cli_here(*listing).stdout) == []  # nothing half-written

@@ -14,8 +14,11 @@ import tasks.endpoints  # noqa: F401 - registers the tasks
 import tasks.infer  # noqa: F401
 import tasks.warmup  # noqa: F401
 from preheat.celery import BadTaskArguments, app
+from preheat.text import not_text_at
+# Any code point, lone surrogates included: what a message's JSON can carry ("\ud800").
+any_text = st.text(st.characters(exclude_categories=()), max_size=40)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | any_text,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=12)
 
@@ -56,8 +59,9 @@ def test_garbage_arguments_are_one_clear_error(name, data):
         task.checked((), kwargs)
     except BadTaskArguments as exc:
         assert str(exc).startswith(f"{name}: ") and len(str(exc)) < 400
-    else:  # accepted: then every value has the schema's type
+    else:  # accepted: then every value has the schema's type, and every string is text
         task.arguments.model_validate({**kwargs})
+        assert not_text_at(kwargs) is None
 
 
 @pytest.mark.parametrize(("name", "change", "message"), [
@@ -69,6 +73,9 @@ def test_garbage_arguments_are_one_clear_error(name, data):
     ("preheat.infer", {"max_new_tokens": -5}, "max_new_tokens"),
     ("preheat.infer", {"user_input": "x" * 200_001}, "user_input"),
     ("preheat.infer", {"user_input": b"\xff\xfe".decode("latin-1") * 2}, None),  # odd text is still text
+    ("preheat.infer", {"user_input": "parcel \ud800 late"}, "user_input is not valid text"),
+    ("preheat.warm_worker", {"worker": "gpu0@node\udcff"}, "worker is not valid text"),
+    ("preheat.warm_fleet", {"detail": {"note": "\udcfe"}}, "detail.note is not valid text"),
     ("preheat.warm_endpoint", {"base_url": "file:///etc/passwd"}, "base_url"),
     ("preheat.warm_fleet", {"trigger": "cron"}, "trigger"),
 ])

@@ -123,6 +123,34 @@ def test_bad_input_is_a_4xx_with_a_reason(server):
         OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).chat.completions.create(model="nope", messages=user)
 
 
+# Bytes that are not UTF-8 text, or JSON that decodes to text that is not (a lone
+# surrogate), on every route that reads a body, a header or a path: a 4xx with a reason.
+NOT_TEXT = [
+    ("POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff"}]}', {},
+     400, "not UTF-8"),
+    ("POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', {},
+     400, "not valid text"),
+    ("POST", "/v1/completions", b'{"model": "tiny", "prompt": "caf\xe9"}', {}, 400, "not UTF-8"),
+    ("POST", "/v1/completions", b'{"model": "tiny", "prompt": "\\udcff"}', {}, 400, "not valid text"),
+    ("POST", "/internal/warmup", b'{"templates": ["\xfe"]}', {"Authorization": f"Bearer {TOKEN}"}, 400,
+     "not UTF-8"),
+    ("POST", "/internal/warmup", b'{"templates": ["support"]}', {"Authorization": b"Bearer \xff\xfe"}, 401,
+     "a valid bearer token is required"),
+    ("GET", "/v1/models/%FF%FE", b"", {}, 404, ""),
+]
+
+
+def test_bytes_that_are_not_text_are_a_4xx_with_a_reason(server):
+    url, proc = server
+    wrong = []
+    for method, path, body, headers, status, reason in NOT_TEXT:  # one server for the table
+        answer = httpx.request(method, f"{url}{path}", content=body, headers=headers, timeout=30)
+        if answer.status_code != status or (reason and reason not in answer.json()["error"]["message"]):
+            wrong.append((method, path, body, answer.status_code, answer.text))
+    assert not wrong, wrong
+    assert "Traceback" not in proc.log()
+
+
 def test_an_api_key_guards_v1_and_internal_routes_are_off_without_a_token(embedded_stack, tmp_path):
     env = {**embedded_stack.env, "PREHEAT_SERVE_API_KEY": "client-key"}
     proc = procs.start_serve(env, tmp_path / "logs")
