@@ -189,6 +189,23 @@ class Outbox:
                 in rows]
 
 
+class OutboxCollector:
+    """The outbox's counts on a worker's /metrics: an alert on pending > 0 for long is an
+    alert on the database, seen from the workers."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        counts = self.outbox.counts()
+        yield GaugeMetricFamily("preheat_outbox_pending", "History writes waiting for the database.",
+                                value=counts.pending)
+        yield GaugeMetricFamily("preheat_outbox_dead", "History writes the database refused for good, set aside.",
+                                value=counts.dead)
+
+
 def _register_writers() -> None:
     import preheat.history
     import preheat.traffic  # noqa: F401 - importing them registers their writers

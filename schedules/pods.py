@@ -166,15 +166,34 @@ class Gone(Exception):
     """The resourceVersion we watch from was compacted away (HTTP 410): list again."""
 
 
+@dataclass(frozen=True)
+class _Retry:
+    transition: ReadyTransition
+    first_at: float
+    next_at: float
+    backoff: float
+
+
+def _services_away() -> tuple[type[Exception], ...]:
+    from kombu.exceptions import OperationalError as BrokerError
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
+    return (BrokerError, OperationalError, InterfaceError, ConnectionError, TimeoutError)
+
+
+SERVICES_AWAY = _services_away()
+
+
 class PodWatcher:
     """List, then watch; re-watch on a dropped connection, re-list on 410 Gone."""
 
     def __init__(self, api, namespace: str, selector: str | None, target: PodTarget, *, settle_s: float = 5.0,
-                 watch_timeout_s: int = 300, max_backoff_s: float = 30.0, send=send_warmup) -> None:
+                 watch_timeout_s: int = 300, max_backoff_s: float = 30.0, retry_for_s: float = 300.0,
+                 send=send_warmup) -> None:
         self.api = api  # kubernetes.client.CoreV1Api
         self.namespace, self.selector, self.target = namespace, selector, target
         self.tracker = ReadyTracker(settle_s=settle_s)
-        self.watch_timeout_s, self.max_backoff_s = watch_timeout_s, max_backoff_s
+        self.watch_timeout_s, self.max_backoff_s, self.retry_for_s = watch_timeout_s, max_backoff_s, retry_for_s
         self.send = send
         self.resource_version: str | None = None
         self._lock = threading.Lock()
@@ -258,15 +277,38 @@ class PodWatcher:
     # The sending thread --------------------------------------------------------------
 
     def _send_due(self) -> None:
-        """Send transitions once settled, off the watch thread (a slow broker never stalls the watch)."""
+        """Send transitions once settled, off the watch thread (a slow broker never stalls the
+        watch). One the broker or database could not take is retried, with backoff, for
+        `retry_for_s`: a pod that turned Ready during a Redis restart is still warmed."""
+        retries: dict[str, _Retry] = {}
         while not self._stop.wait(0.1):
+            now = time.monotonic()
             with self._lock:
-                due = self.tracker.due(time.monotonic())
+                due = self.tracker.due(now)
+            due += [retry.transition for retry in retries.values() if retry.next_at <= now]
             for transition in due:
                 try:
                     self.send(self.target, transition)
-                except Exception:  # the broker or database is away: log, keep watching
+                    retries.pop(transition.trigger_key, None)
+                except SERVICES_AWAY as exc:
+                    self._retry_later(retries, transition, now, exc)
+                except Exception:
+                    retries.pop(transition.trigger_key, None)
                     log.exception("could not warm pod %s/%s", transition.namespace, transition.pod)
+
+    def _retry_later(self, retries: dict[str, _Retry], transition: ReadyTransition, now: float,
+                     exc: Exception) -> None:
+        earlier = retries.get(transition.trigger_key)
+        first_at, backoff = (earlier.first_at, min(earlier.backoff * 2, self.max_backoff_s)) if earlier else (now, 1.0)
+        where = f"{transition.namespace}/{transition.pod}"
+        if now - first_at > self.retry_for_s:
+            retries.pop(transition.trigger_key, None)
+            log.error("pod %s is Ready but was not warmed: services away for %.0f s (%s)", where, now - first_at,
+                      _reason(exc))
+            return
+        retries[transition.trigger_key] = _Retry(transition, first_at, now + backoff, backoff)
+        log.warning("pod %s is Ready; its warmup could not be sent (%s); retrying in %.0f s", where, _reason(exc),
+                    backoff)
 
     def stop(self) -> None:
         self._stop.set()

@@ -81,6 +81,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
                                   f"({exc.strerror}); set PREHEAT_HEALTH_PORT"))
         health_port = self.health.port
         history_outbox = outbox.open_for(worker.hostname, settings.outbox_folder)
+        runtime.metrics.registry.register(outbox.OutboxCollector(history_outbox))
         self.heartbeat = Heartbeat(worker.hostname,
                                    lambda: {**runtime.describe(), "health_port": health_port,
                                             "outbox": history_outbox.counts().as_state()},

@@ -46,6 +46,8 @@ def test_each_command_is_a_real_command_with_real_options(compose, service, embe
 
 def test_gpu_worker_is_solo_with_an_nvidia_reservation(compose):
     worker = compose["services"]["gpu-worker"]
+    outbox = worker["environment"]["PREHEAT_OUTBOX_DIR"]
+    assert f"outbox:{outbox}" in worker["volumes"] and "outbox" in compose["volumes"]
     assert "--pool=solo" in worker["command"]
     [device] = worker["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]

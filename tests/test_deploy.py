@@ -83,6 +83,15 @@ def test_the_gpu_worker_is_one_solo_process_per_gpu(manifests):
     assert statefulset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 1800
 
 
+def test_the_worker_outbox_is_on_a_claim_of_its_own_that_outlives_the_pod(manifests):
+    statefulset = manifests[("StatefulSet", "preheat-gpu-worker")]
+    [worker] = _containers(statefulset)
+    folder = next(e["value"] for e in worker["env"] if e["name"] == "PREHEAT_OUTBOX_DIR")
+    [mount] = [m for m in worker["volumeMounts"] if m["mountPath"] == folder]
+    assert not mount.get("readOnly")
+    assert mount["name"] in {claim["metadata"]["name"] for claim in statefulset["spec"]["volumeClaimTemplates"]}
+
+
 def test_beat_runs_as_leader_and_standby_and_flower_only_with_auth_from_a_secret(manifests):
     beat = manifests[("Deployment", "preheat-beat")]
     assert beat["spec"]["replicas"] == 2  # a leader lease in the database; slots unique per schedule

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import re
 import socket
 import subprocess
 import time
@@ -14,6 +15,7 @@ import uuid
 from pathlib import Path
 from urllib.parse import quote
 
+import httpx
 import pytest
 import redis
 from sqlalchemy import func, select
@@ -221,7 +223,9 @@ def test_redis_restarted_mid_warmup_the_run_finishes_and_worker_and_watcher_reco
         tls_redis.start()
         job = procs.poll(lambda: (job := _job_of(run_id, "handbook")) and job.status.is_final and job, 90,
                          what="the warmup finished and recorded")
-        assert job.status == JobStatus.warm and job.cached_tokens > 2000, job.error
+        # Finished and recorded with what it measured (warm or, on a busy CPU, degraded against
+        # the no-system-prompt floor: a 3,000-token prefix is not free to attend over).
+        assert job.status in (JobStatus.warm, JobStatus.degraded) and job.cached_tokens > 2000, job.error
 
         # The worker is back on its queue: a warmup sent after the restart is done.
         again = stack.cli("warm", "-t", "support", "--wait", "--json", "--timeout", "90")
@@ -236,6 +240,46 @@ def test_redis_restarted_mid_warmup_the_run_finishes_and_worker_and_watcher_reco
         assert "reconnecting in" in watcher.log()
     with session_scope() as session:
         assert not session.scalars(select(WarmupJob).where(WarmupJob.status == JobStatus.running)).all()
+
+
+
+def test_a_pod_ready_while_redis_is_down_is_warmed_once_redis_is_back(services_stack, tls_redis, tiny_model,
+                                                                      tmp_path):
+    """`preheat watch-pods` sees a pod turn Ready while the broker is away: the warmup is
+    retried with backoff, and sent once (one run) when Redis is back."""
+    from preheat.models import TriggerKind
+    from tests.conftest import write_catalog
+    from tests.schedules.fake_kube import FakeKube, pod
+
+    stack = services_stack
+    stack.env.update(PREHEAT_BROKER_URL=tls_redis.url)
+    write_catalog(stack.catalog.parent, tiny_model, '\n[endpoints.vllm]\nbase_url = "http://vllm.serving.svc:8000/v1"'
+                                                    '\nmodel = "tiny"\ntemplates = ["support"]\n')
+    kube = FakeKube().start()
+    watcher = procs.start("watch-pods", [PREHEAT_CLI, "watch-pods", "--namespace", "serving", "--selector", "app=vllm",
+                                         "--endpoint", "vllm", "--settle-s", "0",
+                                         "--kubeconfig", kube.kubeconfig(tmp_path / "kubeconfig")],
+                          stack.env, tmp_path / "logs", cwd=stack.home)
+    try:
+        with procs.running(watcher):
+            procs.wait_for_log(watcher, "listed 0 pod(s)", 60)
+            tls_redis.stop()
+            kube.apply(pod("pod-a", "uid-a", ready=True, since="2026-11-30T08:00:00Z"))
+            procs.wait_for_log(watcher, "its warmup could not be sent", 60)
+            time.sleep(1.5)  # a retry or two with the broker still away
+            tls_redis.start()
+
+            def pod_runs():
+                with session_scope() as session:
+                    return session.scalars(select(WarmupRun).where(WarmupRun.trigger == TriggerKind.pod_event)).all()
+
+            [run] = procs.poll(pod_runs, 60, what="the pod's warmup sent after the restart")
+            time.sleep(2)  # and nothing more
+            assert len(pod_runs()) == 1
+        assert run.trigger_key == "pod:uid-a:2026-11-30T08:00:00Z"
+        assert "retrying in" in watcher.log()
+    finally:
+        kube.stop()
 
 
 # Postgres away ------------------------------------------------------------------------
@@ -296,6 +340,9 @@ def test_postgres_away_for_30_s_warmups_go_on_and_no_record_is_lost(services_sta
         with session_scope() as session:
             statuses = {job.status for run_id in runs for job in history.get_run(session, run_id).jobs}
         assert statuses == {JobStatus.queued}, "nothing reached the database while it was away"
+        metrics = httpx.get(f"{procs.health_url(worker)}/metrics", timeout=10).text
+        pending = float(re.search(r"^preheat_outbox_pending (\S+)$", metrics, re.MULTILINE).group(1))
+        assert pending >= 9  # the worker's /metrics says what waits (and traffic counts may be adding)
         time.sleep(max(0.0, OUTAGE_S - (utcnow() - cut_at).total_seconds()))
         kept = _outbox_entries(outbox_path)  # everything the outage left, to be counted
         proxy.restore()
@@ -339,8 +386,6 @@ def _worker_state() -> dict:
 
 
 def _vm_data_bytes(pid: int) -> int:
-    import re
-
     status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"VmData:\s+(\d+) kB", status).group(1)) * 1024
 

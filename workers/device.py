@@ -6,15 +6,17 @@ a prefork pool forks makes every child fail with "Cannot re-initialize CUDA".
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import re
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from preheat.errors import DeviceOutOfMemory
+
+T = TypeVar("T")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,19 +65,19 @@ def _what_failed(exc: BaseException) -> str:
     return match.group(0) if match else ". ".join(str(exc).split(". ")[:2]).rstrip(".") + "."
 
 
-@contextlib.contextmanager
-def out_of_memory_as_error(device: torch.device, doing: str) -> Iterator[None]:
-    """Turn the device running out of memory during `doing` into DeviceOutOfMemory, after
-    releasing what the failed work held; other errors pass through."""
+def out_of_memory_as_error(device: torch.device, doing: str, compute: Callable[[], T]) -> T:
+    """`compute()`, with the device running out of memory turned into DeviceOutOfMemory naming
+    `doing`, after what the failed work held is given back; other errors pass through.
+    A function, not a context manager: a `with` block's __exit__ runs while the error is
+    still being handled, and the error's traceback would keep the failed work's tensors
+    alive through the release (measured on CUDA: 3 MB still allocated)."""
     failed = None
     try:
-        yield
+        return compute()
     except RuntimeError as exc:  # torch.OutOfMemoryError is one
         if not is_out_of_memory(exc):
             raise
         failed = _what_failed(exc)
-    if failed is None:
-        return
     # Out of the except block: the traceback, and the tensors its frames hold, are gone.
     release_memory(device)
     raise DeviceOutOfMemory(f"out of memory on {device.type} while {doing}: {failed}")

@@ -104,7 +104,10 @@ def forward(resident: ResidentModel, input_ids: torch.Tensor, cache=None):
     cache = cache if cache is not None else DynamicCache(config=resident.model.config)
     device = resident.placement.device
     doing = f"running {input_ids.shape[-1]} tokens through {resident.name} (after {cache.get_seq_length()} cached)"
-    with out_of_memory_as_error(device, doing), torch.inference_mode():
-        out = resident.model(input_ids=input_ids.to(device, non_blocking=True), use_cache=True, logits_to_keep=1,
-                             **{resident.cache_kwarg: cache})
-    return out.logits[0, -1], cache
+
+    def run():
+        with torch.inference_mode():
+            return resident.model(input_ids=input_ids.to(device, non_blocking=True), use_cache=True,
+                                  logits_to_keep=1, **{resident.cache_kwarg: cache}).logits[0, -1]
+
+    return out_of_memory_as_error(device, doing, run), cache

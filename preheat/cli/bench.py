@@ -364,3 +364,36 @@ def connect(
             "fresh_over_steady": report.fresh_over_steady, "preopened_over_steady": report.preopened_over_steady,
             "target": {"preopened_over_steady": f"<= {CONNECT_TARGET}", "met": met}},
            json_path or settings.home / "bench" / "connect.json", console)
+
+
+@app.command()
+def outbox(
+    writes: int = typer.Option(500, min=10, max=100_000, help="History writes per way."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/outbox.json."),
+) -> None:
+    """What the history outbox costs: a job's finish written directly, the same write while the
+    database is away (kept on disk), and the replay once it is back, on the configured database."""
+    from rich.table import Table
+
+    from preheat import migrate
+    from preheat.cli import render
+    from preheat.cli.outboxbench import run
+    from preheat.settings import get_settings
+
+    console, settings = render.console(), get_settings()
+    if settings.database.startswith("sqlite"):
+        migrate.upgrade(settings.database)
+    ways, left = run(writes, settings.home / "bench" / "outbox")
+    report = {"benchmark": "outbox", "host": _host(), "writes": writes, "left_in_outbox": left,
+              "ways": [{**vars(way), "per_s": way.per_s} for way in ways]}
+    table = Table(title="history writes: direct, kept while the database is away, replayed", title_justify="left",
+                  caption="one job finish per write; away = connection refused", caption_justify="left")
+    for header in ("way", "writes", "p50 ms", "p99 ms", "total s", "writes/s"):
+        table.add_column(header, justify="left" if header == "way" else "right")
+    for way in ways:
+        timed = way.p50_ms or way.p99_ms
+        table.add_row(way.name, str(way.writes), f"{way.p50_ms:.2f}" if timed else "-",
+                      f"{way.p99_ms:.2f}" if timed else "-", f"{way.total_s:.2f}", f"{way.per_s:,.0f}")
+    console.print(table)
+    console.print(f"{ways[1].writes} kept, {ways[2].writes} replayed, {left} left in the outbox")
+    _write(report, json_path or settings.home / "bench" / "outbox.json", console)

@@ -37,3 +37,23 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(embedded_stack):
     assert too_long.returncode == 2 and "leaves no room in tiny's context of 4096" in too_long.stderr
     garbage = bench(embedded_stack, "--lengths", "a,b")  # one through the installed command
     assert garbage.returncode == 2 and "not a comma-separated list" in garbage.stderr
+
+
+def test_outbox_compares_direct_kept_and_replayed_writes_and_leaves_nothing_behind(stack, tmp_path):
+    from sqlalchemy import func, select
+
+    from preheat.db import session_scope
+    from preheat.models import AppliedWrite, WarmupJob, WarmupRun
+
+    out = tmp_path / "outbox.json"
+    done = subprocess.run([PREHEAT_CLI, "bench", "outbox", "--writes", "20", "--json", str(out)], env=stack.env,
+                          cwd=stack.home, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "20 kept, 20 replayed, 0 left in the outbox" in done.stdout
+    report = json.loads(out.read_text())
+    assert [way["name"] for way in report["ways"]] == ["written directly", "database away: kept in the outbox",
+                                                       "replayed once it is back"]
+    assert all(way["writes"] == 20 for way in report["ways"]) and report["left_in_outbox"] == 0
+    with session_scope() as session:  # the throwaway run and its bookkeeping are gone
+        for table in (WarmupRun, WarmupJob, AppliedWrite):
+            assert session.scalar(select(func.count()).select_from(table)) == 0

@@ -29,18 +29,22 @@ def test_cuda_out_of_memory_becomes_one_error_naming_the_work():
     from preheat.errors import DeviceOutOfMemory
     from workers.device import out_of_memory_as_error
 
+    def allocate():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                     "capacity of 79.10 GiB of which 1.06 GiB is free.")
+
     with pytest.raises(DeviceOutOfMemory, match=r"^out of memory on cuda while pre-filling support: "
-                                                r"CUDA out of memory\. Tried to allocate 2\.00 GiB\.$"):
-        with out_of_memory_as_error(torch.device("cuda"), "pre-filling support"):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
-                                         "capacity of 79.10 GiB of which 1.06 GiB is free.")
+                                                r"CUDA out of memory\. Tried to allocate 2\.00 GiB\.$") as raised:
+        out_of_memory_as_error(torch.device("cuda"), "pre-filling support", allocate)
+    assert raised.value.__context__ is None  # nothing keeps the failed work's frames alive
 
 
 def test_other_errors_pass_through_and_no_error_is_no_error():
     from workers.device import out_of_memory_as_error
 
+    def mismatch():
+        raise RuntimeError("shape mismatch")
+
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        with out_of_memory_as_error(torch.device("cpu"), "decoding"):
-            raise RuntimeError("shape mismatch")
-    with out_of_memory_as_error(torch.device("cpu"), "decoding"):
-        pass
+        out_of_memory_as_error(torch.device("cpu"), "decoding", mismatch)
+    assert out_of_memory_as_error(torch.device("cpu"), "decoding", lambda: 42) == 42

@@ -1,0 +1,130 @@
+"""`preheat bench outbox`: what the history outbox costs a worker, side by side in one run, on
+the configured database: a job's finish written straight to the database; the same write
+while the database is away (the failed attempt, then the entry kept on disk); and the replay
+once it is back (how fast a backlog drains).
+
+The database is made "away" for this process only: its URL is pointed at a port nothing
+listens on (or, for SQLite, at a folder that does not exist), which is what a restarting
+server looks like to a client (connection refused). The writes go to a throwaway run that
+is deleted at the end, with its `applied_writes` rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import statistics
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import delete
+from sqlalchemy.engine import make_url
+
+from preheat import history, outbox
+from preheat.db import reset_engine, session_scope, utcnow
+from preheat.models import AppliedWrite, TriggerKind, WarmupRun
+from preheat.settings import get_settings
+
+SOURCE = "bench-outbox"
+
+
+@dataclass(frozen=True)
+class Way:
+    name: str
+    writes: int
+    p50_ms: float
+    p99_ms: float
+    total_s: float
+
+    @property
+    def per_s(self) -> float:
+        return self.writes / self.total_s if self.total_s else 0.0
+
+
+def unreachable_url(url: str) -> str:
+    """The same database, at an address that refuses connections."""
+    parsed = make_url(url)
+    if parsed.drivername.startswith("sqlite"):
+        return f"sqlite:///{Path('/nonexistent-preheat-bench') / 'preheat.db'}"
+    with socket.socket() as sock:  # a port that was free a moment ago, now closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return parsed.set(host="127.0.0.1", port=port).render_as_string(hide_password=False)
+
+
+@contextlib.contextmanager
+def database_away() -> Iterator[None]:
+    """Point this process's engine at an unreachable address, and back."""
+    before = os.environ.get("PREHEAT_DATABASE_URL")
+    os.environ["PREHEAT_DATABASE_URL"] = unreachable_url(get_settings().database)
+    _reload()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PREHEAT_DATABASE_URL", None)
+        else:
+            os.environ["PREHEAT_DATABASE_URL"] = before
+        _reload()
+
+
+def _reload() -> None:
+    get_settings.cache_clear()
+    reset_engine()
+
+
+def _throwaway_run(jobs: int) -> tuple[str, str]:
+    with session_scope() as session:
+        run = history.create_run(session, trigger=TriggerKind.manual, requested_by="preheat bench outbox")
+        target = f"{SOURCE}@{uuid.uuid4().hex[:8]}"
+        history.add_jobs(session, run, target=target, model_templates=[("bench", f"t{n:05d}") for n in range(jobs)],
+                         task_id=str(uuid.uuid4()))
+        return str(run.id), target
+
+
+def _finish(run_id: str, target: str, n: int) -> dict:
+    return {"run_id": run_id, "target": target, "template": f"t{n:05d}", "status": "warm",
+            "measured": {"prefill_ms": 12.5, "ttft_warm_ms": 3.25, "cached_tokens": 48}, "at": utcnow()}
+
+
+def _timed_writes(box: outbox.Outbox, payloads: list[dict], name: str) -> Way:
+    took, started = [], time.perf_counter()
+    for payload in payloads:
+        one = time.perf_counter()
+        box.write("job.finish", payload)
+        took.append((time.perf_counter() - one) * 1000)
+    return _way(name, took, time.perf_counter() - started)
+
+
+def _way(name: str, took_ms: list[float], total_s: float) -> Way:
+    took_ms = sorted(took_ms)
+    p99 = took_ms[min(len(took_ms) - 1, int(len(took_ms) * 0.99))]
+    return Way(name, len(took_ms), statistics.median(took_ms), p99, total_s)
+
+
+def run(writes: int, folder: Path) -> tuple[list[Way], int]:
+    """(the three ways, entries left in the outbox after the replay: 0 when none was lost)."""
+    run_id, target = _throwaway_run(2 * writes)
+    box = outbox.Outbox(outbox.path_for(folder, f"{SOURCE}-{uuid.uuid4().hex[:8]}"), SOURCE)
+    try:
+        direct = _timed_writes(box, [_finish(run_id, target, n) for n in range(writes)], "written directly")
+        with database_away():
+            kept = _timed_writes(box, [_finish(run_id, target, writes + n) for n in range(writes)],
+                                 "database away: kept in the outbox")
+        started = time.perf_counter()
+        replayed = box.replay(limit=writes)
+        replay = Way("replayed once it is back", replayed, 0.0, 0.0, time.perf_counter() - started)
+        left = box.counts().pending
+    finally:
+        box.close()
+        box.path.unlink(missing_ok=True)
+        for suffix in ("-wal", "-shm"):
+            Path(f"{box.path}{suffix}").unlink(missing_ok=True)
+        with session_scope() as session:
+            session.execute(delete(AppliedWrite).where(AppliedWrite.source == SOURCE))
+            session.execute(delete(WarmupRun).where(WarmupRun.id == uuid.UUID(run_id)))
+    return [direct, kept, replay], left

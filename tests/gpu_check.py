@@ -1,0 +1,77 @@
+"""The CUDA path, checked on a GPU host (CI has none): `python3 -m tests.gpu_check OUT.json`.
+
+Not a pytest module (it needs a GPU and runs in one process, in about a minute). It builds the
+small model, lets the registry pick the device (CUDA, bf16), and checks what the CPU tests
+cannot: the cached prefix on CUDA in bf16 gives full prefill's greedy token; and a real CUDA
+out-of-memory during a prefill (the caching allocator capped with
+set_per_process_memory_fraction) is one DeviceOutOfMemory naming the work, with the memory
+given back, after which the same prefill succeeds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from preheat.errors import DeviceOutOfMemory
+from workers.devmodel import make_model
+from workers.generate import PrefixEngine
+from workers.kvcache import CacheBudget, KVCacheManager
+from workers.models import ModelRegistry, ModelSource
+from workers.prefix import TemplatePrefix, encode
+from workers.warmup import probe
+
+SYSTEM = ("You are the support assistant of Acme Parcel. Be concise and polite. Always ask for the tracking number "
+          "first. Never promise a delivery date the tracking system does not show.")
+LONG = " ".join(f"Rule {n}: a parcel late by {n % 7 + 2} working days is investigated." for n in range(150))
+
+
+def check(out: Path) -> dict:
+    report: dict = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this check is for a GPU host")
+    report["gpu"] = torch.cuda.get_device_name(0)
+    folder = make_model(Path(tempfile.mkdtemp()) / "tiny")
+    registry = ModelRegistry("auto")
+    resident, _ = registry.ensure(ModelSource("tiny", str(folder)))
+    report["placement"] = resident.placement.describe()
+    engine = PrefixEngine(KVCacheManager(CacheBudget(16, 2**30)))
+
+    prefix = TemplatePrefix.of(resident, SYSTEM)
+    entry, prefill_ms = engine.prefill(resident, prefix.ids, label="support", pin=True)
+    measured = probe(engine, resident, prefix.prompt_ids(resident, "Where is my parcel?"),
+                     encode(resident, "Where is my parcel?", with_bos=True), 5, prefix.key)
+    report["prefix"] = {"tokens": entry.num_tokens, "bytes": entry.nbytes, "prefill_ms": prefill_ms,
+                        "ttft_cold_ms": measured.cold.ms, "ttft_warm_ms": measured.warm.ms,
+                        "ttft_bare_ms": measured.bare.ms, "cached_tokens": measured.warm.cached_tokens,
+                        "same_first_token": measured.cold.token_id == measured.warm.token_id}
+
+    long_ids = TemplatePrefix.of(resident, LONG).ids
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(0).total_memory
+    # Cap the caching allocator just above what it holds now: the long prefill cannot fit.
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 2**20) / total)
+    started, message = time.perf_counter(), None
+    try:
+        engine.prefill(resident, long_ids, label="handbook")
+    except DeviceOutOfMemory as exc:
+        message = str(exc)
+    # Measured once the error is gone, as a worker's next step would see it.
+    report["oom"] = {"raised": message is not None, "message": message, "ms": (time.perf_counter() - started) * 1000,
+                     "allocated_after_minus_before": torch.cuda.memory_allocated() - baseline,
+                     "cache_entries_after": engine.cache.stats().entries}
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    again, again_ms = engine.prefill(resident, long_ids, label="handbook")
+    report["after_oom"] = {"prefilled_tokens": again.num_tokens, "prefill_ms": again_ms}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(check(Path(sys.argv[1] if len(sys.argv) > 1 else "gpu_check.json")), indent=2))
