@@ -5,8 +5,9 @@ once it is back (how fast a backlog drains).
 
 The database is made "away" for this process only: its URL is pointed at a port nothing
 listens on (or, for SQLite, at a folder that does not exist), which is what a restarting
-server looks like to a client (connection refused). The writes go to a throwaway run that
-is deleted at the end, with its `applied_writes` rows.
+server looks like to a client (connection refused). The writes go to throwaway runs that
+are deleted at the end (runs of four jobs, like a warmup of four templates), with their
+`applied_writes` rows.
 """
 
 from __future__ import annotations
@@ -77,18 +78,25 @@ def _reload() -> None:
     reset_engine()
 
 
-def _throwaway_run(jobs: int) -> tuple[str, str]:
+JOBS_PER_RUN = 4  # a run warming four templates on one worker: each finish re-derives its run's status
+
+
+def _throwaway_runs(jobs: int) -> tuple[list[str], str]:
+    target = f"{SOURCE}@{uuid.uuid4().hex[:8]}"
     with session_scope() as session:
-        run = history.create_run(session, trigger=TriggerKind.manual, requested_by="preheat bench outbox")
-        target = f"{SOURCE}@{uuid.uuid4().hex[:8]}"
-        history.add_jobs(session, run, target=target, model_templates=[("bench", f"t{n:05d}") for n in range(jobs)],
-                         task_id=str(uuid.uuid4()))
-        return str(run.id), target
+        runs = []
+        for _ in range(-(-jobs // JOBS_PER_RUN)):
+            run = history.create_run(session, trigger=TriggerKind.manual, requested_by="preheat bench outbox")
+            history.add_jobs(session, run, target=target, task_id=str(uuid.uuid4()),
+                             model_templates=[("bench", f"t{n}") for n in range(JOBS_PER_RUN)])
+            runs.append(str(run.id))
+        return runs, target
 
 
-def _finish(run_id: str, target: str, n: int) -> dict:
-    return {"run_id": run_id, "target": target, "template": f"t{n:05d}", "status": "warm",
-            "measured": {"prefill_ms": 12.5, "ttft_warm_ms": 3.25, "cached_tokens": 48}, "at": utcnow()}
+def _finish(runs: list[str], target: str, n: int) -> dict:
+    return {"run_id": runs[n // JOBS_PER_RUN], "target": target, "template": f"t{n % JOBS_PER_RUN}",
+            "status": "warm", "measured": {"prefill_ms": 12.5, "ttft_warm_ms": 3.25, "cached_tokens": 48},
+            "at": utcnow()}
 
 
 def _timed_writes(box: outbox.Outbox, payloads: list[dict], name: str) -> Way:
@@ -108,12 +116,12 @@ def _way(name: str, took_ms: list[float], total_s: float) -> Way:
 
 def run(writes: int, folder: Path) -> tuple[list[Way], int]:
     """(the three ways, entries left in the outbox after the replay: 0 when none was lost)."""
-    run_id, target = _throwaway_run(2 * writes)
+    runs, target = _throwaway_runs(2 * writes)
     box = outbox.Outbox(outbox.path_for(folder, f"{SOURCE}-{uuid.uuid4().hex[:8]}"), SOURCE)
     try:
-        direct = _timed_writes(box, [_finish(run_id, target, n) for n in range(writes)], "written directly")
+        direct = _timed_writes(box, [_finish(runs, target, n) for n in range(writes)], "written directly")
         with database_away():
-            kept = _timed_writes(box, [_finish(run_id, target, writes + n) for n in range(writes)],
+            kept = _timed_writes(box, [_finish(runs, target, writes + n) for n in range(writes)],
                                  "database away: kept in the outbox")
         started = time.perf_counter()
         replayed = box.replay(limit=writes)
@@ -126,5 +134,6 @@ def run(writes: int, folder: Path) -> tuple[list[Way], int]:
             Path(f"{box.path}{suffix}").unlink(missing_ok=True)
         with session_scope() as session:
             session.execute(delete(AppliedWrite).where(AppliedWrite.source == SOURCE))
-            session.execute(delete(WarmupRun).where(WarmupRun.id == uuid.UUID(run_id)))
+            for run_id in runs:  # the ORM's cascade takes the jobs along
+                session.delete(session.get(WarmupRun, uuid.UUID(run_id)))
     return [direct, kept, replay], left
