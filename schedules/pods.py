@@ -25,8 +25,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from kombu.exceptions import OperationalError as BrokerError
+
 from preheat.errors import ConfigError, PreheatError
 from preheat.models import TriggerKind
+from preheat.outbox import DATABASE_AWAY
 
 log = logging.getLogger(__name__)
 
@@ -174,14 +177,8 @@ class _Retry:
     backoff: float
 
 
-def _services_away() -> tuple[type[Exception], ...]:
-    from kombu.exceptions import OperationalError as BrokerError
-    from sqlalchemy.exc import InterfaceError, OperationalError
-
-    return (BrokerError, OperationalError, InterfaceError, ConnectionError, TimeoutError)
-
-
-SERVICES_AWAY = _services_away()
+# The broker or the database is away: worth retrying (the outbox's definition for the database).
+SERVICES_AWAY = (BrokerError, *DATABASE_AWAY, ConnectionError, TimeoutError)
 
 
 class PodWatcher:

@@ -30,7 +30,11 @@ def _redis_url() -> str:
     if not worker.isdigit() or worker == "0":
         return base
     server, db = base.rsplit("/", 1)
-    return f"{server}/{int(db) + int(worker)}"
+    index = int(db) + int(worker)
+    if index > 15:  # never wrap around onto db 0, somebody's data: the tests flush their db
+        raise RuntimeError(f"pytest-xdist worker gw{worker} would use Redis db {index}; Redis has 0-15: "
+                           f"run fewer workers or set PREHEAT_TEST_REDIS_URL to a lower db")
+    return f"{server}/{index}"
 
 
 REDIS_URL = _redis_url()
