@@ -31,6 +31,16 @@ class Proc:
         return self.popen.poll() is None
 
 
+def free_port() -> int:
+    """A local TCP port nothing listens on: free when asked (for a server to take), and
+    refusing connections until something does (for a client to fail against)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def celery_command(*args: str) -> list[str]:
     # The celery script of this interpreter's environment, so a venv need not be activated.
     return [sys.executable, "-m", "celery", "-A", "preheat", *args]

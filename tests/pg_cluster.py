@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
 from urllib.parse import quote
+
+from preheat import procs
 
 
 def _bin_dir() -> Path:
@@ -20,17 +21,12 @@ def _bin_dir() -> Path:
     return found[-1].parent
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 class PrivatePostgres:
     user = "preheat"
 
     def __init__(self, password: str) -> None:
-        self.password, self.port, self.bin = password, _free_port(), _bin_dir()
+        self.password, self.port, self.bin = password, procs.free_port(), _bin_dir()
         # Not under pytest's tmp_path: the server runs as `postgres` when the tests run as
         # root (initdb refuses root), and root's pytest folders are closed to other users.
         self.folder = Path(tempfile.mkdtemp(prefix="preheat-pg-"))

@@ -8,7 +8,6 @@ import contextlib
 import datetime as dt
 import json
 import re
-import socket
 import subprocess
 import time
 import uuid
@@ -34,11 +33,6 @@ HANDBOOK = " ".join(f"Rule {n}: a parcel late by {n % 7 + 2} working days is inv
                     f"told the outcome within {n % 5 + 1} days." for n in range(85))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 class TlsRedis:
     """redis-server on a free port, TLS only, with a password; stopped and started at will."""
@@ -46,7 +40,7 @@ class TlsRedis:
     def __init__(self, folder: Path) -> None:
         from preheat.cli.connectbench import make_tls
 
-        self.folder, self.tls, self.port = folder, make_tls(folder / "tls"), free_port()
+        self.folder, self.tls, self.port = folder, make_tls(folder / "tls"), procs.free_port()
         self.password = f"p@ss:w/rd%{uuid.uuid4().hex[:8]}"
         self.proc: subprocess.Popen | None = None
 

@@ -1,6 +1,5 @@
 """Flower runs on the preheat app, with basic auth from the environment, and never without."""
 
-import socket
 import subprocess
 import sys
 
@@ -12,14 +11,9 @@ from preheat import procs
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def test_flower_serves_with_basic_auth_only(services_stack, tmp_path):
-    port = free_port()
+    port = procs.free_port()
     env = {**services_stack.env, "FLOWER_BASIC_AUTH": "admin:correct-horse"}
     flower = procs.start("flower", procs.celery_command("flower", f"--port={port}", "--address=127.0.0.1"),
                          env, tmp_path / "logs")
@@ -62,7 +56,7 @@ def test_the_warmup_task_shows_in_flower_in_a_browser_and_in_its_api(services_st
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    port = free_port()
+    port = procs.free_port()
     env = {**services_stack.env, "FLOWER_BASIC_AUTH": "admin:correct-horse"}
     flower = procs.start("flower", procs.celery_command("flower", f"--port={port}", "--address=127.0.0.1"),
                          env, tmp_path / "logs")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import statistics
 import time
 import uuid
@@ -25,7 +24,7 @@ from pathlib import Path
 from sqlalchemy import delete
 from sqlalchemy.engine import make_url
 
-from preheat import history, outbox
+from preheat import history, outbox, procs
 from preheat.db import reset_engine, session_scope, utcnow
 from preheat.models import AppliedWrite, TriggerKind, WarmupRun
 from preheat.settings import get_settings
@@ -51,10 +50,7 @@ def unreachable_url(url: str) -> str:
     parsed = make_url(url)
     if parsed.drivername.startswith("sqlite"):
         return f"sqlite:///{Path('/nonexistent-preheat-bench') / 'preheat.db'}"
-    with socket.socket() as sock:  # a port that was free a moment ago, now closed
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return parsed.set(host="127.0.0.1", port=port).render_as_string(hide_password=False)
+    return parsed.set(host="127.0.0.1", port=procs.free_port()).render_as_string(hide_password=False)
 
 
 @contextlib.contextmanager

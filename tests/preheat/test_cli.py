@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+from preheat import procs
 from tests.conftest import PREHEAT_CLI
 
 
@@ -97,16 +98,9 @@ def test_db_upgrade_and_check(embedded):
     assert done.returncode == 0 and "models and migrations agree" in done.stdout
 
 
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]  # closed again when the block ends: nothing listens there
-
 
 def test_unreachable_services_exit_5_with_one_line(embedded, tmp_path):
-    port = _closed_port()
+    port = procs.free_port()  # nothing listens there
     broker_down = run("warm", env={**embedded.env, "PREHEAT_BROKER_URL": f"redis://:pw@127.0.0.1:{port}/0"})
     assert broker_down.returncode == 5
     line = one_error_line(broker_down)
