@@ -15,6 +15,7 @@ from celery import Celery, Task
 from celery.signals import celeryd_after_setup, worker_process_init
 from sqlalchemy.exc import OperationalError
 
+from preheat import fstransport
 from preheat.db import utcnow
 from preheat.errors import ConfigError, PreheatError, exit_with
 from preheat.settings import Settings, get_settings
@@ -181,6 +182,7 @@ class PreheatTask(Task):
 
 def create_app(settings: Settings | None = None) -> Celery:
     settings = settings or get_settings()
+    fstransport.install()  # filesystem:// with messages that appear whole
     celery_app = Celery("preheat", include=TASK_MODULES, task_cls=PreheatTask)
     celery_app.conf.update(celery_config(settings))
     return celery_app

@@ -1,0 +1,51 @@
+"""The embedded default's broker: kombu's filesystem transport, with messages that appear
+whole.
+
+Kombu's own `_put` creates the message file under its final name, then locks and writes it;
+its `_get` moves the first matching file away and reads it, without taking the lock. A
+reader that comes between the two reads an empty file, and the worker stops with
+"Unrecoverable error: JSONDecodeError('Expecting value: line 1 column 1 (char 0)')" (seen
+here under load; celery/kombu#1551). Here a message is written under a name readers skip
+and renamed into place, which is atomic within a folder.
+
+`preheat.celery` points kombu's `filesystem` alias at this module, so `filesystem://` means
+this transport in every preheat process.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from time import monotonic
+
+from kombu.exceptions import ChannelError
+from kombu.transport import TRANSPORT_ALIASES, _transport_cache, filesystem
+from kombu.utils.encoding import str_to_bytes
+from kombu.utils.json import dumps
+
+
+class Channel(filesystem.Channel):
+    def _put(self, queue, payload, **kwargs):
+        """Put `payload` onto `queue`: written under a hidden name, then renamed into place."""
+        # The same name kombu gives it: readers take messages in name order.
+        name = f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
+        final = os.path.join(self.data_folder_out, name)
+        # Starts with '.': a reader matches on what follows the first '.', which here is the
+        # whole name plus '.part', never "<queue>.msg".
+        partial = os.path.join(self.data_folder_out, f".{name}.part")
+        try:
+            with open(partial, "wb") as f:
+                f.write(str_to_bytes(dumps(payload)))
+            os.replace(partial, final)
+        except OSError as exc:
+            raise ChannelError(f"Cannot add file {final!r} to directory") from exc
+
+
+class Transport(filesystem.Transport):
+    Channel = Channel
+
+
+def install() -> None:
+    """Make `filesystem://` this transport (before any connection resolves it)."""
+    TRANSPORT_ALIASES["filesystem"] = f"{__name__}:Transport"
+    _transport_cache.pop("filesystem", None)

@@ -1,0 +1,53 @@
+"""The embedded broker under a real race: another process publishes while this one consumes.
+Kombu's own filesystem transport hands the consumer empty files here (JSONDecodeError within
+the first few dozen messages, celery/kombu#1551); preheat's writes each message whole."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kombu import Connection
+from kombu.transport import resolve_transport
+
+from preheat import fstransport
+
+MESSAGES = 1000
+
+PRODUCER = """
+import sys
+from kombu import Connection
+from preheat import fstransport
+fstransport.install()
+folder = sys.argv[1]
+options = {"data_folder_in": folder, "data_folder_out": folder, "control_folder": folder}
+with Connection("filesystem://", transport_options=options) as connection:
+    queue = connection.SimpleQueue("race")
+    for n in range(int(sys.argv[2])):
+        queue.put({"n": n, "pad": "x" * 20000})
+"""
+
+
+def test_the_app_uses_preheats_filesystem_transport():
+    import preheat.celery  # noqa: F401 - the app installs it
+
+    assert resolve_transport("filesystem") is fstransport.Transport
+
+
+def test_a_consumer_racing_a_producer_in_another_process_gets_every_message_whole(tmp_path):
+    fstransport.install()
+    options = {"data_folder_in": str(tmp_path), "data_folder_out": str(tmp_path), "control_folder": str(tmp_path),
+               "store_processed": False, "polling_interval": 0.0}
+    with Connection("filesystem://", transport_options=options) as connection:
+        queue = connection.SimpleQueue("race")  # declared before the producer starts
+        producer = subprocess.Popen([sys.executable, "-c", PRODUCER, str(tmp_path), str(MESSAGES)])
+        received = []
+        try:
+            while len(received) < MESSAGES:
+                message = queue.get(timeout=60)
+                received.append(message.payload["n"])
+                message.ack()
+        finally:
+            assert producer.wait(60) == 0
+    assert sorted(received) == list(range(MESSAGES))
+    assert not [name for name in tmp_path.iterdir() if name.name.endswith(".part")]
