@@ -3,8 +3,8 @@
 from alembic import context
 from sqlalchemy import text
 
-from preheat.db import Base, make_engine
 from preheat import models  # noqa: F401 - registers the tables on Base.metadata
+from preheat.db import Base, make_engine
 
 config = context.config
 target_metadata = Base.metadata
@@ -40,8 +40,12 @@ def run_migrations_online() -> None:
 
 
 if context.is_offline_mode():
-    context.configure(url=config.get_main_option("sqlalchemy.url"), target_metadata=target_metadata,
-                      literal_binds=True, compare_type=True)
+    context.configure(
+        url=config.get_main_option("sqlalchemy.url"),
+        target_metadata=target_metadata,
+        literal_binds=True,
+        compare_type=True,
+    )
     with context.begin_transaction():
         context.run_migrations()
 else:

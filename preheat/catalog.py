@@ -106,8 +106,10 @@ class EndpointSpec(_Strict):
         if self.min_connections > self.max_connections:
             raise ValueError("min_connections exceeds max_connections")
         if self.keepalive_interval_s is not None and self.keepalive_interval_s >= self.prompt_cache_ttl_s:
-            raise ValueError(f"keepalive_interval_s ({self.keepalive_interval_s:g}) must be below prompt_cache_ttl_s "
-                             f"({self.prompt_cache_ttl_s:g}), or the cache expires between pings")
+            raise ValueError(
+                f"keepalive_interval_s ({self.keepalive_interval_s:g}) must be below prompt_cache_ttl_s "
+                f"({self.prompt_cache_ttl_s:g}), or the cache expires between pings"
+            )
         from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
         try:

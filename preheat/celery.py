@@ -158,8 +158,10 @@ class PreheatTask(Task):
         database away the run cannot be checked: the warmup goes ahead."""
         from preheat import outbox
 
-        started = outbox.record("job.start", {"run_id": run_id, "target": target, "templates": templates,
-                                              "task_id": self.request.id, "at": utcnow()})
+        started = outbox.record(
+            "job.start",
+            {"run_id": run_id, "target": target, "templates": templates, "task_id": self.request.id, "at": utcnow()},
+        )
         if started is False:
             log.info("run %s is gone; nothing to warm", run_id)
             return False
@@ -168,8 +170,17 @@ class PreheatTask(Task):
     def finish_job(self, run_id: str, target: str, template: str, status: str, measured: dict) -> None:
         from preheat import outbox
 
-        outbox.record("job.finish", {"run_id": run_id, "target": target, "template": template, "status": status,
-                                     "measured": measured, "at": utcnow()})
+        outbox.record(
+            "job.finish",
+            {
+                "run_id": run_id,
+                "target": target,
+                "template": template,
+                "status": status,
+                "measured": measured,
+                "at": utcnow(),
+            },
+        )
 
     def on_failure(self, exc, task_id, args, kwargs, einfo):
         from preheat import outbox

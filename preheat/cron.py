@@ -68,9 +68,12 @@ class Cron:
         except (ValueError, KeyError, TypeError) as exc:
             raise CronError(f"cron {expression!r} is invalid: {exc}") from None
         cron = cls(
-            expression=" ".join(fields), tz=zone(timezone),
-            minutes=tuple(sorted(parsed.minute)), hours=tuple(sorted(parsed.hour)),
-            days_of_month=frozenset(parsed.day_of_month), months=frozenset(parsed.month_of_year),
+            expression=" ".join(fields),
+            tz=zone(timezone),
+            minutes=tuple(sorted(parsed.minute)),
+            hours=tuple(sorted(parsed.hour)),
+            days_of_month=frozenset(parsed.day_of_month),
+            months=frozenset(parsed.month_of_year),
             days_of_week=frozenset(parsed.day_of_week),
             day_of_month_restricted=not day_of_month.startswith("*"),
             day_of_week_restricted=not day_of_week.startswith("*"),
@@ -111,8 +114,10 @@ class Cron:
         """Local wall-clock bounds of the span: exact (to the minute) when the zone's offset
         is the same a day either side of it, else widened past any offset change."""
         end = until or after
-        steady = (end - after < _STEADY_SPAN and (after - _DAY).astimezone(self.tz).utcoffset()
-                  == (end + _DAY).astimezone(self.tz).utcoffset())
+        steady = (
+            end - after < _STEADY_SPAN
+            and (after - _DAY).astimezone(self.tz).utcoffset() == (end + _DAY).astimezone(self.tz).utcoffset()
+        )
         margin = _MINUTE if steady else _MARGIN
         low = after.astimezone(self.tz).replace(tzinfo=None) - margin
         high = dt.datetime.max if until is None else until.astimezone(self.tz).replace(tzinfo=None) + margin

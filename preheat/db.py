@@ -8,6 +8,7 @@ import enum
 import functools
 import uuid
 from collections.abc import Iterator
+from typing import ClassVar
 
 from sqlalchemy import JSON, DateTime, Enum, MetaData, create_engine, event
 from sqlalchemy.engine import Engine
@@ -33,9 +34,14 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     # Enums are stored as their string values in a VARCHAR (no native PG enum types),
     # so adding a state is a one-line migration instead of an ALTER TYPE dance.
-    type_annotation_map = {
-        enum.Enum: Enum(enum.Enum, native_enum=False, create_constraint=False, length=32,
-                        values_callable=lambda e: [m.value for m in e]),
+    type_annotation_map: ClassVar[dict] = {
+        enum.Enum: Enum(
+            enum.Enum,
+            native_enum=False,
+            create_constraint=False,
+            length=32,
+            values_callable=lambda e: [m.value for m in e],
+        ),
         dict: JSON,
         list: JSON,
         dt.datetime: DateTime(timezone=True),

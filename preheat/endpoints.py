@@ -57,9 +57,14 @@ def build_client(name: str, spec: EndpointSpec) -> httpx.Client:
     return httpx.Client(
         base_url=spec.base_url.rstrip("/") + "/",
         headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
-        limits=httpx.Limits(max_connections=spec.max_connections, max_keepalive_connections=spec.max_connections,
-                            keepalive_expiry=spec.keepalive_expiry_s),
-        http2=spec.http2, verify=verify, timeout=httpx.Timeout(spec.timeout_s, connect=min(10.0, spec.timeout_s)),
+        limits=httpx.Limits(
+            max_connections=spec.max_connections,
+            max_keepalive_connections=spec.max_connections,
+            keepalive_expiry=spec.keepalive_expiry_s,
+        ),
+        http2=spec.http2,
+        verify=verify,
+        timeout=httpx.Timeout(spec.timeout_s, connect=min(10.0, spec.timeout_s)),
     )
 
 
@@ -79,7 +84,7 @@ class EndpointPool:
 
     def connections(self) -> list:
         # httpx keeps its connections in httpcore's pool; `connections` is public there.
-        return list(self.client._transport._pool.connections)  # noqa: SLF001
+        return list(self.client._transport._pool.connections)
 
     def open_connections(self) -> int:
         return sum(1 for connection in self.connections() if not connection.is_closed())
@@ -95,15 +100,17 @@ class EndpointPool:
         started = time.perf_counter()
         method, url, body = ("POST", "chat/completions", primer) if primer else ("POST", open_url(self.spec), {})
         with ExitStack() as held:
-            responses = [held.enter_context(self.client.stream(method, url, json=body))
-                         for _ in range(self.spec.min_connections)]
+            responses = [
+                held.enter_context(self.client.stream(method, url, json=body)) for _ in range(self.spec.min_connections)
+            ]
             # Only now read them: a body read to its end hands its connection back (idle, kept
             # alive); one closed unread would be dropped.
             for response in responses:
                 lines = list(response.iter_lines())  # as a streamed reply is read (stream_chat)
                 if response.status_code >= (400 if primer else 500):
-                    raise EndpointError(f"{method} {response.url.path} answered {response.status_code}: "
-                                        f"{' '.join(lines)[:200]}")
+                    raise EndpointError(
+                        f"{method} {response.url.path} answered {response.status_code}: {' '.join(lines)[:200]}"
+                    )
         if self.spec.min_connections and not primer:  # a primer's answer already showed the server serves
             checked = self.client.get(open_url(self.spec))
             if checked.status_code >= 400:
@@ -117,9 +124,14 @@ class EndpointPool:
 
 def chat_body(model: str, system_prompt: str, user_input: str, max_tokens: int) -> dict:
     """A streamed, greedy chat request with usage, as every warmup, probe and ping sends it."""
-    return {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "system", "content": system_prompt}, {"role": "user", "content": user_input}]}
+    return {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "system", "content": system_prompt}, {"role": "user", "content": user_input}],
+    }
 
 
 def primer_for(spec: EndpointSpec, catalog: Catalog) -> dict | None:
@@ -130,8 +142,12 @@ def primer_for(spec: EndpointSpec, catalog: Catalog) -> dict | None:
     if not spec.templates:
         return None
     template = spec.templates[0]
-    return chat_body(spec.model or catalog.template(template).model, catalog.system_prompt(template),
-                     catalog.template(template).probe, 1)
+    return chat_body(
+        spec.model or catalog.template(template).model,
+        catalog.system_prompt(template),
+        catalog.template(template).probe,
+        1,
+    )
 
 
 class PoolRegistry:
@@ -156,8 +172,13 @@ class PoolRegistry:
                 pool.close()
                 raise
             self._pools[name] = pool
-            log.info("endpoint %s: %d connection(s) open to %s in %.1f ms", name, spec.min_connections,
-                     spec.base_url, pool.opened_ms)
+            log.info(
+                "endpoint %s: %d connection(s) open to %s in %.1f ms",
+                name,
+                spec.min_connections,
+                spec.base_url,
+                pool.opened_ms,
+            )
             return pool, True
 
     def peek(self, name: str) -> EndpointPool | None:
@@ -191,8 +212,7 @@ class StreamedReply:
     text: str
 
 
-def stream_chat(pool: EndpointPool, model: str, system_prompt: str, user_input: str,
-                max_tokens: int) -> StreamedReply:
+def stream_chat(pool: EndpointPool, model: str, system_prompt: str, user_input: str, max_tokens: int) -> StreamedReply:
     body = chat_body(model, system_prompt, user_input, max_tokens)
     started = time.perf_counter()
     first, cached, text = None, None, []
@@ -276,8 +296,10 @@ def _prime(pool: EndpointPool, catalog: Catalog, result: EndpointWarmup) -> None
     result.ttft_cold_ms, result.ttft_warm_ms, result.cached_tokens = cold.ttft_ms, warm.ttft_ms, warm.cached_tokens
     if warm.cached_tokens == 0:
         result.status = "degraded"
-        result.error = ("the server reported no cached prompt tokens on the repeated prompt: is its prefix cache on "
-                        "(vLLM: --enable-prefix-caching)?")
+        result.error = (
+            "the server reported no cached prompt tokens on the repeated prompt: is its prefix cache on "
+            "(vLLM: --enable-prefix-caching)?"
+        )
     else:
         result.status = "warm"
 
@@ -286,10 +308,11 @@ def _warm_through_internal(pool: EndpointPool, results: list[EndpointWarmup]) ->
     """A preheat server warms itself: /internal/warmup pre-fills, probes and measures."""
     try:
         token = _secret_from_env(pool.name, pool.spec.token_env, "token_env")
-        response = pool.client.post(str(httpx.URL(pool.spec.base_url).copy_with(path="/internal/warmup")),
-                                    json={"templates": [r.template for r in results], "batch_size": 4,
-                                          "max_tokens": pool.spec.max_tokens},
-                                    headers={"Authorization": f"Bearer {token}"} if token else {})
+        response = pool.client.post(
+            str(httpx.URL(pool.spec.base_url).copy_with(path="/internal/warmup")),
+            json={"templates": [r.template for r in results], "batch_size": 4, "max_tokens": pool.spec.max_tokens},
+            headers={"Authorization": f"Bearer {token}"} if token else {},
+        )
         if response.status_code >= 400:
             raise EndpointError(f"/internal/warmup answered {response.status_code}: {response.text[:300]}")
         measured = response.json()["templates"]
@@ -299,8 +322,18 @@ def _warm_through_internal(pool: EndpointPool, results: list[EndpointWarmup]) ->
         return
     for result in results:
         record = measured.get(result.template, {})
-        for column in ("status", "ttft_cold_ms", "ttft_warm_ms", "ttft_bare_ms", "prefill_ms", "load_ms",
-                       "cached_tokens", "cache_bytes", "device", "error"):
+        for column in (
+            "status",
+            "ttft_cold_ms",
+            "ttft_warm_ms",
+            "ttft_bare_ms",
+            "prefill_ms",
+            "load_ms",
+            "cached_tokens",
+            "cache_bytes",
+            "device",
+            "error",
+        ):
             if column in record:
                 setattr(result, column, record[column])
         result.requests = record.get("requests", {})
@@ -330,10 +363,20 @@ def keep_alive(name: str, spec: EndpointSpec, catalog: Catalog, now) -> KeepAliv
     ttfts, errors = [], []
     for template in spec.templates:
         try:
-            reply = stream_chat(pool, spec.model or catalog.template(template).model, catalog.system_prompt(template),
-                                catalog.template(template).probe, 1)
+            reply = stream_chat(
+                pool,
+                spec.model or catalog.template(template).model,
+                catalog.system_prompt(template),
+                catalog.template(template).probe,
+                1,
+            )
             ttfts.append(reply.ttft_ms)
         except (httpx.HTTPError, EndpointError, ValueError) as exc:
             errors.append(f"{template}: {_reason(exc)}")
-    return KeepAlive(len(ttfts), len(errors), skipped=False,
-                     ttft_ms=statistics.median(ttfts) if ttfts else None, error="; ".join(errors) or None)
+    return KeepAlive(
+        len(ttfts),
+        len(errors),
+        skipped=False,
+        ttft_ms=statistics.median(ttfts) if ttfts else None,
+        error="; ".join(errors) or None,
+    )

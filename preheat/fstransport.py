@@ -28,7 +28,7 @@ class Channel(filesystem.Channel):
     def _put(self, queue, payload, **kwargs):
         """Put `payload` onto `queue`: written under a hidden name, then renamed into place."""
         # The same name kombu gives it: readers take messages in name order.
-        name = f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
+        name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         final = os.path.join(self.data_folder_out, name)
         # Starts with '.': a reader matches on what follows the first '.', which here is the
         # whole name plus '.part', never "<queue>.msg".

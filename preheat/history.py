@@ -22,7 +22,11 @@ _FAILURE = {JobStatus.failed, JobStatus.lost}
 
 
 def create_run(
-    session: Session, *, trigger: TriggerKind, requested_by: str, detail: dict | None = None,
+    session: Session,
+    *,
+    trigger: TriggerKind,
+    requested_by: str,
+    detail: dict | None = None,
     trigger_key: str | None = None,
 ) -> WarmupRun:
     run = WarmupRun(trigger=trigger, trigger_detail=detail or {}, requested_by=requested_by, trigger_key=trigger_key)
@@ -46,8 +50,9 @@ def add_jobs(
     target_kind: TargetKind = TargetKind.worker,
 ) -> list[WarmupJob]:
     jobs = [
-        WarmupJob(run=run, target_kind=target_kind, target=target, model=model, template=template,
-                  celery_task_id=task_id)
+        WarmupJob(
+            run=run, target_kind=target_kind, target=target, model=model, template=template, celery_task_id=task_id
+        )
         for model, template in model_templates
     ]
     session.add_all(jobs)
@@ -72,7 +77,12 @@ def lock_run(session: Session, run_id: uuid.UUID, *, skip_locked: bool = False) 
 
 
 def start_jobs(
-    session: Session, run_id: uuid.UUID, *, target: str, templates: Sequence[str], task_id: str,
+    session: Session,
+    run_id: uuid.UUID,
+    *,
+    target: str,
+    templates: Sequence[str],
+    task_id: str,
     at: dt.datetime | None = None,
 ) -> list[WarmupJob]:
     """Mark a target's jobs running (`at`: when, if written later from the outbox).
@@ -91,8 +101,16 @@ def start_jobs(
     return jobs
 
 
-def finish_job(session: Session, run_id: uuid.UUID, *, target: str, template: str, status: JobStatus,
-               measured: dict, at: dt.datetime | None = None) -> WarmupJob | None:
+def finish_job(
+    session: Session,
+    run_id: uuid.UUID,
+    *,
+    target: str,
+    template: str,
+    status: JobStatus,
+    measured: dict,
+    at: dt.datetime | None = None,
+) -> WarmupJob | None:
     if lock_run(session, run_id) is None:
         return None
     jobs = _jobs_of(session, run_id, target, [template])
@@ -116,8 +134,9 @@ def fail_task_jobs(session: Session, task_id: str, error: str, at: dt.datetime |
     for run_id in sorted(run_ids):
         lock_run(session, run_id)
         jobs = session.scalars(
-            select(WarmupJob).where(WarmupJob.run_id == run_id, WarmupJob.celery_task_id == task_id,
-                                    WarmupJob.status.in_(unfinished)).with_for_update()
+            select(WarmupJob)
+            .where(WarmupJob.run_id == run_id, WarmupJob.celery_task_id == task_id, WarmupJob.status.in_(unfinished))
+            .with_for_update()
         ).all()
         for job in jobs:
             job.status, job.finished_at, job.error = JobStatus.failed, at or utcnow(), error
@@ -185,11 +204,21 @@ def list_runs(
     return list(session.scalars(query.limit(limit)))
 
 
-def record_keepalive(session: Session, endpoint: str, *, sent: int, failed: int, skipped: bool,
-                     ttft_ms: float | None, error: str | None, at: dt.datetime | None = None) -> EndpointKeepAlive:
+def record_keepalive(
+    session: Session,
+    endpoint: str,
+    *,
+    sent: int,
+    failed: int,
+    skipped: bool,
+    ttft_ms: float | None,
+    error: str | None,
+    at: dt.datetime | None = None,
+) -> EndpointKeepAlive:
     """Add one keep-alive tick to the endpoint's counters."""
-    row = session.scalars(select(EndpointKeepAlive).where(EndpointKeepAlive.endpoint == endpoint)
-                          .with_for_update()).first()
+    row = session.scalars(
+        select(EndpointKeepAlive).where(EndpointKeepAlive.endpoint == endpoint).with_for_update()
+    ).first()
     if row is None:
         row = EndpointKeepAlive(endpoint=endpoint, pings_sent=0, pings_failed=0, skipped_inactive=0)
         session.add(row)
@@ -217,14 +246,29 @@ def _at(payload: dict) -> dt.datetime | None:
 
 @writer("job.start")
 def _write_job_start(session: Session, p: dict) -> bool:
-    return bool(start_jobs(session, uuid.UUID(p["run_id"]), target=p["target"], templates=p["templates"],
-                           task_id=p["task_id"], at=_at(p)))
+    return bool(
+        start_jobs(
+            session,
+            uuid.UUID(p["run_id"]),
+            target=p["target"],
+            templates=p["templates"],
+            task_id=p["task_id"],
+            at=_at(p),
+        )
+    )
 
 
 @writer("job.finish")
 def _write_job_finish(session: Session, p: dict) -> None:
-    finish_job(session, uuid.UUID(p["run_id"]), target=p["target"], template=p["template"],
-               status=JobStatus(p["status"]), measured=p["measured"], at=_at(p))
+    finish_job(
+        session,
+        uuid.UUID(p["run_id"]),
+        target=p["target"],
+        template=p["template"],
+        status=JobStatus(p["status"]),
+        measured=p["measured"],
+        at=_at(p),
+    )
 
 
 @writer("task.fail")
@@ -234,5 +278,13 @@ def _write_task_failure(session: Session, p: dict) -> None:
 
 @writer("keepalive")
 def _write_keepalive(session: Session, p: dict) -> None:
-    record_keepalive(session, p["endpoint"], sent=p["sent"], failed=p["failed"], skipped=p["skipped"],
-                     ttft_ms=p["ttft_ms"], error=p["error"], at=_at(p))
+    record_keepalive(
+        session,
+        p["endpoint"],
+        sent=p["sent"],
+        failed=p["failed"],
+        skipped=p["skipped"],
+        ttft_ms=p["ttft_ms"],
+        error=p["error"],
+        at=_at(p),
+    )

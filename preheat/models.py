@@ -219,9 +219,7 @@ class TrafficCount(Model):
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)  # summed over the requests
     prefix_tokens: Mapped[int | None]  # the template's system prompt, in tokens
 
-    __table_args__ = (
-        UniqueConstraint("minute", "model", "template", name="uq_traffic_counts_minute_model_template"),
-    )
+    __table_args__ = (UniqueConstraint("minute", "model", "template", name="uq_traffic_counts_minute_model_template"),)
 
 
 class AppliedWrite(Model):

@@ -58,9 +58,11 @@ WRITERS: dict[str, Writer] = {}
 def writer(kind: str) -> Callable[[Writer], Writer]:
     """Register how an entry of `kind` is applied: `fn(session, payload)`, idempotent or not
     (the applied_writes row makes each entry count once)."""
+
     def register(fn: Writer) -> Writer:
         WRITERS[kind] = fn
         return fn
+
     return register
 
 
@@ -115,8 +117,10 @@ class Outbox:
             raise KeyError(f"no writer for outbox entries of kind {kind!r}")
         entry_id = str(uuid.uuid4())
         with self._lock:
-            self._db.execute("INSERT INTO entries (id, kind, payload, created_at) VALUES (?, ?, ?, ?)",
-                             (entry_id, kind, json.dumps(payload, default=_json_default), utcnow().isoformat()))
+            self._db.execute(
+                "INSERT INTO entries (id, kind, payload, created_at) VALUES (?, ?, ?, ?)",
+                (entry_id, kind, json.dumps(payload, default=_json_default), utcnow().isoformat()),
+            )
         return entry_id
 
     # Replaying -------------------------------------------------------------------------
@@ -130,8 +134,7 @@ class Outbox:
                 self._apply(entry_id, kind, json.loads(payload))
             except DATABASE_AWAY as exc:
                 self._count_attempt(seq)
-                log.info("outbox: database still away (%s); %d entries wait", _first_line(exc),
-                         self.counts().pending)
+                log.info("outbox: database still away (%s); %d entries wait", _first_line(exc), self.counts().pending)
                 break
             except (SQLAlchemyError, KeyError, ValueError, TypeError) as exc:
                 self._set_dead(seq, f"{type(exc).__name__}: {_first_line(exc)}")
@@ -155,8 +158,9 @@ class Outbox:
 
     def _waiting(self, limit: int) -> list[tuple]:
         with self._lock:
-            return self._db.execute("SELECT seq, id, kind, payload FROM entries WHERE dead_reason IS NULL "
-                                    "ORDER BY seq LIMIT ?", (limit,)).fetchall()
+            return self._db.execute(
+                "SELECT seq, id, kind, payload FROM entries WHERE dead_reason IS NULL ORDER BY seq LIMIT ?", (limit,)
+            ).fetchall()
 
     def _remove(self, seq: int) -> None:
         with self._lock:
@@ -177,16 +181,27 @@ class Outbox:
         with self._lock:
             pending, dead = self._db.execute(
                 "SELECT COUNT(*) FILTER (WHERE dead_reason IS NULL), COUNT(*) FILTER (WHERE dead_reason IS NOT NULL) "
-                "FROM entries").fetchone()
+                "FROM entries"
+            ).fetchone()
         return Counts(pending, dead)
 
     def entries(self) -> list[dict]:
         with self._lock:
-            rows = self._db.execute("SELECT seq, id, kind, payload, created_at, attempts, dead_reason "
-                                    "FROM entries ORDER BY seq").fetchall()
-        return [{"seq": seq, "id": entry_id, "kind": kind, "payload": json.loads(payload), "created_at": created,
-                 "attempts": attempts, "dead_reason": dead} for seq, entry_id, kind, payload, created, attempts, dead
-                in rows]
+            rows = self._db.execute(
+                "SELECT seq, id, kind, payload, created_at, attempts, dead_reason FROM entries ORDER BY seq"
+            ).fetchall()
+        return [
+            {
+                "seq": seq,
+                "id": entry_id,
+                "kind": kind,
+                "payload": json.loads(payload),
+                "created_at": created,
+                "attempts": attempts,
+                "dead_reason": dead,
+            }
+            for seq, entry_id, kind, payload, created, attempts, dead in rows
+        ]
 
 
 class OutboxCollector:
@@ -200,10 +215,12 @@ class OutboxCollector:
         from prometheus_client.core import GaugeMetricFamily
 
         counts = self.outbox.counts()
-        yield GaugeMetricFamily("preheat_outbox_pending", "History writes waiting for the database.",
-                                value=counts.pending)
-        yield GaugeMetricFamily("preheat_outbox_dead", "History writes the database refused for good, set aside.",
-                                value=counts.dead)
+        yield GaugeMetricFamily(
+            "preheat_outbox_pending", "History writes waiting for the database.", value=counts.pending
+        )
+        yield GaugeMetricFamily(
+            "preheat_outbox_dead", "History writes the database refused for good, set aside.", value=counts.dead
+        )
 
 
 def _register_writers() -> None:
@@ -247,8 +264,12 @@ def open_for(nodename: str, folder: Path) -> Outbox:
     _OUTBOX = Outbox(path_for(folder, nodename), nodename)
     counts = _OUTBOX.counts()
     if counts.pending or counts.dead:
-        log.warning("outbox %s holds %d history writes from before this start (%d set aside)",
-                    _OUTBOX.path, counts.pending, counts.dead)
+        log.warning(
+            "outbox %s holds %d history writes from before this start (%d set aside)",
+            _OUTBOX.path,
+            counts.pending,
+            counts.dead,
+        )
     return _OUTBOX
 
 

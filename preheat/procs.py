@@ -50,14 +50,16 @@ def start(name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: P
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as log_file:
-        popen = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log_file, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        popen = subprocess.Popen(
+            argv, env=env, cwd=cwd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
     return Proc(name, popen, log_path)
 
 
 def start_worker(nodename: str, env: dict[str, str], log_dir: Path, cwd: Path | None = None) -> Proc:
-    argv = celery_command("worker", "--pool=solo", "-n", nodename, "--loglevel=INFO", "--without-gossip",
-                          "--without-mingle")
+    argv = celery_command(
+        "worker", "--pool=solo", "-n", nodename, "--loglevel=INFO", "--without-gossip", "--without-mingle"
+    )
     return start(nodename.split("@")[0], argv, env, log_dir, cwd)
 
 
@@ -91,8 +93,9 @@ def health_url(proc: Proc, timeout_s: float = 60.0) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def start_serve(env: dict[str, str], log_dir: Path, name: str = "serve", host: str = "127.0.0.1",
-                port: int = 0) -> Proc:
+def start_serve(
+    env: dict[str, str], log_dir: Path, name: str = "serve", host: str = "127.0.0.1", port: int = 0
+) -> Proc:
     """`preheat serve` as its own process (port 0: a free one, see `serve_url`)."""
     preheat = str(Path(sys.executable).parent / "preheat")
     return start(name, [preheat, "serve", "--host", host, "--port", str(port)], env, log_dir)

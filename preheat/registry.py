@@ -35,8 +35,15 @@ def aware(moment: dt.datetime) -> dt.datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)
 
 
-def beat(session: Session, nodename: str, *, started_at: dt.datetime, ready: bool, state: dict,
-         now: dt.datetime | None = None) -> WorkerRecord:
+def beat(
+    session: Session,
+    nodename: str,
+    *,
+    started_at: dt.datetime,
+    ready: bool,
+    state: dict,
+    now: dt.datetime | None = None,
+) -> WorkerRecord:
     """Insert or refresh this worker's row. A new `started_at` marks a restart."""
     now = now or utcnow()
     record = session.scalars(select(WorkerRecord).where(WorkerRecord.nodename == nodename)).first()
@@ -72,8 +79,15 @@ def live_workers(session: Session, dead_after_s: float, now: dt.datetime | None 
 # The reaper ------------------------------------------------------------------------------
 
 
-def why_lost(job: WarmupJob, created_at: dt.datetime, worker: WorkerRecord | None, *, dead_after_s: float,
-             time_limit_s: float, now: dt.datetime) -> tuple[JobStatus, str] | None:
+def why_lost(
+    job: WarmupJob,
+    created_at: dt.datetime,
+    worker: WorkerRecord | None,
+    *,
+    dead_after_s: float,
+    time_limit_s: float,
+    now: dt.datetime,
+) -> tuple[JobStatus, str] | None:
     """The state an unfinished job must take now, and why; None while it may still finish."""
     grace = dt.timedelta(seconds=dead_after_s)
     if worker is None:
@@ -88,10 +102,15 @@ def why_lost(job: WarmupJob, created_at: dt.datetime, worker: WorkerRecord | Non
             return JobStatus.lost, f"worker {job.target} stopped at {aware(worker.stopped_at):%H:%M:%S} UTC"
         return None
     if not is_live(worker, dead_after_s, now):
-        return JobStatus.lost, (f"worker {job.target} sent no heartbeat since {aware(worker.heartbeat_at):%H:%M:%S} "
-                                f"UTC (dead after {dead_after_s:g} s)")
-    if job.status == JobStatus.running and job.started_at and \
-            now - aware(job.started_at) > dt.timedelta(seconds=time_limit_s):
+        return JobStatus.lost, (
+            f"worker {job.target} sent no heartbeat since {aware(worker.heartbeat_at):%H:%M:%S} "
+            f"UTC (dead after {dead_after_s:g} s)"
+        )
+    if (
+        job.status == JobStatus.running
+        and job.started_at
+        and now - aware(job.started_at) > dt.timedelta(seconds=time_limit_s)
+    ):
         return JobStatus.failed, f"still running after the {time_limit_s:g} s time limit"
     return None
 
@@ -100,8 +119,9 @@ def reap(session: Session, *, dead_after_s: float, time_limit_s: float, now: dt.
     """Settle the unfinished worker jobs that cannot finish. Returns how many changed."""
     now = now or utcnow()
     unfinished = WarmupJob.status.in_([JobStatus.queued, JobStatus.running])
-    run_ids = session.scalars(select(WarmupJob.run_id).where(WarmupJob.target_kind == TargetKind.worker, unfinished)
-                              .distinct()).all()
+    run_ids = session.scalars(
+        select(WarmupJob.run_id).where(WarmupJob.target_kind == TargetKind.worker, unfinished).distinct()
+    ).all()
     reaped = 0
     for run_id in sorted(run_ids):
         # Runs before jobs, as every writer locks them (history.lock_run); a run a writer
@@ -117,8 +137,7 @@ def reap(session: Session, *, dead_after_s: float, time_limit_s: float, now: dt.
         ).all()
         settled = 0
         for job, created_at, worker in rows:
-            outcome = why_lost(job, created_at, worker, dead_after_s=dead_after_s, time_limit_s=time_limit_s,
-                               now=now)
+            outcome = why_lost(job, created_at, worker, dead_after_s=dead_after_s, time_limit_s=time_limit_s, now=now)
             if outcome is not None:
                 job.status, job.error = outcome
                 job.finished_at = now

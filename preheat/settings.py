@@ -52,18 +52,20 @@ class Settings(BaseSettings):
     gate_inference: bool = True
     # The KV prefix cache of each worker process (see workers/kvcache.py).
     kv_cache_max_entries: int = Field(10, ge=1, description="Most cached prefixes per worker process.")
-    kv_cache_max_bytes: ByteSize = Field(ByteSize(4 * 1024**3), gt=0,
-                                         description="Byte budget of the cached key/value tensors (e.g. 4GiB).")
-    kv_cache_pinned_share: float = Field(0.5, ge=0.0, le=1.0,
-                                         description="Share of either budget that pinned templates may hold.")
+    kv_cache_max_bytes: ByteSize = Field(
+        ByteSize(4 * 1024**3), gt=0, description="Byte budget of the cached key/value tensors (e.g. 4GiB)."
+    )
+    kv_cache_pinned_share: float = Field(
+        0.5, ge=0.0, le=1.0, description="Share of either budget that pinned templates may hold."
+    )
     # The worker's health server (/health/live, /health/ready, /metrics); 0 picks a free port.
-    health_host: str = "0.0.0.0"  # noqa: S104 - probes come from the kubelet, not from localhost
+    health_host: str = "0.0.0.0"
     health_port: int = Field(9440, ge=0, le=65535)
     # Where `preheat.infer` results go; default: Redis when the broker is Redis, else files in home.
     result_backend_url: SecretStr | None = None
     # `preheat serve`, the OpenAI-compatible model server. /internal/* needs the token (and
     # is refused while none is set); /v1/* needs the API key when one is set.
-    serve_host: str = "0.0.0.0"  # noqa: S104 - a server for the cluster network
+    serve_host: str = "0.0.0.0"
     serve_port: int = Field(8000, ge=0, le=65535)
     serve_token: SecretStr | None = None
     serve_api_key: SecretStr | None = None

@@ -52,8 +52,14 @@ class TrafficCounter:
         self._prompt_tokens: Counter = Counter()
         self._prefix_tokens: dict[tuple, int] = {}
 
-    def count(self, model: str, template: str | None, prompt_tokens: int, prefix_tokens: int | None = None,
-              moment: dt.datetime | None = None) -> None:
+    def count(
+        self,
+        model: str,
+        template: str | None,
+        prompt_tokens: int,
+        prefix_tokens: int | None = None,
+        moment: dt.datetime | None = None,
+    ) -> None:
         key = (minute_of(moment or dt.datetime.now(UTC)), model, template or "")
         with self._lock:
             self._requests[key] += 1
@@ -63,8 +69,10 @@ class TrafficCounter:
 
     def drain(self) -> list[Tally]:
         with self._lock:
-            tallies = [Tally(key[0], key[1], key[2], n, self._prompt_tokens[key], self._prefix_tokens.get(key))
-                       for key, n in self._requests.items()]
+            tallies = [
+                Tally(key[0], key[1], key[2], n, self._prompt_tokens[key], self._prefix_tokens.get(key))
+                for key, n in self._requests.items()
+            ]
             self._requests.clear()
             self._prompt_tokens.clear()
             self._prefix_tokens.clear()
@@ -119,22 +127,39 @@ def _upsert(session: Session, rows: list[dict], *, add: bool) -> None:
         from sqlalchemy.dialects.sqlite import insert
     statement = insert(TrafficCount)
     excluded = statement.excluded
-    updates = ({"requests": TrafficCount.requests + excluded.requests,
-                "prompt_tokens": TrafficCount.prompt_tokens + excluded.prompt_tokens,
-                "prefix_tokens": func.coalesce(excluded.prefix_tokens, TrafficCount.prefix_tokens)}
-               if add else {"requests": excluded.requests, "prompt_tokens": excluded.prompt_tokens,
-                            "prefix_tokens": excluded.prefix_tokens})
+    updates = (
+        {
+            "requests": TrafficCount.requests + excluded.requests,
+            "prompt_tokens": TrafficCount.prompt_tokens + excluded.prompt_tokens,
+            "prefix_tokens": func.coalesce(excluded.prefix_tokens, TrafficCount.prefix_tokens),
+        }
+        if add
+        else {
+            "requests": excluded.requests,
+            "prompt_tokens": excluded.prompt_tokens,
+            "prefix_tokens": excluded.prefix_tokens,
+        }
+    )
     statement = statement.on_conflict_do_update(index_elements=["minute", "model", "template"], set_=updates)
     for start in range(0, len(rows), _CHUNK):  # one statement, executed many times (batched by the driver)
-        session.execute(statement, rows[start:start + _CHUNK])
+        session.execute(statement, rows[start : start + _CHUNK])
 
 
 def record(session: Session, tallies: Iterable[Tally], *, add: bool = True) -> None:
     import uuid
 
-    rows = [{"id": uuid.uuid4(), "minute": t.minute, "model": t.model, "template": t.template,
-             "requests": t.requests, "prompt_tokens": t.prompt_tokens, "prefix_tokens": t.prefix_tokens}
-            for t in tallies]
+    rows = [
+        {
+            "id": uuid.uuid4(),
+            "minute": t.minute,
+            "model": t.model,
+            "template": t.template,
+            "requests": t.requests,
+            "prompt_tokens": t.prompt_tokens,
+            "prefix_tokens": t.prefix_tokens,
+        }
+        for t in tallies
+    ]
     if rows:
         _upsert(session, rows, add=add)
 
@@ -162,23 +187,30 @@ def _rows(path: Path, reader: csv.DictReader) -> Iterator[Tally]:
     missing = [name for name in REQUIRED_COLUMNS if name not in header]
     unknown = [name for name in header if name not in CSV_COLUMNS]
     if missing or unknown:
-        raise ConfigError(f"{path}: the header must name {', '.join(REQUIRED_COLUMNS)} (and may name template, "
-                          f"prompt_tokens, prefix_tokens); " + (f"missing {', '.join(missing)}" if missing else
-                                                                 f"unknown column(s) {', '.join(unknown)}"))
+        raise ConfigError(
+            f"{path}: the header must name {', '.join(REQUIRED_COLUMNS)} (and may name template, "
+            f"prompt_tokens, prefix_tokens); "
+            + (f"missing {', '.join(missing)}" if missing else f"unknown column(s) {', '.join(unknown)}")
+        )
     reader.fieldnames = header
     seen = set()
     for row in reader:
         where = f"{path} line {reader.line_num}"
-        tally = Tally(minute=_minute(row.get("minute"), where), model=_name(row.get("model"), "model", where),
-                      template=_name(row.get("template") or "", "template", where, optional=True),
-                      requests=_count(row.get("requests"), "requests", where),
-                      prompt_tokens=_count(row.get("prompt_tokens") or "0", "prompt_tokens", where),
-                      prefix_tokens=_count(row["prefix_tokens"], "prefix_tokens", where)
-                      if (row.get("prefix_tokens") or "").strip() else None)
+        tally = Tally(
+            minute=_minute(row.get("minute"), where),
+            model=_name(row.get("model"), "model", where),
+            template=_name(row.get("template") or "", "template", where, optional=True),
+            requests=_count(row.get("requests"), "requests", where),
+            prompt_tokens=_count(row.get("prompt_tokens") or "0", "prompt_tokens", where),
+            prefix_tokens=_count(row["prefix_tokens"], "prefix_tokens", where)
+            if (row.get("prefix_tokens") or "").strip()
+            else None,
+        )
         key = (tally.minute, tally.model, tally.template)
         if key in seen:
-            raise ConfigError(f"{where}: a second row for {tally.model}/{tally.template or '-'} at "
-                              f"{tally.minute:%Y-%m-%d %H:%M}Z")
+            raise ConfigError(
+                f"{where}: a second row for {tally.model}/{tally.template or '-'} at {tally.minute:%Y-%m-%d %H:%M}Z"
+            )
         seen.add(key)
         yield tally
 

@@ -74,8 +74,16 @@ class DueSlot:
 
     @classmethod
     def of(cls, schedule: Schedule, slot_at: dt.datetime, fire_at: dt.datetime) -> DueSlot:
-        return cls(schedule.id, schedule.name, schedule.kind, dict(schedule.targets), dict(schedule.detail),
-                   schedule.lead_time_s, slot_at, fire_at)
+        return cls(
+            schedule.id,
+            schedule.name,
+            schedule.kind,
+            dict(schedule.targets),
+            dict(schedule.detail),
+            schedule.lead_time_s,
+            slot_at,
+            fire_at,
+        )
 
     @property
     def trigger_key(self) -> str:
@@ -100,13 +108,19 @@ def _due_and_next(now: dt.datetime, grace_s: float) -> tuple[list[DueSlot], dt.d
             slots = list(store.cron_of(schedule.cron, schedule.timezone).slots(since, now + lead))
             slots = slots[-MAX_MISSED_RECORDED:]
             in_time = [slot for slot in slots if now - (slot - lead) <= grace]
-            for slot in slots[:len(slots) - len(in_time)]:  # slots are in order: the late ones come first
+            for slot in slots[: len(slots) - len(in_time)]:  # slots are in order: the late ones come first
                 late = (now - (slot - lead)).total_seconds()
-                store.record_missed(session, schedule, slot, slot - lead,
-                                    f"no beat ran: fire time passed {late:.0f} s ago (grace {grace_s:g} s)")
+                store.record_missed(
+                    session,
+                    schedule,
+                    slot,
+                    slot - lead,
+                    f"no beat ran: fire time passed {late:.0f} s ago (grace {grace_s:g} s)",
+                )
             for slot in in_time[:-1]:
-                store.record_missed(session, schedule, slot, slot - lead,
-                                    f"superseded by the slot at {in_time[-1]:%Y-%m-%d %H:%M}Z")
+                store.record_missed(
+                    session, schedule, slot, slot - lead, f"superseded by the slot at {in_time[-1]:%Y-%m-%d %H:%M}Z"
+                )
             if in_time:
                 due.append(DueSlot.of(schedule, in_time[-1], in_time[-1] - lead))
             upcoming = store.next_fire_at(schedule, now)
@@ -119,13 +133,23 @@ def send_slot(slot: DueSlot, holder: str, now: dt.datetime) -> tuple[SlotStatus,
     """Dispatch the slot's warmup (its run keyed by the slot); what became of it, and why."""
     from tasks.fleet import dispatch_endpoint_warmup, dispatch_warmup
 
-    detail = {"schedule": slot.name, "slot": slot.slot_at.isoformat(), "fire_at": slot.fire_at.isoformat(),
-              "lead_time_s": slot.lead_time_s, "late_s": round((now - slot.fire_at).total_seconds(), 1)}
+    detail = {
+        "schedule": slot.name,
+        "slot": slot.slot_at.isoformat(),
+        "fire_at": slot.fire_at.isoformat(),
+        "lead_time_s": slot.lead_time_s,
+        "late_s": round((now - slot.fire_at).total_seconds(), 1),
+    }
     if slot.detail:
         detail["peak"] = slot.detail
     trigger = TriggerKind.peak if slot.kind == ScheduleKind.peak else TriggerKind.schedule
-    common = {"templates": slot.targets.get("templates") or None, "trigger": trigger, "detail": detail,
-              "requested_by": f"beat {holder}", "trigger_key": slot.trigger_key}
+    common = {
+        "templates": slot.targets.get("templates") or None,
+        "trigger": trigger,
+        "detail": detail,
+        "requested_by": f"beat {holder}",
+        "trigger_key": slot.trigger_key,
+    }
     try:
         if slot.targets.get("endpoints"):
             dispatched = dispatch_endpoint_warmup(slot.targets["endpoints"], **common)
@@ -135,9 +159,15 @@ def send_slot(slot: DueSlot, holder: str, now: dt.datetime) -> tuple[SlotStatus,
         return SlotStatus.failed, None, str(exc)
     except BrokerError as exc:
         return SlotStatus.unsent, None, f"broker unreachable: {exc}"
-    log.info("fired %s slot %s (lead %d s) -> run %s on %s%s", slot.name, slot.slot_at.isoformat(), slot.lead_time_s,
-             dispatched.run_id.hex[:8], ", ".join(dispatched.workers),
-             " (recorded before)" if dispatched.duplicate else "")
+    log.info(
+        "fired %s slot %s (lead %d s) -> run %s on %s%s",
+        slot.name,
+        slot.slot_at.isoformat(),
+        slot.lead_time_s,
+        dispatched.run_id.hex[:8],
+        ", ".join(dispatched.workers),
+        " (recorded before)" if dispatched.duplicate else "",
+    )
     return SlotStatus.sent, dispatched.run_id, None
 
 
@@ -155,8 +185,9 @@ def fire_due(now: dt.datetime, holder: str, *, grace_s: float, lease_s: float) -
     return _fire_pass(now, holder, grace_s=grace_s, lease_s=lease_s)[0]
 
 
-def _fire_pass(now: dt.datetime, holder: str, *, grace_s: float,
-               lease_s: float) -> tuple[dict[str, SlotStatus], dt.datetime | None]:
+def _fire_pass(
+    now: dt.datetime, holder: str, *, grace_s: float, lease_s: float
+) -> tuple[dict[str, SlotStatus], dt.datetime | None]:
     fired = {}
     due, next_fire = _due_and_next(now, grace_s)
     for slot in due:
@@ -182,8 +213,12 @@ def retry(now: dt.datetime, holder: str, *, grace_s: float, stale_before: dt.dat
                 continue
             if (now - aware(row.fire_at)).total_seconds() > grace_s:
                 why = row.error or "beat stopped mid-send"
-                store.settle(session, row.id, SlotStatus.missed,
-                             error=f"could not be sent within the grace window ({grace_s:g} s): {why}")
+                store.settle(
+                    session,
+                    row.id,
+                    SlotStatus.missed,
+                    error=f"could not be sent within the grace window ({grace_s:g} s): {why}",
+                )
                 continue
             if store.reclaim(session, row, holder, stale_before, now):
                 work.append((row.id, DueSlot.of(schedule, aware(row.slot_at), aware(row.fire_at))))
@@ -208,8 +243,12 @@ class DatabaseScheduler(Scheduler):
         catalog = load_catalog(self.settings.catalog)
         entries = keepalive_entries(catalog)
         self.merge_inplace({**self.app.conf.beat_schedule, **entries})
-        log.info("beat %s: %d keep-alive entr%s; schedules from the database", self.holder, len(entries),
-                 "y" if len(entries) == 1 else "ies")
+        log.info(
+            "beat %s: %d keep-alive entr%s; schedules from the database",
+            self.holder,
+            len(entries),
+            "y" if len(entries) == 1 else "ies",
+        )
 
     def _sync_catalog(self) -> None:
         if self._catalog_synced:
@@ -236,8 +275,9 @@ class DatabaseScheduler(Scheduler):
             if not self._hold():
                 return tick_s
             self._sync_catalog()
-            _, next_fire = _fire_pass(utcnow(), self.holder, grace_s=self.settings.schedule_grace_s,
-                                      lease_s=self.settings.beat_lease_s)
+            _, next_fire = _fire_pass(
+                utcnow(), self.holder, grace_s=self.settings.schedule_grace_s, lease_s=self.settings.beat_lease_s
+            )
         except SQLAlchemyError as exc:
             # Beat outlives a database outage: nothing is fired (nothing could be recorded),
             # and slots still within the grace window fire once it is back.

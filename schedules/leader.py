@@ -36,17 +36,20 @@ def holder_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-def hold(session: Session, holder: str, lease_s: float, now: dt.datetime | None = None,
-         name: str = BEAT_LEASE) -> bool:
+def hold(session: Session, holder: str, lease_s: float, now: dt.datetime | None = None, name: str = BEAT_LEASE) -> bool:
     """Take the lease if it is free or expired, renew it if `holder` has it; True if held."""
     now = now or utcnow()
     expires = now + dt.timedelta(seconds=lease_s)
-    renewed = session.execute(update(BeatLease).where(BeatLease.name == name, BeatLease.holder == holder)
-                              .values(expires_at=expires)).rowcount
+    renewed = session.execute(
+        update(BeatLease).where(BeatLease.name == name, BeatLease.holder == holder).values(expires_at=expires)
+    ).rowcount
     if renewed:
         return True
-    taken = session.execute(update(BeatLease).where(BeatLease.name == name, BeatLease.expires_at < now)
-                            .values(holder=holder, acquired_at=now, expires_at=expires)).rowcount
+    taken = session.execute(
+        update(BeatLease)
+        .where(BeatLease.name == name, BeatLease.expires_at < now)
+        .values(holder=holder, acquired_at=now, expires_at=expires)
+    ).rowcount
     if taken:
         log.info("beat %s took the lead", holder)
         return True
@@ -62,8 +65,11 @@ def hold(session: Session, holder: str, lease_s: float, now: dt.datetime | None 
 
 def release(session: Session, holder: str, name: str = BEAT_LEASE) -> None:
     """Give the lease up (a clean stop): a standby takes over at its next tick."""
-    session.execute(update(BeatLease).where(BeatLease.name == name, BeatLease.holder == holder)
-                    .values(expires_at=utcnow() - dt.timedelta(seconds=1)))
+    session.execute(
+        update(BeatLease)
+        .where(BeatLease.name == name, BeatLease.holder == holder)
+        .values(expires_at=utcnow() - dt.timedelta(seconds=1))
+    )
 
 
 def current(session: Session, name: str = BEAT_LEASE) -> BeatLease | None:

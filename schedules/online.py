@@ -41,9 +41,15 @@ def warm_online_worker(event: dict, templates: list[str] | None = None) -> str |
     detail = {"worker": worker, "pid": event.get("pid"), "online_at": online_at.isoformat()}
     for attempt in range(REGISTRY_RETRIES):
         try:
-            dispatched = dispatch_warmup(templates=templates, workers=[worker], trigger=TriggerKind.worker_online,
-                                         requested_by="watch-workers", detail=detail, only_if_cold=True,
-                                         trigger_key=trigger_key(event))
+            dispatched = dispatch_warmup(
+                templates=templates,
+                workers=[worker],
+                trigger=TriggerKind.worker_online,
+                requested_by="watch-workers",
+                detail=detail,
+                only_if_cold=True,
+                trigger_key=trigger_key(event),
+            )
         except PreheatError as exc:
             if attempt + 1 == REGISTRY_RETRIES:
                 log.warning("worker %s came online but was not warmed: %s", worker, exc)
@@ -53,8 +59,12 @@ def warm_online_worker(event: dict, templates: list[str] | None = None) -> str |
         if dispatched.duplicate:
             log.info("worker %s online: warmed already by run %s", worker, dispatched.run_id.hex[:8])
         else:
-            log.info("worker %s online: run %s sent (templates %s, only if cold)", worker,
-                     dispatched.run_id.hex[:8], ", ".join(dispatched.templates))
+            log.info(
+                "worker %s online: run %s sent (templates %s, only if cold)",
+                worker,
+                dispatched.run_id.hex[:8],
+                ", ".join(dispatched.templates),
+            )
         return str(dispatched.run_id)
     return None
 
@@ -88,8 +98,11 @@ class WorkerOnlineWatcher:
             except Exception as exc:  # connection lost: reconnect, doubling the wait
                 if self._stop.is_set():
                     break
-                log.warning("worker events: %s; reconnecting in %.0f s", str(exc).splitlines()[0] if str(exc) else
-                            type(exc).__name__, backoff)
+                log.warning(
+                    "worker events: %s; reconnecting in %.0f s",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                    backoff,
+                )
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
 

@@ -72,18 +72,28 @@ class Suggestion:
     lead: LeadTime
 
     def detail(self, weeks: int) -> dict:
-        return {"model": self.peak.model, "days": [DAY_NAMES[d] for d in self.peak.days], "starts": self.peak.start,
-                "ends": self.peak.end, "peak_rpm": round(self.peak.peak_rpm, 2),
-                "baseline_rpm": round(self.peak.baseline_rpm, 2), "weeks": weeks,
-                "lead": {"seconds": self.lead.seconds, "p95_s": self.lead.p95_s, "margin_s": self.lead.margin_s,
-                         "runs": self.lead.runs}}
+        return {
+            "model": self.peak.model,
+            "days": [DAY_NAMES[d] for d in self.peak.days],
+            "starts": self.peak.start,
+            "ends": self.peak.end,
+            "peak_rpm": round(self.peak.peak_rpm, 2),
+            "baseline_rpm": round(self.peak.baseline_rpm, 2),
+            "weeks": weeks,
+            "lead": {
+                "seconds": self.lead.seconds,
+                "p95_s": self.lead.p95_s,
+                "margin_s": self.lead.margin_s,
+                "runs": self.lead.runs,
+            },
+        }
 
 
 def _days_field(days: list[int], names: bool = False) -> str:
     """Weekday numbers as a cron field, runs as ranges: [1,2,3,4,5] -> "1-5" (or "mon-fri")."""
     label = (lambda d: DAY_NAMES[d]) if names else str
     parts, run = [], []
-    for day in sorted(days) + [None]:
+    for day in [*sorted(days), None]:
         if run and (day is None or day != run[-1] + 1):
             parts.append(label(run[0]) if len(run) == 1 else f"{label(run[0])}-{label(run[-1])}")
             run = []
@@ -107,7 +117,7 @@ def weekly_rates(rows, timezone: str, bucket_min: int, since: dt.datetime, until
     while minute <= until:  # count each bucket's minutes in the window, zone changes included
         occurrences[_bucket(minute, zone, bucket_min)] += 1
         minute += dt.timedelta(minutes=1)
-    return [total / count if count else 0.0 for total, count in zip(totals, occurrences)]
+    return [total / count if count else 0.0 for total, count in zip(totals, occurrences, strict=False)]
 
 
 def _bucket(moment: dt.datetime, zone: ZoneInfo, bucket_min: int) -> int:
@@ -154,20 +164,30 @@ def peak_templates(rows, peak: Peak, zone: ZoneInfo, catalog: Catalog) -> list[s
     span = (int(peak.end[:2]) * 60 + int(peak.end[3:]) - start_minute) % 1440 or 1440
     for row in rows:
         local = aware(row.minute).astimezone(zone)
-        if local.isoweekday() % 7 in peak.days and row.template in known and \
-                0 <= local.hour * 60 + local.minute - start_minute < span:
+        if (
+            local.isoweekday() % 7 in peak.days
+            and row.template in known
+            and 0 <= local.hour * 60 + local.minute - start_minute < span
+        ):
             seen.add(row.template)
     return sorted(seen) or sorted(known)
 
 
 def warmup_durations(session: Session, model: str, limit: int = 200) -> list[float]:
     """Seconds from dispatch to the last job finished, of this model's recent finished runs on workers."""
-    query = (select(WarmupRun.created_at, WarmupRun.finished_at).join(WarmupJob)
-             .where(WarmupJob.model == model, WarmupJob.target_kind == TargetKind.worker,
-                    WarmupRun.status.in_([RunStatus.succeeded, RunStatus.degraded]),
-                    WarmupRun.finished_at.is_not(None))
-             .group_by(WarmupRun.id, WarmupRun.created_at, WarmupRun.finished_at)
-             .order_by(WarmupRun.created_at.desc()).limit(limit))
+    query = (
+        select(WarmupRun.created_at, WarmupRun.finished_at)
+        .join(WarmupJob)
+        .where(
+            WarmupJob.model == model,
+            WarmupJob.target_kind == TargetKind.worker,
+            WarmupRun.status.in_([RunStatus.succeeded, RunStatus.degraded]),
+            WarmupRun.finished_at.is_not(None),
+        )
+        .group_by(WarmupRun.id, WarmupRun.created_at, WarmupRun.finished_at)
+        .order_by(WarmupRun.created_at.desc())
+        .limit(limit)
+    )
     return [(aware(finished) - aware(created)).total_seconds() for created, finished in session.execute(query)]
 
 
@@ -185,8 +205,18 @@ def lead_time(session: Session, model: str, margin_s: float, default_s: int) -> 
     return LeadTime(math.ceil(percentile + margin_s), round(percentile, 3), margin_s, len(durations))
 
 
-def suggest(session: Session, catalog: Catalog, *, model: str | None, timezone: str, weeks: int, bucket_min: int,
-            factor: float, margin_s: float, default_lead_s: int) -> list[Suggestion]:
+def suggest(
+    session: Session,
+    catalog: Catalog,
+    *,
+    model: str | None,
+    timezone: str,
+    weeks: int,
+    bucket_min: int,
+    factor: float,
+    margin_s: float,
+    default_lead_s: int,
+) -> list[Suggestion]:
     suggestions = []
     zone = ZoneInfo(timezone)
     for name in [model] if model else traffic.models(session):
@@ -223,8 +253,9 @@ class TemplateRank:
         return self.requests_per_hour * self.prefill_ms / 1000
 
 
-def rank(session: Session, catalog: Catalog, *, days: int, max_bytes: int, max_entries: int,
-         model: str | None = None) -> list[TemplateRank]:
+def rank(
+    session: Session, catalog: Catalog, *, days: int, max_bytes: int, max_entries: int, model: str | None = None
+) -> list[TemplateRank]:
     until = traffic.latest_minute(session, model)
     rows = traffic.counts(session, model, until - dt.timedelta(days=days), until) if until else []
     hours = days * 24
@@ -239,8 +270,17 @@ def rank(session: Session, catalog: Catalog, *, days: int, max_bytes: int, max_e
     ranks = []
     for name in names:
         prefill, cache_bytes, tokens = measured.get(name, (None, None, None))
-        ranks.append(TemplateRank(name, models.get(name) or catalog.templates[name].model, requests[name] / hours,
-                                  prefix.get(name) or tokens, prefill, cache_bytes, name in catalog.templates))
+        ranks.append(
+            TemplateRank(
+                name,
+                models.get(name) or catalog.templates[name].model,
+                requests[name] / hours,
+                prefix.get(name) or tokens,
+                prefill,
+                cache_bytes,
+                name in catalog.templates,
+            )
+        )
     ranks.sort(key=lambda r: (-(r.saved_s_per_hour or 0), -r.requests_per_hour, r.template))
     used_bytes = used_entries = 0
     for entry in ranks:
@@ -254,13 +294,25 @@ def rank(session: Session, catalog: Catalog, *, days: int, max_bytes: int, max_e
 
 def _measured(session: Session) -> dict[str, tuple[float, int, int]]:
     """Per template: median prefill ms, cache bytes and cached tokens of its warm worker jobs."""
-    query = (select(WarmupJob.template, WarmupJob.prefill_ms, WarmupJob.cache_bytes, WarmupJob.cached_tokens)
-             .where(WarmupJob.status == JobStatus.warm, WarmupJob.target_kind == TargetKind.worker,
-                    WarmupJob.prefill_ms.is_not(None), WarmupJob.cache_bytes.is_not(None))
-             .order_by(WarmupJob.finished_at.desc()).limit(5000))
+    query = (
+        select(WarmupJob.template, WarmupJob.prefill_ms, WarmupJob.cache_bytes, WarmupJob.cached_tokens)
+        .where(
+            WarmupJob.status == JobStatus.warm,
+            WarmupJob.target_kind == TargetKind.worker,
+            WarmupJob.prefill_ms.is_not(None),
+            WarmupJob.cache_bytes.is_not(None),
+        )
+        .order_by(WarmupJob.finished_at.desc())
+        .limit(5000)
+    )
     found = defaultdict(list)
     for template, prefill_ms, cache_bytes, tokens in session.execute(query):
         found[template].append((prefill_ms, cache_bytes, tokens))
-    return {template: (statistics.median(v[0] for v in values), int(statistics.median(v[1] for v in values)),
-                       int(statistics.median(v[2] or 0 for v in values)))
-            for template, values in found.items()}
+    return {
+        template: (
+            statistics.median(v[0] for v in values),
+            int(statistics.median(v[1] for v in values)),
+            int(statistics.median(v[2] or 0 for v in values)),
+        )
+        for template, values in found.items()
+    }

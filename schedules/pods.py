@@ -48,8 +48,13 @@ class ReadyTransition:
         return f"pod:{self.uid}:{self.ready_since}"
 
     def detail(self) -> dict:
-        return {"namespace": self.namespace, "pod": self.pod, "uid": self.uid, "ready_since": self.ready_since,
-                "ip": self.ip}
+        return {
+            "namespace": self.namespace,
+            "pod": self.pod,
+            "uid": self.uid,
+            "ready_since": self.ready_since,
+            "ip": self.ip,
+        }
 
 
 def is_ready(pod: dict) -> tuple[bool, str | None]:
@@ -65,12 +70,20 @@ def transition_of(pod: dict) -> ReadyTransition | None:
     if not ready:
         return None
     metadata, status = pod.get("metadata") or {}, pod.get("status") or {}
-    ports = tuple((port.get("name"), int(port["containerPort"]))
-                  for container in (pod.get("spec") or {}).get("containers") or []
-                  for port in container.get("ports") or [] if port.get("containerPort"))
-    return ReadyTransition(namespace=metadata.get("namespace", ""), pod=metadata.get("name", ""),
-                           uid=metadata["uid"], ready_since=since or f"rv{metadata.get('resourceVersion')}",
-                           ip=status.get("podIP"), ports=ports)
+    ports = tuple(
+        (port.get("name"), int(port["containerPort"]))
+        for container in (pod.get("spec") or {}).get("containers") or []
+        for port in container.get("ports") or []
+        if port.get("containerPort")
+    )
+    return ReadyTransition(
+        namespace=metadata.get("namespace", ""),
+        pod=metadata.get("name", ""),
+        uid=metadata["uid"],
+        ready_since=since or f"rv{metadata.get('resourceVersion')}",
+        ip=status.get("podIP"),
+        ports=ports,
+    )
 
 
 @dataclass
@@ -147,21 +160,32 @@ def send_warmup(target: PodTarget, transition: ReadyTransition) -> str | None:
     """Dispatch the transition's warmup; its run id, or None when it could not be sent."""
     from tasks.fleet import dispatch_endpoint_warmup, dispatch_warmup
 
-    common = {"templates": list(target.templates) or None, "trigger": TriggerKind.pod_event,
-              "requested_by": "watch-pods", "trigger_key": transition.trigger_key}
+    common = {
+        "templates": list(target.templates) or None,
+        "trigger": TriggerKind.pod_event,
+        "requested_by": "watch-pods",
+        "trigger_key": transition.trigger_key,
+    }
     try:
         if target.endpoint:
             replica = target.replica(transition)
-            dispatched = dispatch_endpoint_warmup([target.endpoint], replica=replica,
-                                                  detail={**transition.detail(), "replica": replica}, **common)
+            dispatched = dispatch_endpoint_warmup(
+                [target.endpoint], replica=replica, detail={**transition.detail(), "replica": replica}, **common
+            )
         else:
             worker = target.worker_name.format(pod=transition.pod)
             dispatched = dispatch_warmup(workers=[worker], detail={**transition.detail(), "worker": worker}, **common)
     except PreheatError as exc:
         log.warning("pod %s/%s is Ready but was not warmed: %s", transition.namespace, transition.pod, exc)
         return None
-    log.info("pod %s/%s Ready since %s: run %s%s", transition.namespace, transition.pod, transition.ready_since,
-             dispatched.run_id.hex[:8], " (sent before)" if dispatched.duplicate else "")
+    log.info(
+        "pod %s/%s Ready since %s: run %s%s",
+        transition.namespace,
+        transition.pod,
+        transition.ready_since,
+        dispatched.run_id.hex[:8],
+        " (sent before)" if dispatched.duplicate else "",
+    )
     return str(dispatched.run_id)
 
 
@@ -184,9 +208,19 @@ SERVICES_AWAY = (BrokerError, *DATABASE_AWAY, ConnectionError, TimeoutError)
 class PodWatcher:
     """List, then watch; re-watch on a dropped connection, re-list on 410 Gone."""
 
-    def __init__(self, api, namespace: str, selector: str | None, target: PodTarget, *, settle_s: float = 5.0,
-                 watch_timeout_s: int = 300, max_backoff_s: float = 30.0, retry_for_s: float = 300.0,
-                 send=send_warmup) -> None:
+    def __init__(
+        self,
+        api,
+        namespace: str,
+        selector: str | None,
+        target: PodTarget,
+        *,
+        settle_s: float = 5.0,
+        watch_timeout_s: int = 300,
+        max_backoff_s: float = 30.0,
+        retry_for_s: float = 300.0,
+        send=send_warmup,
+    ) -> None:
         self.api = api  # kubernetes.client.CoreV1Api
         self.namespace, self.selector, self.target = namespace, selector, target
         self.tracker = ReadyTracker(settle_s=settle_s)
@@ -216,8 +250,12 @@ class PodWatcher:
             except Exception as exc:  # dropped connection, API server restarting, 5xx
                 if self._stop.is_set():
                     break
-                log.warning("pod watch interrupted (%s); watching again from %s in %.1f s",
-                            _reason(exc), self.resource_version, backoff)
+                log.warning(
+                    "pod watch interrupted (%s); watching again from %s in %.1f s",
+                    _reason(exc),
+                    self.resource_version,
+                    backoff,
+                )
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
         sender.join(timeout=5)
@@ -233,8 +271,13 @@ class PodWatcher:
             self.tracker.relisted({(pod.get("metadata") or {}).get("uid") for pod in body.get("items") or []})
         self.resource_version = body["metadata"]["resourceVersion"]
         self.relists += 1
-        log.info("listed %d pod(s) in %s (%s) at resourceVersion %s", len(body.get("items") or []), self.namespace,
-                 self.selector or "all", self.resource_version)
+        log.info(
+            "listed %d pod(s) in %s (%s) at resourceVersion %s",
+            len(body.get("items") or []),
+            self.namespace,
+            self.selector or "all",
+            self.resource_version,
+        )
 
     def _watch_once(self) -> None:
         from kubernetes import watch
@@ -242,9 +285,14 @@ class PodWatcher:
 
         self._watch = watch.Watch()
         try:
-            stream = self._watch.stream(self.api.list_namespaced_pod, self.namespace, label_selector=self.selector,
-                                        resource_version=self.resource_version, allow_watch_bookmarks=True,
-                                        timeout_seconds=self.watch_timeout_s)
+            stream = self._watch.stream(
+                self.api.list_namespaced_pod,
+                self.namespace,
+                label_selector=self.selector,
+                resource_version=self.resource_version,
+                allow_watch_bookmarks=True,
+                timeout_seconds=self.watch_timeout_s,
+            )
             for event in stream:
                 self._on_event(event)
                 if self._stop.is_set():
@@ -293,19 +341,20 @@ class PodWatcher:
                     retries.pop(transition.trigger_key, None)
                     log.exception("could not warm pod %s/%s", transition.namespace, transition.pod)
 
-    def _retry_later(self, retries: dict[str, _Retry], transition: ReadyTransition, now: float,
-                     exc: Exception) -> None:
+    def _retry_later(self, retries: dict[str, _Retry], transition: ReadyTransition, now: float, exc: Exception) -> None:
         earlier = retries.get(transition.trigger_key)
         first_at, backoff = (earlier.first_at, min(earlier.backoff * 2, self.max_backoff_s)) if earlier else (now, 1.0)
         where = f"{transition.namespace}/{transition.pod}"
         if now - first_at > self.retry_for_s:
             retries.pop(transition.trigger_key, None)
-            log.error("pod %s is Ready but was not warmed: services away for %.0f s (%s)", where, now - first_at,
-                      _reason(exc))
+            log.error(
+                "pod %s is Ready but was not warmed: services away for %.0f s (%s)", where, now - first_at, _reason(exc)
+            )
             return
         retries[transition.trigger_key] = _Retry(transition, first_at, now + backoff, backoff)
-        log.warning("pod %s is Ready; its warmup could not be sent (%s); retrying in %.0f s", where, _reason(exc),
-                    backoff)
+        log.warning(
+            "pod %s is Ready; its warmup could not be sent (%s); retrying in %.0f s", where, _reason(exc), backoff
+        )
 
     def stop(self) -> None:
         self._stop.set()
@@ -340,6 +389,8 @@ def kube_api(kubeconfig: str | None = None, context: str | None = None):
     try:
         config.load_kube_config(config_file=kubeconfig, context=context)
     except (config.ConfigException, OSError) as exc:
-        raise ConfigError(f"no Kubernetes configuration: not in a cluster, and the kubeconfig "
-                          f"{kubeconfig or '~/.kube/config'} cannot be used ({exc})") from None
+        raise ConfigError(
+            f"no Kubernetes configuration: not in a cluster, and the kubeconfig "
+            f"{kubeconfig or '~/.kube/config'} cannot be used ({exc})"
+        ) from None
     return client.CoreV1Api()

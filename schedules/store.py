@@ -20,14 +20,15 @@ from preheat.catalog import NAME_PATTERN, Catalog
 from preheat.cron import Cron, CronError
 from preheat.db import utcnow
 from preheat.errors import ConfigError, UnknownNameError
-from preheat.registry import aware
 from preheat.models import Schedule, ScheduleKind, ScheduleSlot, SlotStatus
+from preheat.registry import aware
 
 MAX_LEAD_TIME_S = 86400
 
 
-def targets_of(catalog: Catalog, *, templates: list[str] | None, workers: list[str] | None,
-               endpoints: list[str] | None) -> dict:
+def targets_of(
+    catalog: Catalog, *, templates: list[str] | None, workers: list[str] | None, endpoints: list[str] | None
+) -> dict:
     """The targets a schedule warms, checked against the catalog; one clear error otherwise."""
     if workers and endpoints:
         raise ConfigError("a schedule warms workers or endpoints, not both: give --worker or --endpoint")
@@ -70,13 +71,32 @@ def next_fire_at(schedule: Schedule, after: dt.datetime) -> dt.datetime | None:
     return None if slot is None else slot - lead
 
 
-def add(session: Session, *, name: str, cron: str, timezone: str, targets: dict, lead_time_s: int = 0,
-        kind: ScheduleKind = ScheduleKind.manual, detail: dict | None = None, enabled: bool = True) -> Schedule:
+def add(
+    session: Session,
+    *,
+    name: str,
+    cron: str,
+    timezone: str,
+    targets: dict,
+    lead_time_s: int = 0,
+    kind: ScheduleKind = ScheduleKind.manual,
+    detail: dict | None = None,
+    enabled: bool = True,
+) -> Schedule:
     parsed = check(name, cron, timezone, lead_time_s)
     if session.scalars(select(Schedule.id).where(Schedule.name == name)).first() is not None:
         raise ConfigError(f"schedule {name!r} exists; remove it first or pick another name")
-    schedule = Schedule(name=name, kind=kind, cron=parsed.expression, timezone=timezone, targets=targets,
-                        lead_time_s=lead_time_s, enabled=enabled, detail=detail or {}, active_since=utcnow())
+    schedule = Schedule(
+        name=name,
+        kind=kind,
+        cron=parsed.expression,
+        timezone=timezone,
+        targets=targets,
+        lead_time_s=lead_time_s,
+        enabled=enabled,
+        detail=detail or {},
+        active_since=utcnow(),
+    )
     session.add(schedule)
     try:
         session.flush()
@@ -113,8 +133,9 @@ def set_enabled(session: Session, name: str, value: bool) -> Schedule:
 def remove(session: Session, name: str) -> None:
     schedule = get(session, name)
     if schedule.kind == ScheduleKind.catalog:
-        raise ConfigError(f"schedule {name!r} is declared in the catalog ([schedules.{name}]): remove it there, "
-                          f"or pause it")
+        raise ConfigError(
+            f"schedule {name!r} is declared in the catalog ([schedules.{name}]): remove it there, or pause it"
+        )
     session.delete(schedule)
 
 
@@ -131,14 +152,27 @@ def sync_catalog(session: Session, catalog: Catalog, default_timezone: str) -> l
         targets = {"templates": list(spec.templates)}
         existing = session.scalars(select(Schedule).where(Schedule.name == name)).first()
         if existing is None:
-            add(session, name=name, cron=spec.cron, timezone=timezone, targets=targets,
-                lead_time_s=spec.lead_time_s, kind=ScheduleKind.catalog)
+            add(
+                session,
+                name=name,
+                cron=spec.cron,
+                timezone=timezone,
+                targets=targets,
+                lead_time_s=spec.lead_time_s,
+                kind=ScheduleKind.catalog,
+            )
             changes.append(f"+{name}")
         elif existing.kind != ScheduleKind.catalog:
-            raise ConfigError(f"catalog schedule {name!r} has the name of a {existing.kind} schedule in the "
-                              f"database; rename one of them")
+            raise ConfigError(
+                f"catalog schedule {name!r} has the name of a {existing.kind} schedule in the "
+                f"database; rename one of them"
+            )
         elif (existing.cron, existing.timezone, existing.targets, existing.lead_time_s) != (
-                spec.cron, timezone, targets, spec.lead_time_s):
+            spec.cron,
+            timezone,
+            targets,
+            spec.lead_time_s,
+        ):
             existing.cron, existing.timezone, existing.targets = spec.cron, timezone, targets
             existing.lead_time_s, existing.active_since = spec.lead_time_s, utcnow()
             changes.append(f"~{name}")
@@ -151,18 +185,34 @@ def sync_catalog(session: Session, catalog: Catalog, default_timezone: str) -> l
 
 def last_slots(session: Session) -> dict[uuid.UUID, dt.datetime]:
     """Each schedule's newest recorded slot: beat looks for slots after it."""
-    rows = session.execute(select(ScheduleSlot.schedule_id, func.max(ScheduleSlot.slot_at))
-                           .group_by(ScheduleSlot.schedule_id))
+    rows = session.execute(
+        select(ScheduleSlot.schedule_id, func.max(ScheduleSlot.slot_at)).group_by(ScheduleSlot.schedule_id)
+    )
     return {schedule_id: aware(slot_at) for schedule_id, slot_at in rows}
 
 
-def claim(session: Session, schedule_id: uuid.UUID, schedule_name: str, slot_at: dt.datetime, fire_at: dt.datetime,
-          holder: str, now: dt.datetime | None = None) -> ScheduleSlot | None:
+def claim(
+    session: Session,
+    schedule_id: uuid.UUID,
+    schedule_name: str,
+    slot_at: dt.datetime,
+    fire_at: dt.datetime,
+    holder: str,
+    now: dt.datetime | None = None,
+) -> ScheduleSlot | None:
     """Record the slot as claimed by `holder`; None when it is recorded already (by another
     beat, or before a restart), or its schedule was removed meanwhile. The unique key
     decides, not the leader lock alone."""
-    slot = ScheduleSlot(schedule_id=schedule_id, schedule_name=schedule_name, slot_at=slot_at, fire_at=fire_at,
-                        status=SlotStatus.claimed, claimed_by=holder, claimed_at=now or utcnow(), attempts=1)
+    slot = ScheduleSlot(
+        schedule_id=schedule_id,
+        schedule_name=schedule_name,
+        slot_at=slot_at,
+        fire_at=fire_at,
+        status=SlotStatus.claimed,
+        claimed_by=holder,
+        claimed_at=now or utcnow(),
+        attempts=1,
+    )
     try:
         with session.begin_nested():
             session.add(slot)
@@ -171,10 +221,17 @@ def claim(session: Session, schedule_id: uuid.UUID, schedule_name: str, slot_at:
     return slot
 
 
-def record_missed(session: Session, schedule: Schedule, slot_at: dt.datetime, fire_at: dt.datetime,
-                  reason: str) -> bool:
-    slot = ScheduleSlot(schedule_id=schedule.id, schedule_name=schedule.name, slot_at=slot_at, fire_at=fire_at,
-                        status=SlotStatus.missed, error=reason)
+def record_missed(
+    session: Session, schedule: Schedule, slot_at: dt.datetime, fire_at: dt.datetime, reason: str
+) -> bool:
+    slot = ScheduleSlot(
+        schedule_id=schedule.id,
+        schedule_name=schedule.name,
+        slot_at=slot_at,
+        fire_at=fire_at,
+        status=SlotStatus.missed,
+        error=reason,
+    )
     try:
         with session.begin_nested():
             session.add(slot)
@@ -186,32 +243,47 @@ def record_missed(session: Session, schedule: Schedule, slot_at: dt.datetime, fi
 def to_retry(session: Session, stale_before: dt.datetime) -> list[ScheduleSlot]:
     """Slots to send again: unsent (the broker was away), or claimed by a beat that has not
     settled them since `stale_before` (it died between claiming and recording the outcome)."""
-    query = select(ScheduleSlot).where(
-        (ScheduleSlot.status == SlotStatus.unsent)
-        | ((ScheduleSlot.status == SlotStatus.claimed) & (ScheduleSlot.claimed_at < stale_before))
-    ).order_by(ScheduleSlot.fire_at)
+    query = (
+        select(ScheduleSlot)
+        .where(
+            (ScheduleSlot.status == SlotStatus.unsent)
+            | ((ScheduleSlot.status == SlotStatus.claimed) & (ScheduleSlot.claimed_at < stale_before))
+        )
+        .order_by(ScheduleSlot.fire_at)
+    )
     return list(session.scalars(query))
 
 
-def reclaim(session: Session, slot: ScheduleSlot, holder: str, stale_before: dt.datetime,
-            now: dt.datetime | None = None) -> bool:
+def reclaim(
+    session: Session, slot: ScheduleSlot, holder: str, stale_before: dt.datetime, now: dt.datetime | None = None
+) -> bool:
     """Take a slot to retry; a conditional update, so two beats never both retry it."""
     result = session.execute(
         update(ScheduleSlot)
-        .where(ScheduleSlot.id == slot.id,
-               (ScheduleSlot.status == SlotStatus.unsent)
-               | ((ScheduleSlot.status == SlotStatus.claimed) & (ScheduleSlot.claimed_at < stale_before)))
-        .values(status=SlotStatus.claimed, claimed_by=holder, claimed_at=now or utcnow(),
-                attempts=ScheduleSlot.attempts + 1)
+        .where(
+            ScheduleSlot.id == slot.id,
+            (ScheduleSlot.status == SlotStatus.unsent)
+            | ((ScheduleSlot.status == SlotStatus.claimed) & (ScheduleSlot.claimed_at < stale_before)),
+        )
+        .values(
+            status=SlotStatus.claimed, claimed_by=holder, claimed_at=now or utcnow(), attempts=ScheduleSlot.attempts + 1
+        )
         .execution_options(synchronize_session=False)  # SQLite's naive times cannot be compared in Python
     )
     return result.rowcount == 1
 
 
-def settle(session: Session, slot_id: uuid.UUID, status: SlotStatus, *, run_id: uuid.UUID | None = None,
-           error: str | None = None) -> None:
-    session.execute(update(ScheduleSlot).where(ScheduleSlot.id == slot_id)
-                    .values(status=status, run_id=run_id, error=error))
+def settle(
+    session: Session,
+    slot_id: uuid.UUID,
+    status: SlotStatus,
+    *,
+    run_id: uuid.UUID | None = None,
+    error: str | None = None,
+) -> None:
+    session.execute(
+        update(ScheduleSlot).where(ScheduleSlot.id == slot_id).values(status=status, run_id=run_id, error=error)
+    )
 
 
 def recent_slots(session: Session, name: str | None = None, limit: int = 20) -> list[ScheduleSlot]:

@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 
 
 @app.task(bind=True, name="preheat.warm_endpoint", arguments=WarmEndpointArguments, **DB_RETRY)
-def warm_endpoint_task(self, run_id: str, endpoint: str, templates: list[str], base_url: str | None = None,
-                       target: str | None = None) -> dict:
+def warm_endpoint_task(
+    self, run_id: str, endpoint: str, templates: list[str], base_url: str | None = None, target: str | None = None
+) -> dict:
     """Open the endpoint's pool, send the templates' prompts concurrently, record each.
     With `base_url`, warm one replica of it (a pod that just became ready), as `target`."""
     target = target or endpoint
@@ -49,6 +50,16 @@ def keep_alive_endpoint(endpoint: str) -> dict:
         POOLS.discard(endpoint)
         return {}
     tick = keep_alive(endpoint, spec, catalog, utcnow())
-    outbox.record("keepalive", {"endpoint": endpoint, "sent": tick.sent, "failed": tick.failed,
-                                "skipped": tick.skipped, "ttft_ms": tick.ttft_ms, "error": tick.error, "at": utcnow()})
+    outbox.record(
+        "keepalive",
+        {
+            "endpoint": endpoint,
+            "sent": tick.sent,
+            "failed": tick.failed,
+            "skipped": tick.skipped,
+            "ttft_ms": tick.ttft_ms,
+            "error": tick.error,
+            "at": utcnow(),
+        },
+    )
     return {"sent": tick.sent, "failed": tick.failed, "skipped": tick.skipped}

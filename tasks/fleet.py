@@ -45,8 +45,10 @@ def _choose_targets(requested: list[str] | None, live: list[str]) -> list[str]:
             raise UnknownNameError(f"worker(s) not live: {', '.join(missing)} (live: {', '.join(live) or 'none'})")
         return sorted(set(requested))
     if not live:
-        raise NoWorkersError("no live preheat worker (none sent a heartbeat lately); "
-                             "start one with `celery -A preheat worker --pool=solo`")
+        raise NoWorkersError(
+            "no live preheat worker (none sent a heartbeat lately); "
+            "start one with `celery -A preheat worker --pool=solo`"
+        )
     return live
 
 
@@ -71,21 +73,32 @@ def dispatch_warmup(
     _ensure_broker()  # before anything is recorded: a run whose jobs cannot be sent is half-written
     targets = _choose_targets(workers, live_workers())
 
-    recorded = _record_run(trigger, requested_by, detail, TargetKind.worker,
-                           {worker: model_templates for worker in targets}, trigger_key)
+    recorded = _record_run(
+        trigger, requested_by, detail, TargetKind.worker, {worker: model_templates for worker in targets}, trigger_key
+    )
     if recorded is None:
         return _duplicate(trigger_key)
     run_id, task_ids = recorded
     for worker, task_id in task_ids.items():
         kwargs = {"run_id": str(run_id), "worker": worker, "templates": templates, "only_if_cold": only_if_cold}
-        _send("preheat.warm_worker", kwargs, task_id, f"run={run_id.hex[:8]} worker={worker} "
-              f"templates={','.join(templates)}{' only_if_cold' if only_if_cold else ''}")
+        _send(
+            "preheat.warm_worker",
+            kwargs,
+            task_id,
+            f"run={run_id.hex[:8]} worker={worker} "
+            f"templates={','.join(templates)}{' only_if_cold' if only_if_cold else ''}",
+        )
     return Dispatched(run_id, targets, templates)
 
 
-def _record_run(trigger: TriggerKind, requested_by: str, detail: dict | None, kind: TargetKind,
-                plan: dict[str, list[tuple[str, str]]],
-                trigger_key: str | None = None) -> tuple[uuid.UUID, dict[str, str]] | None:
+def _record_run(
+    trigger: TriggerKind,
+    requested_by: str,
+    detail: dict | None,
+    kind: TargetKind,
+    plan: dict[str, list[tuple[str, str]]],
+    trigger_key: str | None = None,
+) -> tuple[uuid.UUID, dict[str, str]] | None:
     """Record a run and each target's queued (model, template) jobs, and commit; returns the
     run id and each target's task id, or None when `trigger_key` has its run already.
     Callers send only after this: a task never arrives for a row that was rolled back."""
@@ -94,11 +107,18 @@ def _record_run(trigger: TriggerKind, requested_by: str, detail: dict | None, ki
         with session_scope() as session:
             if trigger_key and history.run_for_key(session, trigger_key) is not None:
                 return None
-            run = history.create_run(session, trigger=trigger, requested_by=requested_by, detail=detail,
-                                     trigger_key=trigger_key)
+            run = history.create_run(
+                session, trigger=trigger, requested_by=requested_by, detail=detail, trigger_key=trigger_key
+            )
             for target, model_templates in plan.items():
-                history.add_jobs(session, run, target=target, model_templates=model_templates,
-                                 task_id=task_ids[target], target_kind=kind)
+                history.add_jobs(
+                    session,
+                    run,
+                    target=target,
+                    model_templates=model_templates,
+                    task_id=task_ids[target],
+                    target_kind=kind,
+                )
             return run.id, task_ids
     except IntegrityError:
         if trigger_key is None:
@@ -109,8 +129,9 @@ def _record_run(trigger: TriggerKind, requested_by: str, detail: dict | None, ki
 def _duplicate(trigger_key: str) -> Dispatched:
     with session_scope() as session:
         run = history.get_run(session, history.run_for_key(session, trigger_key).id)
-        return Dispatched(run.id, sorted({job.target for job in run.jobs}),
-                          sorted({job.template for job in run.jobs}), duplicate=True)
+        return Dispatched(
+            run.id, sorted({job.target for job in run.jobs}), sorted({job.template for job in run.jobs}), duplicate=True
+        )
 
 
 def prime_dispatch() -> None:
@@ -172,8 +193,12 @@ def dispatch_endpoint_warmup(
     run_id, task_ids = recorded
     for target, task_id in task_ids.items():
         call = calls[target]
-        _send("preheat.warm_endpoint", {"run_id": str(run_id), **call}, task_id,
-              f"run={run_id.hex[:8]} endpoint={target} templates={','.join(call['templates'])}")
+        _send(
+            "preheat.warm_endpoint",
+            {"run_id": str(run_id), **call},
+            task_id,
+            f"run={run_id.hex[:8]} endpoint={target} templates={','.join(call['templates'])}",
+        )
     return Dispatched(run_id, list(plan), sorted({t for ts in plan.values() for _, t in ts}))
 
 

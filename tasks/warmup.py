@@ -28,10 +28,23 @@ def warm_worker(self, run_id: str, worker: str, templates: list[str], only_if_co
 
 
 @app.task(bind=True, name="preheat.warm_fleet", arguments=WarmFleetArguments, **DB_RETRY)
-def warm_fleet(self, templates: list[str] | None = None, trigger: str = "schedule", detail: dict | None = None,
-               requested_by: str = "beat", workers: list[str] | None = None, only_if_cold: bool = False) -> str:
+def warm_fleet(
+    self,
+    templates: list[str] | None = None,
+    trigger: str = "schedule",
+    detail: dict | None = None,
+    requested_by: str = "beat",
+    workers: list[str] | None = None,
+    only_if_cold: bool = False,
+) -> str:
     """List live workers and send each its own warm_worker job (for clients that only send tasks;
     beat and the watchers dispatch in their own process)."""
-    dispatched = dispatch_warmup(templates=templates, workers=workers, trigger=TriggerKind(trigger),
-                                 requested_by=requested_by, detail=detail, only_if_cold=only_if_cold)
+    dispatched = dispatch_warmup(
+        templates=templates,
+        workers=workers,
+        trigger=TriggerKind(trigger),
+        requested_by=requested_by,
+        detail=detail,
+        only_if_cold=only_if_cold,
+    )
     return str(dispatched.run_id)

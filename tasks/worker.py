@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import threading
+from typing import ClassVar
 
 from celery import bootsteps
 from celery.signals import worker_shutdown
@@ -39,7 +40,7 @@ def pool_name(pool_cls) -> str:
 
 
 class WorkerRuntimeStep(bootsteps.StartStopStep):
-    requires = {"celery.worker.components:Pool"}
+    requires: ClassVar[set[str]] = {"celery.worker.components:Pool"}
 
     def __init__(self, worker, **kwargs) -> None:
         super().__init__(worker, **kwargs)
@@ -49,8 +50,12 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
     def create(self, worker) -> None:
         pool = pool_name(worker.pool_cls)
         if pool not in IN_PROCESS_POOLS:
-            exit_with(ConfigError(f"preheat workers hold models in the process that runs tasks: start them "
-                                  f"with --pool=solo (one process per GPU), not --pool={pool}"))
+            exit_with(
+                ConfigError(
+                    f"preheat workers hold models in the process that runs tasks: start them "
+                    f"with --pool=solo (one process per GPU), not --pool={pool}"
+                )
+            )
 
     def start(self, worker) -> None:
         settings, runtime = get_settings(), get_runtime()
@@ -77,16 +82,23 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         try:
             self.health = HealthServer(runtime, settings.health_host, settings.health_port).start()
         except OSError as exc:
-            exit_with(ConfigError(f"health server cannot listen on {settings.health_host}:{settings.health_port} "
-                                  f"({exc.strerror}); set PREHEAT_HEALTH_PORT"))
+            exit_with(
+                ConfigError(
+                    f"health server cannot listen on {settings.health_host}:{settings.health_port} "
+                    f"({exc.strerror}); set PREHEAT_HEALTH_PORT"
+                )
+            )
         health_port = self.health.port
         history_outbox = outbox.open_for(worker.hostname, settings.outbox_folder)
         runtime.metrics.registry.register(outbox.OutboxCollector(history_outbox))
-        self.heartbeat = Heartbeat(worker.hostname,
-                                   lambda: {**runtime.describe(), "health_port": health_port,
-                                            "outbox": history_outbox.counts().as_state()},
-                                   settings.heartbeat_interval_s, settings.worker_dead_after_s,
-                                   settings.task_time_limit_s, on_beat=_bookkeeping).start()
+        self.heartbeat = Heartbeat(
+            worker.hostname,
+            lambda: {**runtime.describe(), "health_port": health_port, "outbox": history_outbox.counts().as_state()},
+            settings.heartbeat_interval_s,
+            settings.worker_dead_after_s,
+            settings.task_time_limit_s,
+            on_beat=_bookkeeping,
+        ).start()
         threading.Thread(target=runtime.preload, name="preheat-preload", daemon=True).start()
 
     def stop(self, worker) -> None:

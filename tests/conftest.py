@@ -32,8 +32,10 @@ def _redis_url() -> str:
     server, db = base.rsplit("/", 1)
     index = int(db) + int(worker)
     if index > 15:  # never wrap around onto db 0, somebody's data: the tests flush their db
-        raise RuntimeError(f"pytest-xdist worker gw{worker} would use Redis db {index}; Redis has 0-15: "
-                           f"run fewer workers or set PREHEAT_TEST_REDIS_URL to a lower db")
+        raise RuntimeError(
+            f"pytest-xdist worker gw{worker} would use Redis db {index}; Redis has 0-15: "
+            f"run fewer workers or set PREHEAT_TEST_REDIS_URL to a lower db"
+        )
     return f"{server}/{index}"
 
 
@@ -193,8 +195,9 @@ class Stack:
     env: dict[str, str] = field(default_factory=dict)
 
     def cli(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-        return subprocess.run([PREHEAT_CLI, *args], env=self.env, capture_output=True, text=True,
-                              timeout=timeout, cwd=self.home)
+        return subprocess.run(
+            [PREHEAT_CLI, *args], env=self.env, capture_output=True, text=True, timeout=timeout, cwd=self.home
+        )
 
     def cli_here(self, *args: str) -> subprocess.CompletedProcess:
         """The same `preheat` entry point, run in this process (the stack's settings are this
@@ -224,15 +227,22 @@ def run_cli_here(*args: str) -> subprocess.CompletedProcess:
 
 def _base_env(home: Path, catalog: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREHEAT_")}
-    env.update(PREHEAT_HOME=str(home), PREHEAT_CATALOG=str(catalog), PREHEAT_PROBE_REPEATS="2", PREHEAT_HEALTH_PORT="0",
-               # The verdict's timing check is unit-tested with exact numbers; end to end, three
-               # test processes and their workers share two cores, and a probe slowed 12x by a
-               # neighbour was seen. The other two checks of `warm` (the cached prefix was used,
-               # and gave full prefill's token) stay exact.
-               PREHEAT_WARM_FACTOR="100",
-               # Heartbeats fast enough that a test sees a worker die within seconds.
-               PREHEAT_HEARTBEAT_INTERVAL_S="1", PREHEAT_WORKER_DEAD_AFTER_S="5",
-               PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    env.update(
+        PREHEAT_HOME=str(home),
+        PREHEAT_CATALOG=str(catalog),
+        PREHEAT_PROBE_REPEATS="2",
+        PREHEAT_HEALTH_PORT="0",
+        # The verdict's timing check is unit-tested with exact numbers; end to end, three
+        # test processes and their workers share two cores, and a probe slowed 12x by a
+        # neighbour was seen. The other two checks of `warm` (the cached prefix was used,
+        # and gave full prefill's token) stay exact.
+        PREHEAT_WARM_FACTOR="100",
+        # Heartbeats fast enough that a test sees a worker die within seconds.
+        PREHEAT_HEARTBEAT_INTERVAL_S="1",
+        PREHEAT_WORKER_DEAD_AFTER_S="5",
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+    )
     return env
 
 
@@ -241,7 +251,12 @@ def _empty_tables(url: str) -> None:
 
     engine = make_engine(url)
     with engine.begin() as connection:
-        connection.execute(text("TRUNCATE warmup_jobs, warmup_runs, schedule_slots, schedules, beat_leases, traffic_counts, workers, endpoint_keepalives, applied_writes"))
+        connection.execute(
+            text(
+                "TRUNCATE warmup_jobs, warmup_runs, schedule_slots, schedules, beat_leases, traffic_counts, "
+                "workers, endpoint_keepalives, applied_writes"
+            )
+        )
     engine.dispose()
 
 

@@ -26,8 +26,10 @@ from workers.models import ModelRegistry, ModelSource
 from workers.prefix import TemplatePrefix, encode
 from workers.warmup import probe
 
-SYSTEM = ("You are the support assistant of Acme Parcel. Be concise and polite. Always ask for the tracking number "
-          "first. Never promise a delivery date the tracking system does not show.")
+SYSTEM = (
+    "You are the support assistant of Acme Parcel. Be concise and polite. Always ask for the tracking number "
+    "first. Never promise a delivery date the tracking system does not show."
+)
 LONG = " ".join(f"Rule {n}: a parcel late by {n % 7 + 2} working days is investigated." for n in range(150))
 
 
@@ -44,12 +46,24 @@ def check(out: Path) -> dict:
 
     prefix = TemplatePrefix.of(resident, SYSTEM)
     entry, prefill_ms = engine.prefill(resident, prefix.ids, label="support", pin=True)
-    measured = probe(engine, resident, prefix.prompt_ids(resident, "Where is my parcel?"),
-                     encode(resident, "Where is my parcel?", with_bos=True), 5, prefix.key)
-    report["prefix"] = {"tokens": entry.num_tokens, "bytes": entry.nbytes, "prefill_ms": prefill_ms,
-                        "ttft_cold_ms": measured.cold.ms, "ttft_warm_ms": measured.warm.ms,
-                        "ttft_bare_ms": measured.bare.ms, "cached_tokens": measured.warm.cached_tokens,
-                        "same_first_token": measured.cold.token_id == measured.warm.token_id}
+    measured = probe(
+        engine,
+        resident,
+        prefix.prompt_ids(resident, "Where is my parcel?"),
+        encode(resident, "Where is my parcel?", with_bos=True),
+        5,
+        prefix.key,
+    )
+    report["prefix"] = {
+        "tokens": entry.num_tokens,
+        "bytes": entry.nbytes,
+        "prefill_ms": prefill_ms,
+        "ttft_cold_ms": measured.cold.ms,
+        "ttft_warm_ms": measured.warm.ms,
+        "ttft_bare_ms": measured.bare.ms,
+        "cached_tokens": measured.warm.cached_tokens,
+        "same_first_token": measured.cold.token_id == measured.warm.token_id,
+    }
 
     long_ids = TemplatePrefix.of(resident, LONG).ids
     torch.cuda.synchronize()
@@ -63,9 +77,13 @@ def check(out: Path) -> dict:
     except DeviceOutOfMemory as exc:
         message = str(exc)
     # Measured once the error is gone, as a worker's next step would see it.
-    report["oom"] = {"raised": message is not None, "message": message, "ms": (time.perf_counter() - started) * 1000,
-                     "allocated_after_minus_before": torch.cuda.memory_allocated() - baseline,
-                     "cache_entries_after": engine.cache.stats().entries}
+    report["oom"] = {
+        "raised": message is not None,
+        "message": message,
+        "ms": (time.perf_counter() - started) * 1000,
+        "allocated_after_minus_before": torch.cuda.memory_allocated() - baseline,
+        "cache_entries_after": engine.cache.stats().entries,
+    }
     torch.cuda.set_per_process_memory_fraction(1.0)
     again, again_ms = engine.prefill(resident, long_ids, label="handbook")
     report["after_oom"] = {"prefilled_tokens": again.num_tokens, "prefill_ms": again_ms}

@@ -21,7 +21,6 @@ def _bin_dir() -> Path:
     return found[-1].parent
 
 
-
 class PrivatePostgres:
     user = "preheat"
 
@@ -42,11 +41,32 @@ class PrivatePostgres:
         if self._as_server_user:
             shutil.chown(self.folder, "postgres", "postgres")
             shutil.chown(password_file, "postgres", "postgres")
-        self._run("initdb", "-D", str(self.folder / "data"), "-U", self.user, "--pwfile", str(password_file),
-                  "--auth-host=scram-sha-256", "--auth-local=scram-sha-256", "-E", "UTF8", "--no-sync")
+        self._run(
+            "initdb",
+            "-D",
+            str(self.folder / "data"),
+            "-U",
+            self.user,
+            "--pwfile",
+            str(password_file),
+            "--auth-host=scram-sha-256",
+            "--auth-local=scram-sha-256",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        )
         password_file.unlink()
-        self._run("pg_ctl", "-D", str(self.folder / "data"), "-l", str(self.folder / "server.log"), "-w", "-o",
-                  f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
+        self._run(
+            "pg_ctl",
+            "-D",
+            str(self.folder / "data"),
+            "-l",
+            str(self.folder / "server.log"),
+            "-w",
+            "-o",
+            f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=off",
+            "start",
+        )
         return self
 
     def stop(self) -> None:

@@ -18,8 +18,11 @@ def compose() -> dict:
 
 
 def preheat_commands(compose) -> dict[str, list[str]]:
-    return {name: service["command"] for name, service in compose["services"].items()
-            if service.get("image", "").startswith("preheat")}
+    return {
+        name: service["command"]
+        for name, service in compose["services"].items()
+        if service.get("image", "").startswith("preheat")
+    }
 
 
 def test_the_services_are_all_there(compose):

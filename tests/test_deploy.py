@@ -37,8 +37,12 @@ def _env(container: dict) -> dict:
 def test_the_kustomization_lists_every_manifest(manifests):
     listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
     assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
-    assert {("StatefulSet", "preheat-gpu-worker"), ("Deployment", "preheat-beat"), ("Deployment", "preheat-flower"),
-            ("Job", "preheat-migrate")} <= set(manifests)
+    assert {
+        ("StatefulSet", "preheat-gpu-worker"),
+        ("Deployment", "preheat-beat"),
+        ("Deployment", "preheat-flower"),
+        ("Job", "preheat-migrate"),
+    } <= set(manifests)
 
 
 class _Runtime:
@@ -122,12 +126,23 @@ def test_the_pod_watcher_may_only_read_pods_and_watches_the_workers_by_their_nam
     assert command[command.index("--worker-name") + 1] == worker_name.replace("$(POD_NAME)", "{pod}")
 
 
-@pytest.mark.parametrize("component", ["preheat-gpu-worker", "preheat-beat", "preheat-flower", "preheat-migrate",
-                                       "preheat-watch-pods", "preheat-watch-workers"])
+@pytest.mark.parametrize(
+    "component",
+    [
+        "preheat-gpu-worker",
+        "preheat-beat",
+        "preheat-flower",
+        "preheat-migrate",
+        "preheat-watch-pods",
+        "preheat-watch-workers",
+    ],
+)
 def test_each_command_is_a_real_command_with_real_options(manifests, component, embedded_stack):
     [doc] = [doc for (kind, name), doc in manifests.items() if name == component and kind != "Service"]
-    argv = [arg.replace("$(POD_NAME)", "pod-0").replace("$(POD_NAMESPACE)", "preheat")
-            for arg in _containers(doc)[0]["command"]]
+    argv = [
+        arg.replace("$(POD_NAME)", "pod-0").replace("$(POD_NAMESPACE)", "preheat")
+        for arg in _containers(doc)[0]["command"]
+    ]
     full = [sys.executable, "-m", "celery", *argv[1:]] if argv[0] == "celery" else [PREHEAT_CLI, *argv[1:]]
     env = {**embedded_stack.env, "FLOWER_BASIC_AUTH": "ci:ci"}
     done = subprocess.run([*full, "--help"], env=env, capture_output=True, text=True, timeout=60)

@@ -29,9 +29,11 @@ pytestmark = pytest.mark.slow
 
 WORKER = "gpu0@faults-test"
 # A system prompt of about 3,000 tokens: a long prefill for the tiny model.
-HANDBOOK = " ".join(f"Rule {n}: a parcel late by {n % 7 + 2} working days is investigated, and the customer is "
-                    f"told the outcome within {n % 5 + 1} days." for n in range(85))
-
+HANDBOOK = " ".join(
+    f"Rule {n}: a parcel late by {n % 7 + 2} working days is investigated, and the customer is "
+    f"told the outcome within {n % 5 + 1} days."
+    for n in range(85)
+)
 
 
 class TlsRedis:
@@ -46,18 +48,44 @@ class TlsRedis:
 
     @property
     def url(self) -> str:
-        return (f"rediss://:{quote(self.password, safe='')}@127.0.0.1:{self.port}/0"
-                f"?ssl_cert_reqs=required&ssl_ca_certs={quote(str(self.tls['ca']), safe='')}")
+        return (
+            f"rediss://:{quote(self.password, safe='')}@127.0.0.1:{self.port}/0"
+            f"?ssl_cert_reqs=required&ssl_ca_certs={quote(str(self.tls['ca']), safe='')}"
+        )
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1",
-             "--tls-cert-file", str(self.tls["cert"]), "--tls-key-file", str(self.tls["key"]),
-             "--tls-ca-cert-file", str(self.tls["ca"]), "--tls-auth-clients", "no", "--requirepass", self.password,
-             "--save", "", "--appendonly", "no", "--dir", str(self.folder)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, ssl=True,
-                             ssl_ca_certs=str(self.tls["ca"]))
+            [
+                "redis-server",
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--tls-cert-file",
+                str(self.tls["cert"]),
+                "--tls-key-file",
+                str(self.tls["key"]),
+                "--tls-ca-cert-file",
+                str(self.tls["ca"]),
+                "--tls-auth-clients",
+                "no",
+                "--requirepass",
+                self.password,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.folder),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(
+            host="127.0.0.1", port=self.port, password=self.password, ssl=True, ssl_ca_certs=str(self.tls["ca"])
+        )
         procs.poll(lambda: _pings(client), 10, every_s=0.05, what="redis-server up")
 
     def stop(self) -> None:
@@ -86,15 +114,17 @@ def _slot(name: str) -> ScheduleSlot | None:
         return session.scalars(select(ScheduleSlot).where(ScheduleSlot.schedule_name == name)).first()
 
 
-def test_redis_restarted_under_a_worker_and_beat_loses_no_slot_and_leaks_no_password(services_stack, tls_redis,
-                                                                                     tmp_path):
+def test_redis_restarted_under_a_worker_and_beat_loses_no_slot_and_leaks_no_password(
+    services_stack, tls_redis, tmp_path
+):
     from schedules import store
 
     stack = services_stack
     stack.env.update(PREHEAT_BROKER_URL=tls_redis.url, PREHEAT_BEAT_TICK_S="0.5", PREHEAT_BEAT_LEASE_S="3")
     worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
-    beat = procs.start("beat", procs.celery_command("beat", "--loglevel=INFO"), stack.env, tmp_path / "logs",
-                       cwd=stack.home)
+    beat = procs.start(
+        "beat", procs.celery_command("beat", "--loglevel=INFO"), stack.env, tmp_path / "logs", cwd=stack.home
+    )
     with procs.running(worker, beat):
         procs.wait_for_log(worker, f"{WORKER} ready.", 90)
         # TLS and a password with URL characters, end to end.
@@ -106,9 +136,12 @@ def test_redis_restarted_under_a_worker_and_beat_loses_no_slot_and_leaks_no_pass
         from preheat.settings import load_settings
 
         sender = create_app(load_settings(broker_url=tls_redis.url))
-        pickled = sender.send_task("preheat.warm_worker", kwargs={"run_id": str(uuid.uuid4()), "worker": WORKER,
-                                                                  "templates": ["support"]},
-                                   queue=worker_queue(WORKER), serializer="pickle")
+        pickled = sender.send_task(
+            "preheat.warm_worker",
+            kwargs={"run_id": str(uuid.uuid4()), "worker": WORKER, "templates": ["support"]},
+            queue=worker_queue(WORKER),
+            serializer="pickle",
+        )
         procs.wait_for_log(worker, "Refusing to deserialize untrusted content of type pickle", 30)
 
         # Arguments that do not fit the task's schema: its job fails with the reason, nothing runs.
@@ -120,9 +153,12 @@ def test_redis_restarted_under_a_worker_and_beat_loses_no_slot_and_leaks_no_pass
             run = history.create_run(session, trigger=TriggerKind.manual, requested_by="test")
             history.add_jobs(session, run, target=WORKER, model_templates=[("tiny", "support")], task_id=task_id)
             bad_run = run.id
-        sender.send_task("preheat.warm_worker", task_id=task_id, queue=worker_queue(WORKER),
-                         kwargs={"run_id": str(bad_run), "worker": WORKER, "templates": ["support"],
-                                 "only_if_cold": "yes"})
+        sender.send_task(
+            "preheat.warm_worker",
+            task_id=task_id,
+            queue=worker_queue(WORKER),
+            kwargs={"run_id": str(bad_run), "worker": WORKER, "templates": ["support"], "only_if_cold": "yes"},
+        )
 
         def refused():
             with session_scope() as session:
@@ -136,16 +172,28 @@ def test_redis_restarted_under_a_worker_and_beat_loses_no_slot_and_leaks_no_pass
         procs.wait_for_log(beat, "leads")
         fire_at = utcnow() + dt.timedelta(seconds=6)
         with session_scope() as session:
-            store.add(session, name="through-outage", cron="* * * * *", timezone="UTC",
-                      targets={"templates": ["support"], "workers": [WORKER]}, lead_time_s=minutely_lead_for(fire_at))
+            store.add(
+                session,
+                name="through-outage",
+                cron="* * * * *",
+                timezone="UTC",
+                targets={"templates": ["support"], "workers": [WORKER]},
+                lead_time_s=minutely_lead_for(fire_at),
+            )
         tls_redis.stop()
-        unsent = procs.poll(lambda: (row := _slot("through-outage")) and row.status == SlotStatus.unsent and row,
-                            30, what="the slot recorded unsent")
+        unsent = procs.poll(
+            lambda: (row := _slot("through-outage")) and row.status == SlotStatus.unsent and row,
+            30,
+            what="the slot recorded unsent",
+        )
         assert "broker unreachable" in unsent.error
         time.sleep(1.5)  # a few more ticks with the broker away: still one slot, still unsent
         tls_redis.start()
-        sent = procs.poll(lambda: (row := _slot("through-outage")) and row.status == SlotStatus.sent and row,
-                          60, what="the slot sent after the restart")
+        sent = procs.poll(
+            lambda: (row := _slot("through-outage")) and row.status == SlotStatus.sent and row,
+            60,
+            what="the slot sent after the restart",
+        )
         assert sent.attempts >= 2 and sent.run_id is not None
 
         def run_done():
@@ -164,29 +212,35 @@ def test_redis_restarted_under_a_worker_and_beat_loses_no_slot_and_leaks_no_pass
         recorded += " ".join(str(j.error) for j in session.scalars(select(WarmupJob)))
         recorded += " ".join(str(s.error) for s in session.scalars(select(ScheduleSlot)))
     for secret in (tls_redis.password, quote(tls_redis.password, safe="")):
-        for where, text in (("worker log", worker_log), ("beat log", beat_log), ("history", recorded),
-                            ("CLI", warmed.stdout + warmed.stderr)):
+        for where, text in (
+            ("worker log", worker_log),
+            ("beat log", beat_log),
+            ("history", recorded),
+            ("CLI", warmed.stdout + warmed.stderr),
+        ):
             assert secret not in text, f"the Redis password appears in the {where}"
-
 
 
 def _job_of(run_id: uuid.UUID, template: str) -> WarmupJob | None:
     with session_scope() as session:
-        return session.scalars(select(WarmupJob).where(WarmupJob.run_id == run_id,
-                                                       WarmupJob.template == template)).first()
+        return session.scalars(
+            select(WarmupJob).where(WarmupJob.run_id == run_id, WarmupJob.template == template)
+        ).first()
 
 
 def _runs_for(trigger, worker: str) -> list[WarmupRun]:
     from sqlalchemy.orm import selectinload
 
     with session_scope() as session:
-        runs = session.scalars(select(WarmupRun).where(WarmupRun.trigger == trigger)
-                               .options(selectinload(WarmupRun.jobs)))
+        runs = session.scalars(
+            select(WarmupRun).where(WarmupRun.trigger == trigger).options(selectinload(WarmupRun.jobs))
+        )
         return [run for run in runs if run.trigger_detail.get("worker") == worker]
 
 
 def test_redis_restarted_mid_warmup_the_run_finishes_and_worker_and_watcher_reconnect(
-        services_stack, tls_redis, tiny_model, tmp_path):
+    services_stack, tls_redis, tiny_model, tmp_path
+):
     """Redis (no persistence, as the tests' own) goes away while a warmup runs: the warmup
     finishes and is recorded (history is in Postgres), the worker takes new warmups once
     Redis is back, and `preheat watch-workers` reconnects and sees the next worker start."""
@@ -195,8 +249,11 @@ def test_redis_restarted_mid_warmup_the_run_finishes_and_worker_and_watcher_reco
 
     stack = services_stack
     (stack.catalog.parent / "handbook.txt").write_text(HANDBOOK)
-    write_catalog(stack.catalog.parent, tiny_model,
-                  '\n[templates.handbook]\nmodel = "tiny"\nsystem_prompt_file = "handbook.txt"\n')
+    write_catalog(
+        stack.catalog.parent,
+        tiny_model,
+        '\n[templates.handbook]\nmodel = "tiny"\nsystem_prompt_file = "handbook.txt"\n',
+    )
     # A 3,000-token prompt: its prefill and probes take seconds, long enough to pull Redis out
     # from under the warmup (the test stops Redis within 50 ms of seeing the job running).
     stack.env.update(PREHEAT_BROKER_URL=tls_redis.url)
@@ -205,20 +262,33 @@ def test_redis_restarted_mid_warmup_the_run_finishes_and_worker_and_watcher_reco
     worker = procs.start_worker(WORKER, stack.env, logs, cwd=stack.home)
     with procs.running(watcher, worker):
         procs.wait_for_log(worker, f"{WORKER} ready.", 90)
-        procs.poll(lambda: (runs := _runs_for(TriggerKind.worker_online, WORKER)) and
-                   all(job.status.is_final for run in runs for job in run.jobs), 90, what="the start-up run")
+        procs.poll(
+            lambda: (
+                (runs := _runs_for(TriggerKind.worker_online, WORKER))
+                and all(job.status.is_final for run in runs for job in run.jobs)
+            ),
+            90,
+            what="the start-up run",
+        )
 
         dispatched = stack.cli("warm", "-t", "handbook", "--json")
         assert dispatched.returncode == 0, dispatched.stderr
         run_id = uuid.UUID(json.loads(dispatched.stdout)["id"])
-        procs.poll(lambda: (job := _job_of(run_id, "handbook")) and job.status == JobStatus.running, 60,
-                   every_s=0.05, what="the warmup running")
+        procs.poll(
+            lambda: (job := _job_of(run_id, "handbook")) and job.status == JobStatus.running,
+            60,
+            every_s=0.05,
+            what="the warmup running",
+        )
         tls_redis.stop()
         redis_gone_at = utcnow()
         time.sleep(2)
         tls_redis.start()
-        job = procs.poll(lambda: (job := _job_of(run_id, "handbook")) and job.status.is_final and job, 90,
-                         what="the warmup finished and recorded")
+        job = procs.poll(
+            lambda: (job := _job_of(run_id, "handbook")) and job.status.is_final and job,
+            90,
+            what="the warmup finished and recorded",
+        )
         assert job.finished_at > redis_gone_at  # it was still running when Redis went
         # Finished and recorded with what it measured (warm or, on a busy CPU, degraded against
         # the no-system-prompt floor: a 3,000-token prefix is not free to attend over).
@@ -228,20 +298,22 @@ def test_redis_restarted_mid_warmup_the_run_finishes_and_worker_and_watcher_reco
         again = stack.cli("warm", "-t", "support", "--wait", "--json", "--timeout", "90")
         assert again.returncode == 0, again.stdout + again.stderr
         # The watcher reconnected, and warms a worker that starts now.
-        procs.poll(lambda: watcher.log().count("watching for workers coming online") >= 2, 60,
-                   what="the watcher reconnected")
+        procs.poll(
+            lambda: watcher.log().count("watching for workers coming online") >= 2, 60, what="the watcher reconnected"
+        )
         second = procs.start_worker("gpu1@faults-test", stack.env, logs / "second", cwd=stack.home)
         with procs.running(second):
-            [late] = procs.poll(lambda: _runs_for(TriggerKind.worker_online, "gpu1@faults-test"), 90,
-                                what="the new worker warmed by the reconnected watcher")
+            [_late] = procs.poll(
+                lambda: _runs_for(TriggerKind.worker_online, "gpu1@faults-test"),
+                90,
+                what="the new worker warmed by the reconnected watcher",
+            )
         assert "reconnecting in" in watcher.log()
     with session_scope() as session:
         assert not session.scalars(select(WarmupJob).where(WarmupJob.status == JobStatus.running)).all()
 
 
-
-def test_a_pod_ready_while_redis_is_down_is_warmed_once_redis_is_back(services_stack, tls_redis, tiny_model,
-                                                                      tmp_path):
+def test_a_pod_ready_while_redis_is_down_is_warmed_once_redis_is_back(services_stack, tls_redis, tiny_model, tmp_path):
     """`preheat watch-pods` sees a pod turn Ready while the broker is away: the warmup is
     retried with backoff, and sent once (one run) when Redis is back."""
     from preheat.models import TriggerKind
@@ -250,13 +322,32 @@ def test_a_pod_ready_while_redis_is_down_is_warmed_once_redis_is_back(services_s
 
     stack = services_stack
     stack.env.update(PREHEAT_BROKER_URL=tls_redis.url)
-    write_catalog(stack.catalog.parent, tiny_model, '\n[endpoints.vllm]\nbase_url = "http://vllm.serving.svc:8000/v1"'
-                                                    '\nmodel = "tiny"\ntemplates = ["support"]\n')
+    write_catalog(
+        stack.catalog.parent,
+        tiny_model,
+        '\n[endpoints.vllm]\nbase_url = "http://vllm.serving.svc:8000/v1"\nmodel = "tiny"\ntemplates = ["support"]\n',
+    )
     kube = FakeKube().start()
-    watcher = procs.start("watch-pods", [PREHEAT_CLI, "watch-pods", "--namespace", "serving", "--selector", "app=vllm",
-                                         "--endpoint", "vllm", "--settle-s", "0",
-                                         "--kubeconfig", kube.kubeconfig(tmp_path / "kubeconfig")],
-                          stack.env, tmp_path / "logs", cwd=stack.home)
+    watcher = procs.start(
+        "watch-pods",
+        [
+            PREHEAT_CLI,
+            "watch-pods",
+            "--namespace",
+            "serving",
+            "--selector",
+            "app=vllm",
+            "--endpoint",
+            "vllm",
+            "--settle-s",
+            "0",
+            "--kubeconfig",
+            kube.kubeconfig(tmp_path / "kubeconfig"),
+        ],
+        stack.env,
+        tmp_path / "logs",
+        cwd=stack.home,
+    )
     try:
         with procs.running(watcher):
             procs.wait_for_log(watcher, "listed 0 pod(s)", 60)
@@ -298,15 +389,18 @@ def test_postgres_away_for_30_s_warmups_go_on_and_no_record_is_lost(services_sta
     test reach it directly, so runs can be dispatched meanwhile (a partition between the
     worker and the database)."""
     from preheat import history
+    from preheat.celery import create_app
     from preheat.models import AppliedWrite, RunStatus, TrafficCount
     from preheat.settings import load_settings
-    from preheat.celery import create_app
     from tests.conftest import write_catalog
     from tests.tcp_proxy import TcpProxy
 
     stack = services_stack
-    write_catalog(stack.catalog.parent, tiny_model,
-                  '\n[templates.summarise]\nmodel = "tiny"\nsystem_prompt = "Summarise the text in one sentence."\n')
+    write_catalog(
+        stack.catalog.parent,
+        tiny_model,
+        '\n[templates.summarise]\nmodel = "tiny"\nsystem_prompt = "Summarise the text in one sentence."\n',
+    )
     proxy = TcpProxy("127.0.0.1", 5432).start()
     real_url = stack.env["PREHEAT_DATABASE_URL"]
     # Dead after 60 s, heartbeats each second: as in production (45 s, 10 s), the outage
@@ -327,13 +421,24 @@ def test_postgres_away_for_30_s_warmups_go_on_and_no_record_is_lost(services_sta
             dispatched = stack.cli("warm", "--json")
             assert dispatched.returncode == 0, dispatched.stderr
             runs.append(uuid.UUID(json.loads(dispatched.stdout)["id"]))
-        answers = [client.send_task("preheat.infer", kwargs={"template": "support", "user_input": f"parcel {n}",
-                                                              "max_new_tokens": 2}) for n in range(5)]
+        answers = [
+            client.send_task(
+                "preheat.infer", kwargs={"template": "support", "user_input": f"parcel {n}", "max_new_tokens": 2}
+            )
+            for n in range(5)
+        ]
         assert all(answer.get(timeout=60)["cached_tokens"] > 0 for answer in answers)  # served meanwhile
         # 3 runs x (a start + 2 finishes), and the 5 requests' counts, wait on the worker's disk.
-        kept = procs.poll(lambda: (e := _outbox_entries(outbox_path)) and
-                          sum(kind.startswith("job.") for _, kind in e) == 9 and "traffic" in {k for _, k in e} and e,
-                          60, what="the worker's writes kept in its outbox")
+        kept = procs.poll(
+            lambda: (
+                (e := _outbox_entries(outbox_path))
+                and sum(kind.startswith("job.") for _, kind in e) == 9
+                and "traffic" in {k for _, k in e}
+                and e
+            ),
+            60,
+            what="the worker's writes kept in its outbox",
+        )
         with session_scope() as session:
             statuses = {job.status for run_id in runs for job in history.get_run(session, run_id).jobs}
         assert statuses == {JobStatus.queued}, "nothing reached the database while it was away"
@@ -353,15 +458,19 @@ def test_postgres_away_for_30_s_warmups_go_on_and_no_record_is_lost(services_sta
         done = procs.poll(all_written, 60, what="the runs written once Postgres was back")
         procs.poll(lambda: not _outbox_entries(outbox_path), 30, what="the outbox emptied")
         # The worker's heartbeat says so too (`preheat workers` shows the outbox).
-        procs.poll(lambda: _worker_state().get("outbox") == {"pending": 0, "dead": 0}, 30,
-                   what="the heartbeat showing an empty outbox")
+        procs.poll(
+            lambda: _worker_state().get("outbox") == {"pending": 0, "dead": 0},
+            30,
+            what="the heartbeat showing an empty outbox",
+        )
     proxy.close()
     jobs = [job for run in done for job in run.jobs]
     assert len(jobs) == 6 and {job.status for job in jobs} == {JobStatus.warm}
     # Written with the times they happened, during the outage, and what they measured.
     assert all(cut_at <= job.started_at <= job.finished_at < back_at for job in jobs)
-    assert all(job.prefill_ms is not None and job.ttft_cold_ms and job.ttft_warm_ms and job.cached_tokens
-               for job in jobs)
+    assert all(
+        job.prefill_ms is not None and job.ttft_cold_ms and job.ttft_warm_ms and job.cached_tokens for job in jobs
+    )
     with session_scope() as session:
         applied = set(session.scalars(select(AppliedWrite.id)))
         assert {uuid.UUID(entry_id) for entry_id, _ in kept} <= applied, "an outbox entry was lost"
@@ -398,8 +507,11 @@ def test_out_of_memory_during_prefill_is_recorded_and_the_worker_goes_on(embedde
     stack = embedded_stack
     prompt = stack.catalog.parent / "handbook.txt"
     prompt.write_text("You answer questions about the parcel handbook.")
-    write_catalog(stack.catalog.parent, tiny_model,
-                  '\n[templates.handbook]\nmodel = "tiny"\nsystem_prompt_file = "handbook.txt"\n')
+    write_catalog(
+        stack.catalog.parent,
+        tiny_model,
+        '\n[templates.handbook]\nmodel = "tiny"\nsystem_prompt_file = "handbook.txt"\n',
+    )
     worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
     with procs.running(worker):
         procs.wait_for_log(worker, "Started consuming from preheat.infer.tiny", 90)
@@ -419,8 +531,11 @@ def test_out_of_memory_during_prefill_is_recorded_and_the_worker_goes_on(embedde
         answered = stack.cli("infer", "support", "Where is my parcel?", "--max-tokens", "2", "--json")
         assert answered.returncode == 0, answered.stderr
         assert json.loads(answered.stdout)["cached_tokens"] > 0
-        procs.poll(lambda: "out of memory" in " ".join(_worker_json(stack)["reasons"]), 30,
-                   what="the worker's readiness naming the failed template")
+        procs.poll(
+            lambda: "out of memory" in " ".join(_worker_json(stack)["reasons"]),
+            30,
+            what="the worker's readiness naming the failed template",
+        )
 
         # Memory back: the same warmup succeeds on the same process.
         resource.prlimit(pid, resource.RLIMIT_DATA, unlimited)
@@ -449,8 +564,9 @@ def test_a_password_protected_postgres_url_works_from_the_environment_or_a_file(
     server = PrivatePostgres(password).start()
     try:
         by_env = {**stack.env, "PREHEAT_DATABASE_URL": server.url()}
-        upgraded = subprocess.run([PREHEAT_CLI, "db", "upgrade"], env=by_env, capture_output=True, text=True,
-                                  timeout=120)
+        upgraded = subprocess.run(
+            [PREHEAT_CLI, "db", "upgrade"], env=by_env, capture_output=True, text=True, timeout=120
+        )
         assert upgraded.returncode == 0, upgraded.stderr
 
         # The same URL from a file (a mounted Kubernetes Secret), not the environment.
@@ -458,23 +574,32 @@ def test_a_password_protected_postgres_url_works_from_the_environment_or_a_file(
         secrets.mkdir()
         (secrets / "preheat_database_url").write_text(server.url() + "\n")
         by_file = {**stack.env, "PREHEAT_SECRETS_DIR": str(secrets)}
-        current = subprocess.run([PREHEAT_CLI, "db", "check"], env=by_file, capture_output=True, text=True,
-                                 timeout=120)
+        current = subprocess.run([PREHEAT_CLI, "db", "check"], env=by_file, capture_output=True, text=True, timeout=120)
         assert current.returncode == 0, current.stdout + current.stderr  # connected, migrated, no drift
         listed = subprocess.run([PREHEAT_CLI, "history"], env=by_file, capture_output=True, text=True, timeout=120)
         assert listed.returncode == 0, listed.stderr
 
         # A wrong password: one line, the services' exit code, and no password shown.
-        wrong = subprocess.run([PREHEAT_CLI, "history"], env={**stack.env, "PREHEAT_DATABASE_URL": server.url(
-            password + "x")}, capture_output=True, text=True, timeout=120)
+        wrong = subprocess.run(
+            [PREHEAT_CLI, "history"],
+            env={**stack.env, "PREHEAT_DATABASE_URL": server.url(password + "x")},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         said = wrong.stdout + wrong.stderr
         assert wrong.returncode == 5 and "password authentication failed" in said, said
         assert len(said.strip().splitlines()) == 1
         for shown in (upgraded, current, listed, wrong):
             assert password not in shown.stdout + shown.stderr
             assert quote(password, safe="") not in shown.stdout + shown.stderr
-        missing = subprocess.run([PREHEAT_CLI, "history"], env={**stack.env, "PREHEAT_SECRETS_DIR": "/nonexistent"},
-                                 capture_output=True, text=True, timeout=60)
+        missing = subprocess.run(
+            [PREHEAT_CLI, "history"],
+            env={**stack.env, "PREHEAT_SECRETS_DIR": "/nonexistent"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert missing.returncode == 2 and "PREHEAT_SECRETS_DIR" in missing.stdout + missing.stderr
     finally:
         server.stop()

@@ -11,12 +11,12 @@ from preheat import procs
 pytestmark = pytest.mark.slow
 
 
-
 def test_flower_serves_with_basic_auth_only(services_stack, tmp_path):
     port = procs.free_port()
     env = {**services_stack.env, "FLOWER_BASIC_AUTH": "admin:correct-horse"}
-    flower = procs.start("flower", procs.celery_command("flower", f"--port={port}", "--address=127.0.0.1"),
-                         env, tmp_path / "logs")
+    flower = procs.start(
+        "flower", procs.celery_command("flower", f"--port={port}", "--address=127.0.0.1"), env, tmp_path / "logs"
+    )
     with procs.running(flower):
         procs.wait_for_log(flower, "Visit me at", timeout_s=60)
         base = f"http://127.0.0.1:{port}"
@@ -30,8 +30,13 @@ def test_flower_serves_with_basic_auth_only(services_stack, tmp_path):
 
 def test_flower_without_auth_refuses_to_start(services_stack):
     env = {k: v for k, v in services_stack.env.items() if not k.startswith("FLOWER_")}
-    done = subprocess.run([sys.executable, "-m", "celery", "-A", "preheat", "flower", "--port=1"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "preheat", "flower", "--port=1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "Flower needs auth: set FLOWER_BASIC_AUTH" in done.stderr
 
@@ -43,9 +48,18 @@ def _chromium(tmp_path):
 
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1400,900", f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1400,900",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+    ):
         options.add_argument(flag)
     return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
 
@@ -58,8 +72,9 @@ def test_the_warmup_task_shows_in_flower_in_a_browser_and_in_its_api(services_st
 
     port = procs.free_port()
     env = {**services_stack.env, "FLOWER_BASIC_AUTH": "admin:correct-horse"}
-    flower = procs.start("flower", procs.celery_command("flower", f"--port={port}", "--address=127.0.0.1"),
-                         env, tmp_path / "logs")
+    flower = procs.start(
+        "flower", procs.celery_command("flower", f"--port={port}", "--address=127.0.0.1"), env, tmp_path / "logs"
+    )
     worker = procs.start_worker("w1@flower-test", services_stack.env, tmp_path / "logs", cwd=services_stack.home)
     with procs.running(flower, worker):
         procs.wait_for_log(flower, "Visit me at", timeout_s=60)
@@ -84,7 +99,9 @@ def test_the_warmup_task_shows_in_flower_in_a_browser_and_in_its_api(services_st
         try:
             credentials = base64.b64encode(b"admin:correct-horse").decode()
             browser.execute_cdp_cmd("Network.enable", {})
-            browser.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Basic {credentials}"}})
+            browser.execute_cdp_cmd(
+                "Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Basic {credentials}"}}
+            )
             browser.get(f"{base}/tasks")
             WebDriverWait(browser, 30).until(lambda b: "preheat.warm_worker" in b.page_source)
             screenshot = tmp_path / "flower-tasks.png"

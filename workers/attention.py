@@ -15,17 +15,20 @@ import torch
 NAME = "preheat_sdpa"
 
 
-def sdpa_grouped(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
-                 **kwargs):
+def sdpa_grouped(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
+):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None
     if groups == 1 or attention_mask is None or query.device.type != "cpu" or not plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                              dropout_p=dropout, scale=scaling, enable_gqa=True)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
     return output.transpose(1, 2).contiguous(), None
 
 

@@ -49,8 +49,12 @@ class TTFTRow:
         return self.ttft_warm_ms / self.ttft_bare_ms
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "saved_pct": self.saved_pct, "reuse_overhead_pct": self.reuse_overhead_pct,
-                "warm_over_bare": self.warm_over_bare}
+        return {
+            **asdict(self),
+            "saved_pct": self.saved_pct,
+            "reuse_overhead_pct": self.reuse_overhead_pct,
+            "warm_over_bare": self.warm_over_bare,
+        }
 
 
 def system_prompt_ids(resident: ResidentModel, num_tokens: int, text: str) -> torch.Tensor:
@@ -61,8 +65,9 @@ def system_prompt_ids(resident: ResidentModel, num_tokens: int, text: str) -> to
     return ids[:, :num_tokens]
 
 
-def measure_ttft(resident: ResidentModel, system_ids: torch.Tensor, repeats: int,
-                 user_input: str = USER_INPUT) -> TTFTRow:
+def measure_ttft(
+    resident: ResidentModel, system_ids: torch.Tensor, repeats: int, user_input: str = USER_INPUT
+) -> TTFTRow:
     engine = PrefixEngine(KVCacheManager(CacheBudget(max_entries=1, max_bytes=2**62)))
     prefix = TemplatePrefix(resident.name, "", system_ids, CacheKey.of(resident.name, system_ids[0].numpy()))
     prompt_ids = prefix.prompt_ids(resident, user_input)

@@ -56,7 +56,8 @@ _CPU_ALLOC_FAILED = re.compile(r"DefaultCPUAllocator: can't allocate memory: you
 
 def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and _CPU_ALLOC_FAILED.search(str(exc)) is not None)
+        isinstance(exc, RuntimeError) and _CPU_ALLOC_FAILED.search(str(exc)) is not None
+    )
 
 
 def _what_failed(exc: BaseException) -> str:

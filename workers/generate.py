@@ -81,7 +81,7 @@ class TextStream:
             # A multi-byte character split across tokens decodes to U+FFFD until complete.
             if text.endswith("\ufffd"):
                 continue
-            delta, emitted = text[len(emitted):], text
+            delta, emitted = text[len(emitted) :], text
             if delta:
                 yield delta
         self.completion.text = self._resident.tokenizer.decode(self.completion.token_ids, skip_special_tokens=True)
@@ -105,14 +105,16 @@ class PrefixEngine:
 
     # Pre-fill -----------------------------------------------------------------------
 
-    def prefill(self, resident: ResidentModel, token_ids: torch.Tensor, *, label: str = "",
-                pin: bool = False) -> tuple[CacheEntry, float]:
+    def prefill(
+        self, resident: ResidentModel, token_ids: torch.Tensor, *, label: str = "", pin: bool = False
+    ) -> tuple[CacheEntry, float]:
         """Compute and cache the KV of `token_ids` (no decoding). Returns the entry and the
         milliseconds spent (0 when it was already cached)."""
         key = CacheKey.of(resident.name, token_ids[0].numpy())
         if (existing := self.cache.peek(key)) is not None:
-            return self.cache.insert(resident.name, existing.token_ids, existing.payload, existing.nbytes,
-                                     label=label, pin=pin), 0.0
+            return self.cache.insert(
+                resident.name, existing.token_ids, existing.payload, existing.nbytes, label=label, pin=pin
+            ), 0.0
         check_context(resident, token_ids.shape[-1], f"template {label!r}" if label else "prefix", new_tokens=1)
         synchronize(resident.placement.device)
         started = time.perf_counter()
@@ -125,8 +127,15 @@ class PrefixEngine:
     # Requests -----------------------------------------------------------------------
 
     @contextmanager
-    def start(self, resident: ResidentModel, prompt_ids: torch.Tensor, *, use_cache: bool = True,
-              record: bool = True, prefix_key: CacheKey | None = None) -> Iterator[Start]:
+    def start(
+        self,
+        resident: ResidentModel,
+        prompt_ids: torch.Tensor,
+        *,
+        use_cache: bool = True,
+        record: bool = True,
+        prefix_key: CacheKey | None = None,
+    ) -> Iterator[Start]:
         """The request's starting point; the cached prefix it uses is held until exit. With
         `prefix_key` (a template request) the lookup is by key, else the longest match."""
         started = time.perf_counter()
@@ -156,8 +165,15 @@ class PrefixEngine:
             cached -= 1
         return Start(kv, prompt_ids[:, cached:], cached, reuse_ms)
 
-    def first_token(self, resident: ResidentModel, prompt_ids: torch.Tensor, *, use_cache: bool = True,
-                    record: bool = False, prefix_key: CacheKey | None = None) -> FirstToken:
+    def first_token(
+        self,
+        resident: ResidentModel,
+        prompt_ids: torch.Tensor,
+        *,
+        use_cache: bool = True,
+        record: bool = False,
+        prefix_key: CacheKey | None = None,
+    ) -> FirstToken:
         """Time to the first greedy token, from the cached prefix or (use_cache=False) cold."""
         check_context(resident, prompt_ids.shape[-1], "prompt")
         started = time.perf_counter()
@@ -166,10 +182,18 @@ class PrefixEngine:
             token = int(logits.argmax())  # int() waits for the device
         return FirstToken(token, (time.perf_counter() - started) * 1000, start.cached_tokens, start.reuse_ms)
 
-    def generate(self, resident: ResidentModel, prompt_ids: torch.Tensor, max_new_tokens: int, *,
-                 use_cache: bool = True, record: bool = True, prefix_key: CacheKey | None = None,
-                 started: float | None = None,
-                 on_first_token: Callable[[Completion], None] | None = None) -> TextStream:
+    def generate(
+        self,
+        resident: ResidentModel,
+        prompt_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        use_cache: bool = True,
+        record: bool = True,
+        prefix_key: CacheKey | None = None,
+        started: float | None = None,
+        on_first_token: Callable[[Completion], None] | None = None,
+    ) -> TextStream:
         """Greedy decoding from the cached prefix (by key, else the longest match); iterate the
         stream for text deltas. `started` (perf_counter) is when the request arrived, so TTFT
         includes what the caller did first (tokenizing)."""
@@ -177,15 +201,31 @@ class PrefixEngine:
             raise ValueError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
         check_context(resident, prompt_ids.shape[-1], "prompt", new_tokens=max_new_tokens)
         completion = Completion(resident.name, int(prompt_ids.shape[-1]), 0)
-        request = _Request(prompt_ids, max_new_tokens, use_cache, record, prefix_key,
-                           started if started is not None else time.perf_counter())
+        request = _Request(
+            prompt_ids,
+            max_new_tokens,
+            use_cache,
+            record,
+            prefix_key,
+            started if started is not None else time.perf_counter(),
+        )
         return TextStream(resident, completion, self._decode(resident, request, completion, on_first_token))
 
-    def _decode(self, resident: ResidentModel, request: _Request, completion: Completion,
-                on_first_token: Callable[[Completion], None] | None) -> Iterator[int]:
+    def _decode(
+        self,
+        resident: ResidentModel,
+        request: _Request,
+        completion: Completion,
+        on_first_token: Callable[[Completion], None] | None,
+    ) -> Iterator[int]:
         started, stops = request.started, stop_token_ids(resident)
-        with self.start(resident, request.prompt_ids, use_cache=request.use_cache, record=request.record,
-                        prefix_key=request.prefix_key) as start:
+        with self.start(
+            resident,
+            request.prompt_ids,
+            use_cache=request.use_cache,
+            record=request.record,
+            prefix_key=request.prefix_key,
+        ) as start:
             completion.cached_tokens = start.cached_tokens
             feed, kv = start.feed_ids, start.cache
             for step in range(request.max_new_tokens):

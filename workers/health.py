@@ -42,7 +42,7 @@ def _handler_for(target: Observable) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "preheat-health"
 
-        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/health/live":
                 self._json(HTTPStatus.OK, {"status": "live"})
@@ -54,10 +54,13 @@ def _handler_for(target: Observable) -> type[BaseHTTPRequestHandler]:
                 self._json(HTTPStatus.NOT_FOUND, {"error": f"no such path {path!r}; try one of {list(PATHS)}"})
 
         def _refuse(self) -> None:
-            self._json(HTTPStatus.METHOD_NOT_ALLOWED, {"error": f"{self.command} is not allowed; use GET"},
-                       extra={"Allow": "GET"})
+            self._json(
+                HTTPStatus.METHOD_NOT_ALLOWED,
+                {"error": f"{self.command} is not allowed; use GET"},
+                extra={"Allow": "GET"},
+            )
 
-        do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815
+        do_POST = do_PUT = do_DELETE = do_PATCH = _refuse
 
         def _json(self, status: HTTPStatus, body: dict, extra: dict | None = None) -> None:
             self._send(status, json.dumps(body).encode() + b"\n", "application/json", extra)
@@ -78,7 +81,7 @@ def _handler_for(target: Observable) -> type[BaseHTTPRequestHandler]:
 
 
 class HealthServer:
-    def __init__(self, target: Observable, host: str = "0.0.0.0", port: int = 0) -> None:  # noqa: S104
+    def __init__(self, target: Observable, host: str = "0.0.0.0", port: int = 0) -> None:
         self._server = ThreadingHTTPServer((host, port), _handler_for(target))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="preheat-health", daemon=True)
@@ -89,8 +92,11 @@ class HealthServer:
 
     def start(self) -> HealthServer:
         self._thread.start()
-        log.info("health server on http://%s:%d (/health/live, /health/ready, /metrics)",
-                 self._server.server_address[0], self.port)
+        log.info(
+            "health server on http://%s:%d (/health/live, /health/ready, /metrics)",
+            self._server.server_address[0],
+            self.port,
+        )
         return self
 
     def stop(self) -> None:

@@ -113,8 +113,15 @@ class CacheEntry:
         return self.ref_count == 0 and not self.pinned
 
     def describe(self) -> dict:
-        return {"key": str(self.key), "label": self.label, "tokens": self.num_tokens, "bytes": self.nbytes,
-                "pinned": self.pinned, "in_use": self.ref_count, "accesses": self.access_count}
+        return {
+            "key": str(self.key),
+            "label": self.label,
+            "tokens": self.num_tokens,
+            "bytes": self.nbytes,
+            "pinned": self.pinned,
+            "in_use": self.ref_count,
+            "accesses": self.access_count,
+        }
 
 
 @dataclass(frozen=True)
@@ -140,16 +147,22 @@ class CacheStats:
 class KVCacheManager:
     """Thread-safe: the health server reads stats while a task uses the cache."""
 
-    def __init__(self, budget: CacheBudget, *, on_evict: Callable[[CacheEntry], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        budget: CacheBudget,
+        *,
+        on_evict: Callable[[CacheEntry], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.budget = budget
         self._on_evict = on_evict
         self._clock = clock
         self._lock = threading.RLock()
         self._entries: OrderedDict[CacheKey, CacheEntry] = OrderedDict()  # least recently used first
         self._lengths: dict[str, dict[int, int]] = {}  # model -> prefix length -> how many entries
-        self._counts = dict.fromkeys(("queries", "hits", "misses", "tokens_queried", "tokens_hit",
-                                      "inserts", "evictions"), 0)
+        self._counts = dict.fromkeys(
+            ("queries", "hits", "misses", "tokens_queried", "tokens_hit", "inserts", "evictions"), 0
+        )
         self._bytes = 0
 
     # Reading ------------------------------------------------------------------------
@@ -172,21 +185,28 @@ class KVCacheManager:
     def stats(self) -> CacheStats:
         with self._lock:
             pinned = [e for e in self._entries.values() if e.pinned]
-            return CacheStats(**self._counts, entries=len(self._entries), bytes=self._bytes,
-                              pinned_entries=len(pinned), pinned_bytes=sum(e.nbytes for e in pinned))
+            return CacheStats(
+                **self._counts,
+                entries=len(self._entries),
+                bytes=self._bytes,
+                pinned_entries=len(pinned),
+                pinned_bytes=sum(e.nbytes for e in pinned),
+            )
 
     # Using --------------------------------------------------------------------------
 
-    def acquire_longest(self, model: str, prompt_ids: Sequence[int] | np.ndarray, *,
-                        record: bool = True) -> CacheEntry | None:
+    def acquire_longest(
+        self, model: str, prompt_ids: Sequence[int] | np.ndarray, *, record: bool = True
+    ) -> CacheEntry | None:
         """The longest cached prefix of `prompt_ids` for `model`, held (ref count + 1) until
         `release`. A hash match is confirmed by comparing the ids themselves."""
         prompt = as_token_array(prompt_ids)
         with self._lock:
             return self._hold(self._longest_match(model, prompt), len(prompt), record)
 
-    def acquire(self, key: CacheKey, prompt_ids: Sequence[int] | np.ndarray, *,
-                record: bool = True) -> CacheEntry | None:
+    def acquire(
+        self, key: CacheKey, prompt_ids: Sequence[int] | np.ndarray, *, record: bool = True
+    ) -> CacheEntry | None:
         """The entry `key` when `prompt_ids` starts with its ids, held until `release`. For a
         caller that knows which prefix it wants (a template request): no hashing of the prompt."""
         prompt = as_token_array(prompt_ids)
@@ -212,8 +232,9 @@ class KVCacheManager:
             entry.ref_count -= 1
 
     @contextmanager
-    def using(self, model: str, prompt_ids: Sequence[int] | np.ndarray, *,
-              record: bool = True) -> Iterator[CacheEntry | None]:
+    def using(
+        self, model: str, prompt_ids: Sequence[int] | np.ndarray, *, record: bool = True
+    ) -> Iterator[CacheEntry | None]:
         entry = self.acquire_longest(model, prompt_ids, record=record)
         try:
             yield entry
@@ -244,8 +265,16 @@ class KVCacheManager:
 
     # Changing -----------------------------------------------------------------------
 
-    def insert(self, model: str, token_ids: Sequence[int] | np.ndarray, payload: object, nbytes: int, *,
-               label: str = "", pin: bool = False) -> CacheEntry:
+    def insert(
+        self,
+        model: str,
+        token_ids: Sequence[int] | np.ndarray,
+        payload: object,
+        nbytes: int,
+        *,
+        label: str = "",
+        pin: bool = False,
+    ) -> CacheEntry:
         """Add a prefix, evicting least recently used entries as needed. An existing key is
         returned as it is (touched, and pinned if asked and allowed)."""
         ids = as_token_array(token_ids)
@@ -309,8 +338,10 @@ class KVCacheManager:
         if entry.pinned:
             return True
         pinned = [e for e in self._entries.values() if e.pinned]
-        if (len(pinned) + 1 > self.budget.max_pinned_entries
-                or sum(e.nbytes for e in pinned) + entry.nbytes > self.budget.max_pinned_bytes):
+        if (
+            len(pinned) + 1 > self.budget.max_pinned_entries
+            or sum(e.nbytes for e in pinned) + entry.nbytes > self.budget.max_pinned_bytes
+        ):
             return False
         entry.pinned = True
         return True

@@ -47,8 +47,9 @@ class _StateCollector:
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         load = GaugeMetricFamily("preheat_model_load_seconds", "Time the model took to load.", labels=["model"])
-        resident = GaugeMetricFamily("preheat_model_resident", "1 when the model is loaded, 0 when it failed.",
-                                     labels=["model"])
+        resident = GaugeMetricFamily(
+            "preheat_model_resident", "1 when the model is loaded, 0 when it failed.", labels=["model"]
+        )
         for name, model in self._models.resident.items():
             load.add_metric([name], model.load_ms / 1000)
             resident.add_metric([name], 1)
@@ -61,10 +62,16 @@ class _StateCollector:
 class RuntimeMetrics:
     def __init__(self, cache: KVCacheManager, models: ModelRegistry, is_ready: Callable[[], bool]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.ttft = Histogram("preheat_ttft_seconds", "Time to first token of requests.", ["model", "cache"],
-                              buckets=TTFT_BUCKETS_S, registry=self.registry)
-        self.prefills = Counter("preheat_prefills", "System prompts pre-filled into the KV cache.", ["model"],
-                                registry=self.registry)
+        self.ttft = Histogram(
+            "preheat_ttft_seconds",
+            "Time to first token of requests.",
+            ["model", "cache"],
+            buckets=TTFT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.prefills = Counter(
+            "preheat_prefills", "System prompts pre-filled into the KV cache.", ["model"], registry=self.registry
+        )
         self.registry.register(_StateCollector(cache, models, is_ready))
 
     def observe_ttft(self, model: str, cached_tokens: int, ttft_ms: float) -> None:

@@ -73,8 +73,9 @@ class ModelRegistry:
             resident.load_ms = (time.perf_counter() - started) * 1000
             self._models[source.name] = resident
             self._errors.pop(source.name, None)
-            log.info("model %s resident on %s after %.0f ms", source.name, resident.placement.describe(),
-                     resident.load_ms)
+            log.info(
+                "model %s resident on %s after %.0f ms", source.name, resident.placement.describe(), resident.load_ms
+            )
             return resident, resident.load_ms
 
     def preload(self, sources: list[ModelSource], max_parallel: int = 4) -> dict[str, str]:

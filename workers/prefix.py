@@ -107,7 +107,11 @@ def forward(resident: ResidentModel, input_ids: torch.Tensor, cache=None):
 
     def run():
         with torch.inference_mode():
-            return resident.model(input_ids=input_ids.to(device, non_blocking=True), use_cache=True,
-                                  logits_to_keep=1, **{resident.cache_kwarg: cache}).logits[0, -1]
+            return resident.model(
+                input_ids=input_ids.to(device, non_blocking=True),
+                use_cache=True,
+                logits_to_keep=1,
+                **{resident.cache_kwarg: cache},
+            ).logits[0, -1]
 
     return out_of_memory_as_error(device, doing, run), cache

@@ -70,8 +70,9 @@ class WorkerRuntime:
             device_preference=settings.device,
             probe_repeats=settings.probe_repeats,
             warm_factor=settings.warm_factor,
-            cache_budget=CacheBudget(settings.kv_cache_max_entries, int(settings.kv_cache_max_bytes),
-                                     settings.kv_cache_pinned_share),
+            cache_budget=CacheBudget(
+                settings.kv_cache_max_entries, int(settings.kv_cache_max_bytes), settings.kv_cache_pinned_share
+            ),
         )
 
     def __post_init__(self) -> None:
@@ -116,8 +117,11 @@ class WorkerRuntime:
             reasons.append(f"model {model} unavailable: {self.registry.unavailable[model]}")
         elif self.registry.get(model) is None:
             reasons.append(f"model {model} not loaded yet")
-        return reasons + [f"template {name}: {self._templates[name]}" for name in self.catalog.templates_of(model)
-                          if self._templates[name] is not None]
+        return reasons + [
+            f"template {name}: {self._templates[name]}"
+            for name in self.catalog.templates_of(model)
+            if self._templates[name] is not None
+        ]
 
     def source(self, model: str) -> ModelSource:
         spec = self.catalog.model(model)
@@ -201,8 +205,11 @@ class WorkerRuntime:
 
     def is_warm(self, template: str) -> bool:
         known = self._prefixes.get(template)
-        return (self._templates.get(template, "unknown") is None and known is not None
-                and self.cache.peek(known.key) is not None)
+        return (
+            self._templates.get(template, "unknown") is None
+            and known is not None
+            and self.cache.peek(known.key) is not None
+        )
 
     def steady_ttft_ms(self, template: str, min_samples: int = 5) -> float | None:
         """Median TTFT of this template's latest served cache-hit requests, once there are enough."""
@@ -216,10 +223,21 @@ class WorkerRuntime:
         result.prefill_ms = prefill_ms or self._unreported_prefill_ms.pop(key, 0.0)
         probe_text = self.catalog.template(template).probe
         _, prefix = self._template_prefix(template)
-        measured = probe(self.engine, resident, prefix.prompt_ids(resident, probe_text),
-                         encode(resident, probe_text, with_bos=True), self.probe_repeats, prefix.key)
-        verdict(result, measured, result.cached_tokens, steady_ms=self.steady_ttft_ms(template),
-                warm_factor=self.warm_factor)
+        measured = probe(
+            self.engine,
+            resident,
+            prefix.prompt_ids(resident, probe_text),
+            encode(resident, probe_text, with_bos=True),
+            self.probe_repeats,
+            prefix.key,
+        )
+        verdict(
+            result,
+            measured,
+            result.cached_tokens,
+            steady_ms=self.steady_ttft_ms(template),
+            warm_factor=self.warm_factor,
+        )
         if result.status == "warm":
             self._announce_if_warm(result.model)
 
@@ -237,8 +255,14 @@ class WorkerRuntime:
                 self.prefill_template(template)
             except (CacheBudgetError, CacheFullError) as exc:
                 log.warning("answering %s without the cache: %s", template, exc)
-        return self.engine.generate(resident, prompt_ids, max_new_tokens, prefix_key=prefix.key, started=started,
-                                    on_first_token=lambda completion: self._observe(template, completion))
+        return self.engine.generate(
+            resident,
+            prompt_ids,
+            max_new_tokens,
+            prefix_key=prefix.key,
+            started=started,
+            on_first_token=lambda completion: self._observe(template, completion),
+        )
 
     def _template_prefix(self, template: str) -> tuple[ResidentModel, TemplatePrefix]:
         """The template's model (loaded if needed) and its prefix ids and cache key,
@@ -256,17 +280,20 @@ class WorkerRuntime:
     def _system_prompts(self, model: str) -> list[tuple[str, str]]:
         """(template, system prompt) of `model`'s templates; the texts already tokenized are
         taken from memory, so a request does not read prompt files per template."""
-        return [(name, self._prefixes[name].system_prompt if name in self._prefixes
-                 else self.catalog.system_prompt(name))
-                for name in self.catalog.templates_of(model)]
+        return [
+            (name, self._prefixes[name].system_prompt if name in self._prefixes else self.catalog.system_prompt(name))
+            for name in self.catalog.templates_of(model)
+        ]
 
     def template_for(self, model: str, system_prompt: str | None) -> str | None:
         """The catalog template of `model` whose system prompt this is, if any."""
-        return next((name for name, text in self._system_prompts(model) if system_prompt and text == system_prompt),
-                    None)
+        return next(
+            (name for name, text in self._system_prompts(model) if system_prompt and text == system_prompt), None
+        )
 
-    def generate_chat(self, model: str, system_prompt: str | None, user_input: str,
-                      max_new_tokens: int = 64) -> TextStream:
+    def generate_chat(
+        self, model: str, system_prompt: str | None, user_input: str, max_new_tokens: int = 64
+    ) -> TextStream:
         """A chat request. A template's system prompt answers from its pinned prefix; any
         other is pre-filled and cached unpinned (LRU), so the next request with it hits,
         as a server with automatic prefix caching does."""
@@ -283,8 +310,9 @@ class WorkerRuntime:
                 self.engine.prefill(resident, prefix.ids, label="ad hoc system prompt")
             except (CacheBudgetError, CacheFullError) as exc:
                 log.info("ad hoc system prompt not cached: %s", exc)
-        return self._generate_ids(resident, prefix.prompt_ids(resident, user_input), max_new_tokens, started,
-                                  prefix_key=prefix.key)
+        return self._generate_ids(
+            resident, prefix.prompt_ids(resident, user_input), max_new_tokens, started, prefix_key=prefix.key
+        )
 
     def generate_text(self, model: str, prompt: str, max_new_tokens: int = 64) -> TextStream:
         """A plain completion. A prompt made of a template's system prompt, the separator and
@@ -292,15 +320,27 @@ class WorkerRuntime:
         cached prefix of its ids."""
         for name, text in self._system_prompts(model):
             if prompt.startswith(text + SEPARATOR):
-                return self.generate(name, prompt[len(text + SEPARATOR):], max_new_tokens)
+                return self.generate(name, prompt[len(text + SEPARATOR) :], max_new_tokens)
         started = time.perf_counter()
         resident, _ = self.registry.ensure(self.source(model))
         return self._generate_ids(resident, encode(resident, prompt, with_bos=True), max_new_tokens, started)
 
-    def _generate_ids(self, resident: ResidentModel, prompt_ids, max_new_tokens: int, started: float,
-                      prefix_key: CacheKey | None = None) -> TextStream:
-        return self.engine.generate(resident, prompt_ids, max_new_tokens, prefix_key=prefix_key, started=started,
-                                    on_first_token=lambda completion: self._observe(None, completion))
+    def _generate_ids(
+        self,
+        resident: ResidentModel,
+        prompt_ids,
+        max_new_tokens: int,
+        started: float,
+        prefix_key: CacheKey | None = None,
+    ) -> TextStream:
+        return self.engine.generate(
+            resident,
+            prompt_ids,
+            max_new_tokens,
+            prefix_key=prefix_key,
+            started=started,
+            on_first_token=lambda completion: self._observe(None, completion),
+        )
 
     def infer(self, template: str, user_input: str, max_new_tokens: int = 64) -> Completion:
         return self.generate(template, user_input, max_new_tokens).collect()
@@ -319,12 +359,20 @@ class WorkerRuntime:
         return {
             "ready": not reasons,
             "reasons": reasons,
-            "models": {name: {"device": m.placement.describe(), "load_ms": round(m.load_ms, 1)}
-                       for name, m in self.registry.resident.items()},
+            "models": {
+                name: {"device": m.placement.describe(), "load_ms": round(m.load_ms, 1)}
+                for name, m in self.registry.resident.items()
+            },
             "unavailable": self.registry.unavailable,
-            "cache": {"entries": stats.entries, "bytes": stats.bytes, "hits": stats.hits, "misses": stats.misses,
-                      "evictions": stats.evictions, "max_entries": self.cache_budget.max_entries,
-                      "max_bytes": self.cache_budget.max_bytes},
+            "cache": {
+                "entries": stats.entries,
+                "bytes": stats.bytes,
+                "hits": stats.hits,
+                "misses": stats.misses,
+                "evictions": stats.evictions,
+                "max_entries": self.cache_budget.max_entries,
+                "max_bytes": self.cache_budget.max_bytes,
+            },
             # What this worker measured at its latest warmup of each template, as it
             # reported it to history.
             "last_warmup": dict(self._last_warmup),

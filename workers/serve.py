@@ -77,10 +77,12 @@ class Ask:
 class ServeMetrics:
     def __init__(self, runtime: WorkerRuntime) -> None:
         registry = runtime.metrics.registry
-        self.connections = Counter("preheat_http_connections_opened", "TCP connections accepted by preheat serve",
-                                   registry=registry)
-        self.requests = Counter("preheat_http_requests", "HTTP requests answered by preheat serve",
-                                ["path", "code"], registry=registry)
+        self.connections = Counter(
+            "preheat_http_connections_opened", "TCP connections accepted by preheat serve", registry=registry
+        )
+        self.requests = Counter(
+            "preheat_http_requests", "HTTP requests answered by preheat serve", ["path", "code"], registry=registry
+        )
 
 
 class Server:
@@ -121,8 +123,9 @@ def _int_field(body: dict, name: str, default: int, low: int, high: int) -> int:
     if value is None:
         return default
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{name} must be an integer from {low} to {high} (got {value!r})",
-                       "invalid_value")
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST, f"{name} must be an integer from {low} to {high} (got {value!r})", "invalid_value"
+        )
     return value
 
 
@@ -132,17 +135,25 @@ def _common(body: dict) -> dict:
         raise ApiError(HTTPStatus.BAD_REQUEST, "model is required (a catalog model name)", "invalid_value")
     temperature = body.get("temperature")
     if temperature not in (None, 0, 0.0):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "only greedy decoding is served: temperature must be 0 or absent",
-                       "unsupported_value")
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            "only greedy decoding is served: temperature must be 0 or absent",
+            "unsupported_value",
+        )
     if body.get("n") not in (None, 1):
         raise ApiError(HTTPStatus.BAD_REQUEST, "n must be 1", "unsupported_value")
-    max_tokens = _int_field(body, "max_completion_tokens", 0, 0, MAX_TOKENS_LIMIT) or \
-        _int_field(body, "max_tokens", 64, 1, MAX_TOKENS_LIMIT)
+    max_tokens = _int_field(body, "max_completion_tokens", 0, 0, MAX_TOKENS_LIMIT) or _int_field(
+        body, "max_tokens", 64, 1, MAX_TOKENS_LIMIT
+    )
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "stream_options must be an object", "invalid_value")
-    return {"model": model, "max_tokens": max_tokens, "stream": bool(body.get("stream", False)),
-            "include_usage": bool(options.get("include_usage", False))}
+    return {
+        "model": model,
+        "max_tokens": max_tokens,
+        "stream": bool(body.get("stream", False)),
+        "include_usage": bool(options.get("include_usage", False)),
+    }
 
 
 def _text_of(content, where: str) -> str:
@@ -150,8 +161,9 @@ def _text_of(content, where: str) -> str:
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(str(part.get("text", "")) for part in content)
-    raise ApiError(HTTPStatus.BAD_REQUEST, f"{where}: content must be a string or a list of text parts",
-                   "invalid_value")
+    raise ApiError(
+        HTTPStatus.BAD_REQUEST, f"{where}: content must be a string or a list of text parts", "invalid_value"
+    )
 
 
 def parse_chat(body: dict) -> Ask:
@@ -174,8 +186,9 @@ def parse_chat(body: dict) -> Ask:
         raise ApiError(HTTPStatus.BAD_REQUEST, "the last message must be the user's", "invalid_value")
     # One user turn is the user's text as a template request has it; a conversation is
     # rendered turn by turn after the system prompt.
-    user_input = turns[0][1] if len(turns) == 1 else "\n\n".join(f"{r.title()}: {t}" for r, t in turns) + \
-        "\n\nAssistant:"
+    user_input = (
+        turns[0][1] if len(turns) == 1 else "\n\n".join(f"{r.title()}: {t}" for r, t in turns) + "\n\nAssistant:"
+    )
     return Ask(system_prompt="\n".join(system) or None, user_input=user_input, **_common(body))
 
 
@@ -193,19 +206,32 @@ def parse_completion(body: dict) -> Ask:
 
 def usage_of(completion: Completion) -> dict:
     generated = len(completion.token_ids)
-    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": generated,
-            "total_tokens": completion.prompt_tokens + generated,
-            "prompt_tokens_details": {"cached_tokens": completion.cached_tokens}}
+    return {
+        "prompt_tokens": completion.prompt_tokens,
+        "completion_tokens": generated,
+        "total_tokens": completion.prompt_tokens + generated,
+        "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
+    }
 
 
 def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None = None) -> dict:
-    return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+    }
 
 
 def text_chunk(request_id: str, model: str, text: str, finish_reason: str | None = None) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
 
 
 # Handlers -----------------------------------------------------------------------------
@@ -229,8 +255,16 @@ class BaseHandler(tornado.web.RequestHandler):
         self.finish(json.dumps(body) + "\n")
 
     def fail(self, error: ApiError) -> None:
-        self.reply(error.status, {"error": {"message": error.message, "type": error.status.phrase.lower()
-                                            .replace(" ", "_"), "code": error.code}})
+        self.reply(
+            error.status,
+            {
+                "error": {
+                    "message": error.message,
+                    "type": error.status.phrase.lower().replace(" ", "_"),
+                    "code": error.code,
+                }
+            },
+        )
 
     def write_error(self, status_code: int, **kwargs) -> None:
         reason = HTTPStatus(status_code)
@@ -250,23 +284,27 @@ class BaseHandler(tornado.web.RequestHandler):
 
     def json_body(self) -> dict:
         if len(self.request.body) > self.server.config.max_body_bytes:
-            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                           f"body is {len(self.request.body)} bytes; the limit is {self.server.config.max_body_bytes}",
-                           "body_too_large")
+            raise ApiError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"body is {len(self.request.body)} bytes; the limit is {self.server.config.max_body_bytes}",
+                "body_too_large",
+            )
         try:
             body = json.loads(self.request.body.decode("utf-8"))
         except UnicodeDecodeError:
             raise ApiError(HTTPStatus.BAD_REQUEST, "body is not UTF-8", "invalid_json") from None
         except json.JSONDecodeError as exc:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc.msg} at {exc.pos}", "invalid_json") \
-                from None
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc.msg} at {exc.pos}", "invalid_json"
+            ) from None
         if not isinstance(body, dict):
             raise ApiError(HTTPStatus.BAD_REQUEST, "body must be a JSON object", "invalid_json")
         if (where := not_text_at(body)) is not None:
             # JSON may escape half a UTF-16 pair ("\ud800"): valid JSON, but no text a
             # tokenizer (or a UTF-8 database column) can take.
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"body is not valid text: a lone surrogate in {where or 'it'}",
-                           "invalid_json")
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST, f"body is not valid text: a lone surrogate in {where or 'it'}", "invalid_json"
+            )
         return body
 
 
@@ -293,9 +331,16 @@ class ModelsHandler(BaseHandler):
         except ApiError as exc:
             return self.fail(exc)
         resident = self.server.runtime.registry.resident
-        self.reply(HTTPStatus.OK, {"object": "list", "data": [
-            {"id": name, "object": "model", "owned_by": "preheat", "ready": name in resident}
-            for name in self.server.runtime.catalog.models]})
+        self.reply(
+            HTTPStatus.OK,
+            {
+                "object": "list",
+                "data": [
+                    {"id": name, "object": "model", "owned_by": "preheat", "ready": name in resident}
+                    for name in self.server.runtime.catalog.models
+                ],
+            },
+        )
 
 
 class GenerateHandler(BaseHandler):
@@ -328,13 +373,17 @@ class GenerateHandler(BaseHandler):
     def _check_model_ready(self, model: str) -> None:
         runtime = self.server.runtime
         if model not in runtime.catalog.models:
-            raise ApiError(HTTPStatus.NOT_FOUND, f"model {model!r} does not exist here (catalog has: "
-                           f"{', '.join(runtime.catalog.models)})", "model_not_found")
+            raise ApiError(
+                HTTPStatus.NOT_FOUND,
+                f"model {model!r} does not exist here (catalog has: {', '.join(runtime.catalog.models)})",
+                "model_not_found",
+            )
         reasons = self.server.model_readiness(model)
         if reasons:
             self.set_header("Retry-After", "5")
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"model {model!r} is not warm yet: {'; '.join(reasons)}",
-                           "warming_up")
+            raise ApiError(
+                HTTPStatus.SERVICE_UNAVAILABLE, f"model {model!r} is not warm yet: {'; '.join(reasons)}", "warming_up"
+            )
 
     def _open(self, ask: Ask) -> TextStream:
         runtime = self.server.runtime
@@ -370,13 +419,19 @@ class GenerateHandler(BaseHandler):
         if self.chat:
             await self._send(chat_chunk(request_id, ask.model, {"role": "assistant", "content": ""}))
         while (delta := await events.get()) is not None:
-            piece = chat_chunk(request_id, ask.model, {"content": delta}) if self.chat else \
-                text_chunk(request_id, ask.model, delta)
+            piece = (
+                chat_chunk(request_id, ask.model, {"content": delta})
+                if self.chat
+                else text_chunk(request_id, ask.model, delta)
+            )
             await self._send(piece)
         await producing
         completion = stream.completion
-        last = chat_chunk(request_id, ask.model, {}, completion.finish_reason) if self.chat else \
-            text_chunk(request_id, ask.model, "", completion.finish_reason)
+        last = (
+            chat_chunk(request_id, ask.model, {}, completion.finish_reason)
+            if self.chat
+            else text_chunk(request_id, ask.model, "", completion.finish_reason)
+        )
         await self._send(last)
         if ask.include_usage:
             await self._send({**last, "choices": [], "usage": usage_of(completion)})
@@ -397,15 +452,24 @@ class GenerateHandler(BaseHandler):
 
     def _whole(self, ask: Ask, request_id: str, completion: Completion) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
-                      "finish_reason": completion.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": completion.text},
+                "finish_reason": completion.finish_reason,
+            }
             kind = "chat.completion"
         else:
             choice = {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
             kind = "text_completion"
-        return {"id": request_id, "object": kind, "created": int(time.time()), "model": ask.model,
-                "choices": [choice], "usage": usage_of(completion),
-                "preheat": {"ttft_ms": completion.ttft_ms, "total_ms": completion.total_ms}}
+        return {
+            "id": request_id,
+            "object": kind,
+            "created": int(time.time()),
+            "model": ask.model,
+            "choices": [choice],
+            "usage": usage_of(completion),
+            "preheat": {"ttft_ms": completion.ttft_ms, "total_ms": completion.total_ms},
+        }
 
 
 class ChatHandler(GenerateHandler):
@@ -421,8 +485,9 @@ class WarmupHandler(BaseHandler):
 
     async def post(self) -> None:
         try:
-            self.require_bearer(self.server.config.token,
-                                "internal endpoints are disabled: this server has no PREHEAT_SERVE_TOKEN")
+            self.require_bearer(
+                self.server.config.token, "internal endpoints are disabled: this server has no PREHEAT_SERVE_TOKEN"
+            )
             templates, batch_size, max_tokens = self._parse(self.json_body())
         except ApiError as exc:
             return self.fail(exc)
@@ -438,10 +503,16 @@ class WarmupHandler(BaseHandler):
             raise ApiError(HTTPStatus.BAD_REQUEST, "templates must be a list of template names", "invalid_value")
         unknown = [t for t in templates if t not in catalog.templates]
         if unknown:  # nothing runs when one name is wrong
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"unknown template(s): {', '.join(unknown)} (catalog has: "
-                           f"{', '.join(catalog.templates)})", "template_not_found")
-        return (list(dict.fromkeys(templates)), _int_field(body, "batch_size", 4, 1, 64),
-                _int_field(body, "max_tokens", 20, 1, MAX_TOKENS_LIMIT))
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                f"unknown template(s): {', '.join(unknown)} (catalog has: {', '.join(catalog.templates)})",
+                "template_not_found",
+            )
+        return (
+            list(dict.fromkeys(templates)),
+            _int_field(body, "batch_size", 4, 1, 64),
+            _int_field(body, "max_tokens", 20, 1, MAX_TOKENS_LIMIT),
+        )
 
     def _warm(self, template: str, batch_size: int, max_tokens: int) -> dict:
         runtime = self.server.runtime
@@ -451,9 +522,12 @@ class WarmupHandler(BaseHandler):
             return record
         probe = runtime.catalog.template(template).probe
         done = [runtime.generate(template, probe, max_tokens).collect() for _ in range(batch_size)]
-        record["requests"] = {"count": len(done), "ttft_ms": statistics.median(c.ttft_ms for c in done),
-                              "total_ms": statistics.median(c.total_ms for c in done),
-                              "cached_tokens": min(c.cached_tokens for c in done)}
+        record["requests"] = {
+            "count": len(done),
+            "ttft_ms": statistics.median(c.ttft_ms for c in done),
+            "total_ms": statistics.median(c.total_ms for c in done),
+            "cached_tokens": min(c.cached_tokens for c in done),
+        }
         return record
 
 
@@ -475,20 +549,33 @@ class _CountingHTTPServer(tornado.httpserver.HTTPServer):
 
 
 def make_app(server: Server) -> tornado.web.Application:
-    routes = [("/health/live", LiveHandler), ("/health/ready", ReadyHandler), ("/metrics", MetricsHandler),
-              ("/v1/models", ModelsHandler), ("/v1/chat/completions", ChatHandler),
-              ("/v1/completions", CompletionsHandler), ("/internal/warmup", WarmupHandler)]
-    return tornado.web.Application([(path, handler, {"server": server}) for path, handler in routes],
-                                   default_handler_class=NotFoundHandler, default_handler_args={"server": server})
+    routes = [
+        ("/health/live", LiveHandler),
+        ("/health/ready", ReadyHandler),
+        ("/metrics", MetricsHandler),
+        ("/v1/models", ModelsHandler),
+        ("/v1/chat/completions", ChatHandler),
+        ("/v1/completions", CompletionsHandler),
+        ("/internal/warmup", WarmupHandler),
+    ]
+    return tornado.web.Application(
+        [(path, handler, {"server": server}) for path, handler in routes],
+        default_handler_class=NotFoundHandler,
+        default_handler_args={"server": server},
+    )
 
 
 def listen(server: Server, host: str, port: int, ssl_context=None) -> tuple[tornado.httpserver.HTTPServer, int]:
     """Bind (port 0 picks a free one) on the current IOLoop; returns the server and its port."""
-    http = _CountingHTTPServer(make_app(server), ssl_options=ssl_context, metrics=server.metrics,
-                               # Bodies over our limit get a 413 with the reason; Tornado's own cap,
-                               # well above, drops absurd ones before reading them.
-                               max_body_size=max(4 * server.config.max_body_bytes, 8 * 1024**2),
-                               idle_connection_timeout=300)
+    http = _CountingHTTPServer(
+        make_app(server),
+        ssl_options=ssl_context,
+        metrics=server.metrics,
+        # Bodies over our limit get a 413 with the reason; Tornado's own cap,
+        # well above, drops absurd ones before reading them.
+        max_body_size=max(4 * server.config.max_body_bytes, 8 * 1024**2),
+        idle_connection_timeout=300,
+    )
     sockets = tornado.netutil.bind_sockets(port, address=host)
     http.add_sockets(sockets)
     return http, sockets[0].getsockname()[1]

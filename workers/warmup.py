@@ -52,8 +52,12 @@ def median_of(runs: list[FirstToken]) -> FirstToken:
     """The median time; greedy decoding must give the same token every time."""
     if len({run.token_id for run in runs}) != 1:
         raise RuntimeError(f"greedy first token changed between identical runs: {[r.token_id for r in runs]}")
-    return FirstToken(runs[0].token_id, statistics.median(r.ms for r in runs), min(r.cached_tokens for r in runs),
-                      statistics.median(r.reuse_ms for r in runs))
+    return FirstToken(
+        runs[0].token_id,
+        statistics.median(r.ms for r in runs),
+        min(r.cached_tokens for r in runs),
+        statistics.median(r.reuse_ms for r in runs),
+    )
 
 
 @dataclass(frozen=True)
@@ -63,20 +67,30 @@ class Probe:
     warm: FirstToken  # full prompt from the cached prefix
 
 
-def probe(engine: PrefixEngine, resident: ResidentModel, prompt_ids: torch.Tensor, bare_ids: torch.Tensor,
-          repeats: int, prefix_key: CacheKey) -> Probe:
+def probe(
+    engine: PrefixEngine,
+    resident: ResidentModel,
+    prompt_ids: torch.Tensor,
+    bare_ids: torch.Tensor,
+    repeats: int,
+    prefix_key: CacheKey,
+) -> Probe:
     """Median TTFT of the three ways to answer, measured side by side; probes are not
     counted as cache traffic."""
-    runs = side_by_side({
-        "bare": lambda: engine.first_token(resident, bare_ids, use_cache=False),
-        "cold": lambda: engine.first_token(resident, prompt_ids, use_cache=False),
-        "warm": lambda: engine.first_token(resident, prompt_ids, prefix_key=prefix_key),
-    }, repeats)
+    runs = side_by_side(
+        {
+            "bare": lambda: engine.first_token(resident, bare_ids, use_cache=False),
+            "cold": lambda: engine.first_token(resident, prompt_ids, use_cache=False),
+            "warm": lambda: engine.first_token(resident, prompt_ids, prefix_key=prefix_key),
+        },
+        repeats,
+    )
     return Probe(bare=median_of(runs["bare"]), cold=median_of(runs["cold"]), warm=median_of(runs["warm"]))
 
 
-def verdict(result: TemplateWarmup, measured: Probe, prefix_tokens: int, *, steady_ms: float | None,
-            warm_factor: float) -> None:
+def verdict(
+    result: TemplateWarmup, measured: Probe, prefix_tokens: int, *, steady_ms: float | None, warm_factor: float
+) -> None:
     """Warm only when verified: the cached prefix was used, it gives full prefill's token,
     and the probe is as fast as this worker's steady state (within `warm_factor`)."""
     result.ttft_bare_ms, result.ttft_cold_ms, result.ttft_warm_ms = measured.bare.ms, measured.cold.ms, measured.warm.ms
@@ -87,10 +101,13 @@ def verdict(result: TemplateWarmup, measured: Probe, prefix_tokens: int, *, stea
     if measured.warm.cached_tokens < prefix_tokens - 1:
         result.error = "the probe did not start from the cached prefix"
     elif measured.warm.token_id != measured.cold.token_id:
-        result.error = (f"cached-prefix first token {measured.warm.token_id} differs from full prefill's "
-                        f"{measured.cold.token_id}")
+        result.error = (
+            f"cached-prefix first token {measured.warm.token_id} differs from full prefill's {measured.cold.token_id}"
+        )
     elif measured.warm.ms > warm_factor * reference:
-        result.error = (f"warm TTFT {measured.warm.ms:.1f} ms is {measured.warm.ms / reference:.2f}x the {what} "
-                        f"{reference:.1f} ms, over the warm factor {warm_factor:g}")
+        result.error = (
+            f"warm TTFT {measured.warm.ms:.1f} ms is {measured.warm.ms / reference:.2f}x the {what} "
+            f"{reference:.1f} ms, over the warm factor {warm_factor:g}"
+        )
     else:
         result.status = "warm"

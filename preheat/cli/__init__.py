@@ -13,14 +13,31 @@ from rich.console import Console
 
 from preheat.errors import ConfigError, PreheatError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="preheat: LLM serving that is never cold when a user arrives.")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="preheat: LLM serving that is never cold when a user arrives.",
+)
 err = Console(stderr=True)
 
 
 def _register() -> None:
-    from preheat.cli import (bench, config, db, dev, endpoints, history, infer, learn, schedule, serve, warm, watch,
-                             workers)
+    from preheat.cli import (
+        bench,
+        config,
+        db,
+        dev,
+        endpoints,
+        history,
+        infer,
+        learn,
+        schedule,
+        serve,
+        warm,
+        watch,
+        workers,
+    )
 
     app.add_typer(bench.app, name="bench")
     app.add_typer(db.app, name="db")
@@ -70,7 +87,7 @@ def check_arguments_are_text(argv: list[str]) -> None:
         try:
             argument.encode("utf-8")
         except UnicodeEncodeError as exc:
-            offset = len(argument[:exc.start].encode("utf-8", "surrogateescape"))
+            offset = len(argument[: exc.start].encode("utf-8", "surrogateescape"))
             byte = argument.encode("utf-8", "surrogateescape")[offset]
             raise ConfigError(f"argument {position} is not UTF-8 text (byte 0x{byte:02x} at offset {offset})") from None
 

@@ -60,12 +60,15 @@ def ensure_no_beat() -> None:
     with session_scope() as session:
         lease = leader.current(session)
     if lease is not None and aware(lease.expires_at) > utcnow():
-        raise ConfigError(f"a beat is running ({lease.holder} holds the lead): stop it, or point PREHEAT_HOME / the "
-                          f"database at a separate stack")
+        raise ConfigError(
+            f"a beat is running ({lease.holder} holds the lead): stop it, or point PREHEAT_HOME / the "
+            f"database at a separate stack"
+        )
 
 
-def run(slots: int, spacing_s: int, kill_after: int, lease_s: float, template: str, log_dir: Path,
-        timeout_s: float) -> tuple[list[SlotTiming], dt.datetime, dt.datetime | None, int]:
+def run(
+    slots: int, spacing_s: int, kill_after: int, lease_s: float, template: str, log_dir: Path, timeout_s: float
+) -> tuple[list[SlotTiming], dt.datetime, dt.datetime | None, int]:
     """Start a worker and two beats, schedule `slots` fire times `spacing_s` apart, kill the
     leader after `kill_after` have fired; returns each slot, the kill time, the takeover time
     and how many runs the slots made (one each, if no slot fired twice)."""
@@ -91,17 +94,23 @@ def run(slots: int, spacing_s: int, kill_after: int, lease_s: float, template: s
                     fire_times = [first + dt.timedelta(seconds=i * spacing_s) for i in range(slots)]
                     with session_scope() as session:
                         for i, fire_at in enumerate(fire_times):
-                            store.add(session, name=f"{prefix}-{i:02d}", cron="* * * * *", timezone="UTC",
-                                      targets={"templates": [template], "workers": [nodename]},
-                                      lead_time_s=minutely_lead_for(fire_at))
+                            store.add(
+                                session,
+                                name=f"{prefix}-{i:02d}",
+                                cron="* * * * *",
+                                timezone="UTC",
+                                targets={"templates": [template], "workers": [nodename]},
+                                lead_time_s=minutely_lead_for(fire_at),
+                            )
                     procs.poll(lambda: _settled(prefix, kill_after), timeout_s, what="the slots before the kill")
                     procs.kill(leader_proc)
                     killed_at = utcnow()
                     procs.poll(lambda: _settled(prefix, slots), timeout_s + lease_s, what="every slot")
                     with session_scope() as session:
                         lease = leader.current(session)
-                        took_over = (aware(lease.acquired_at)
-                                     if lease and f":{standby.popen.pid}:" in lease.holder else None)
+                        took_over = (
+                            aware(lease.acquired_at) if lease and f":{standby.popen.pid}:" in lease.holder else None
+                        )
         return _timings(prefix), killed_at, took_over, _runs_of(prefix, first)
     finally:
         with session_scope() as session:
@@ -110,8 +119,9 @@ def run(slots: int, spacing_s: int, kill_after: int, lease_s: float, template: s
 
 def _runs_of(prefix: str, since: dt.datetime) -> int:
     with session_scope() as session:
-        details = session.scalars(select(WarmupRun.trigger_detail).where(
-            WarmupRun.created_at >= since - dt.timedelta(minutes=1))).all()
+        details = session.scalars(
+            select(WarmupRun.trigger_detail).where(WarmupRun.created_at >= since - dt.timedelta(minutes=1))
+        ).all()
     return sum(1 for detail in details if str(detail.get("schedule", "")).startswith(prefix))
 
 
@@ -123,11 +133,16 @@ def _settled(prefix: str, count: int) -> bool:
 
 def _timings(prefix: str) -> list[SlotTiming]:
     with session_scope() as session:
-        rows = session.execute(select(ScheduleSlot, WarmupRun.created_at).outerjoin(
-            WarmupRun, WarmupRun.id == ScheduleSlot.run_id).where(ScheduleSlot.schedule_name.like(f"{prefix}-%"))
-            .order_by(ScheduleSlot.fire_at)).all()
-        return [SlotTiming(aware(slot.fire_at), aware(created) if created else None, str(slot.status),
-                           slot.claimed_by) for slot, created in rows]
+        rows = session.execute(
+            select(ScheduleSlot, WarmupRun.created_at)
+            .outerjoin(WarmupRun, WarmupRun.id == ScheduleSlot.run_id)
+            .where(ScheduleSlot.schedule_name.like(f"{prefix}-%"))
+            .order_by(ScheduleSlot.fire_at)
+        ).all()
+        return [
+            SlotTiming(aware(slot.fire_at), aware(created) if created else None, str(slot.status), slot.claimed_by)
+            for slot, created in rows
+        ]
 
 
 def phases(timings: list[SlotTiming], killed_at: dt.datetime, took_over: dt.datetime | None) -> list[Phase]:

@@ -52,14 +52,18 @@ def ttft(
     spec = catalog.model(name)  # an unknown name is one clear error, before any work
     build_missing_models(catalog, console)
     resident, load_ms = ModelRegistry(settings.device).ensure(
-        ModelSource(name, catalog.model_path(name), spec.dtype, spec.revision))
+        ModelSource(name, catalog.model_path(name), spec.dtype, spec.revision)
+    )
     wanted = _lengths(lengths)
     if resident.max_context and wanted[-1] + 64 > resident.max_context:
-        raise ConfigError(f"a {wanted[-1]}-token system prompt leaves no room in {name}'s context of "
-                          f"{resident.max_context}")
+        raise ConfigError(
+            f"a {wanted[-1]}-token system prompt leaves no room in {name}'s context of {resident.max_context}"
+        )
     source_text = "".join(_corpus(40 * wanted[-1]))
-    console.print(f"measuring {name} on {resident.placement.describe()} (loaded in {load_ms:,.0f} ms): "
-                  f"{len(wanted)} lengths × {repeats} rounds …")
+    console.print(
+        f"measuring {name} on {resident.placement.describe()} (loaded in {load_ms:,.0f} ms): "
+        f"{len(wanted)} lengths × {repeats} rounds …"
+    )
     rows = [measure_ttft(resident, system_prompt_ids(resident, n, source_text), repeats, user_input) for n in wanted]
 
     report = _report(name, resident, repeats, user_input, rows)
@@ -80,10 +84,16 @@ def _report(name: str, resident, repeats: int, user_input: str, rows) -> dict:
     longest = rows[-1]
     worst_overhead = max(row.reuse_overhead_pct for row in rows)
     targets = {
-        f"saved_at_{longest.system_tokens}_pct": {"target": f">= {SAVED_TARGET_PCT}", "measured": longest.saved_pct,
-                                                   "met": longest.saved_pct >= SAVED_TARGET_PCT},
-        "reuse_overhead_pct": {"target": f"<= {OVERHEAD_TARGET_PCT}", "measured": worst_overhead,
-                               "met": worst_overhead <= OVERHEAD_TARGET_PCT},
+        f"saved_at_{longest.system_tokens}_pct": {
+            "target": f">= {SAVED_TARGET_PCT}",
+            "measured": longest.saved_pct,
+            "met": longest.saved_pct >= SAVED_TARGET_PCT,
+        },
+        "reuse_overhead_pct": {
+            "target": f"<= {OVERHEAD_TARGET_PCT}",
+            "measured": worst_overhead,
+            "met": worst_overhead <= OVERHEAD_TARGET_PCT,
+        },
         "same_first_token": {"target": "all", "met": all(row.same_first_token for row in rows)},
     }
     verdicts = [
@@ -97,12 +107,21 @@ def _report(name: str, resident, repeats: int, user_input: str, rows) -> dict:
     return {
         "benchmark": "ttft",
         "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "model": {"name": name, "path": resident.path, "architecture": config.model_type,
-                  "layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
-                  "parameters": sum(p.numel() for p in resident.model.parameters())},
+        "model": {
+            "name": name,
+            "path": resident.path,
+            "architecture": config.model_type,
+            "layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size,
+            "parameters": sum(p.numel() for p in resident.model.parameters()),
+        },
         "device": resident.placement.describe(),
-        "host": {"machine": platform.machine(), "torch": torch.__version__, "transformers": transformers.__version__,
-                 "threads": torch.get_num_threads()},
+        "host": {
+            "machine": platform.machine(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "threads": torch.get_num_threads(),
+        },
         "repeats": repeats,
         "user_input": user_input,
         "rows": [row.as_dict() for row in rows],
@@ -144,8 +163,11 @@ def _host() -> dict:
     from preheat.settings import get_settings
 
     settings = get_settings()
-    return {"machine": platform.machine(), "cpus": os.cpu_count(),
-            "stack": "embedded (filesystem broker, SQLite)" if settings.is_embedded else "broker + database from env"}
+    return {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "stack": "embedded (filesystem broker, SQLite)" if settings.is_embedded else "broker + database from env",
+    }
 
 
 @app.command("first-request")
@@ -169,32 +191,59 @@ def first_request(
     if name is None:
         raise ConfigError(f"catalog {settings.catalog} has no template to request")
     spec = catalog.template(name)
-    console.print(f"first request vs steady state, template {name!r} on {spec.model}: {rounds} round(s) × "
-                  "gated / ungated, a fresh worker each …")
+    console.print(
+        f"first request vs steady state, template {name!r} on {spec.model}: {rounds} round(s) × "
+        "gated / ungated, a fresh worker each …"
+    )
     measured = []
     for i in range(rounds):
         for gated in (True, False):
-            measured.append(first_request_round(name, spec.probe, gated, steady, settings.home / "bench" / "logs",
-                                                timeout))
-            console.print(f"  round {i + 1} {'gated' if gated else 'ungated'}: first "
-                          f"{measured[-1].first_ttft_ms:,.1f} ms, steady {measured[-1].steady_ttft_ms:,.1f} ms")
-    report = {"benchmark": "first-request", "template": name, "model": spec.model, "host": _host(),
-              "steady_requests": steady, **summarise_first_requests(measured, FIRST_REQUEST_TARGET)}
-    table = Table(title=f"first request to a fresh worker vs steady state · {spec.model}, template {name}",
-                  title_justify="left", caption="TTFT in ms as the worker measures it (taking the request → first "
-                  "token); answered = seconds from the worker's launch to the answer, at the client",
-                  caption_justify="left")
-    for header in ("inference queue", "rounds", "first TTFT", "steady TTFT", "first/steady", "cached tokens",
-                   "answered after s"):
+            measured.append(
+                first_request_round(name, spec.probe, gated, steady, settings.home / "bench" / "logs", timeout)
+            )
+            console.print(
+                f"  round {i + 1} {'gated' if gated else 'ungated'}: first "
+                f"{measured[-1].first_ttft_ms:,.1f} ms, steady {measured[-1].steady_ttft_ms:,.1f} ms"
+            )
+    report = {
+        "benchmark": "first-request",
+        "template": name,
+        "model": spec.model,
+        "host": _host(),
+        "steady_requests": steady,
+        **summarise_first_requests(measured, FIRST_REQUEST_TARGET),
+    }
+    table = Table(
+        title=f"first request to a fresh worker vs steady state · {spec.model}, template {name}",
+        title_justify="left",
+        caption="TTFT in ms as the worker measures it (taking the request → first "
+        "token); answered = seconds from the worker's launch to the answer, at the client",
+        caption_justify="left",
+    )
+    for header in (
+        "inference queue",
+        "rounds",
+        "first TTFT",
+        "steady TTFT",
+        "first/steady",
+        "cached tokens",
+        "answered after s",
+    ):
         table.add_column(header, justify="left" if header == "inference queue" else "right")
     for row in report["rows"]:
-        table.add_row("gated (after warm)" if row["gated"] else "ungated (from start)", str(row["rounds"]),
-                      f"{row['first_ttft_ms']:,.1f}", f"{row['steady_ttft_ms']:,.1f}",
-                      f"{row['first_over_steady']:.2f}", f"{row['first_cached_tokens']:.0f}",
-                      f"{row['first_answered_s']:.1f}")
+        table.add_row(
+            "gated (after warm)" if row["gated"] else "ungated (from start)",
+            str(row["rounds"]),
+            f"{row['first_ttft_ms']:,.1f}",
+            f"{row['steady_ttft_ms']:,.1f}",
+            f"{row['first_over_steady']:.2f}",
+            f"{row['first_cached_tokens']:.0f}",
+            f"{row['first_answered_s']:.1f}",
+        )
     console.print(table)
-    console.print(f"gated first/steady target ≤ {FIRST_REQUEST_TARGET}: "
-                  f"{'met' if report['target']['met'] else 'NOT met'}")
+    console.print(
+        f"gated first/steady target ≤ {FIRST_REQUEST_TARGET}: {'met' if report['target']['met'] else 'NOT met'}"
+    )
     _write(report, json_path or settings.home / "bench" / "first-request.json", console)
 
 
@@ -233,22 +282,37 @@ def fanout(
         measured = []
         for i in range(rounds):
             measured.append(fanout_round(count, template or None, settings.home / "bench" / "logs", timeout))
-            console.print(f"  {count} worker(s), round {i + 1}: {measured[-1].total_s:.2f} s in all, slowest "
-                          f"worker {measured[-1].slowest_worker_s:.2f} s")
+            console.print(
+                f"  {count} worker(s), round {i + 1}: {measured[-1].total_s:.2f} s in all, slowest "
+                f"worker {measured[-1].slowest_worker_s:.2f} s"
+            )
         rows.append(median_fanout(measured))
     met = all(row.total_over_slowest <= FANOUT_TARGET for row in rows)
-    report = {"benchmark": "fanout", "host": _host(), "templates": template or list(catalog.templates),
-              "rounds": rounds,
-              "rows": [{**vars(row), "total_over_slowest": row.total_over_slowest} for row in rows],
-              "target": {"total_over_slowest": f"<= {FANOUT_TARGET}", "met": met}}
-    table = Table(title="one warmup to N workers: total vs the slowest single worker", title_justify="left",
-                  caption=f"median of {rounds} round(s); total = dispatch to every job final in history; slowest = "
-                  "the longest any one worker spent on its jobs", caption_justify="left")
+    report = {
+        "benchmark": "fanout",
+        "host": _host(),
+        "templates": template or list(catalog.templates),
+        "rounds": rounds,
+        "rows": [{**vars(row), "total_over_slowest": row.total_over_slowest} for row in rows],
+        "target": {"total_over_slowest": f"<= {FANOUT_TARGET}", "met": met},
+    }
+    table = Table(
+        title="one warmup to N workers: total vs the slowest single worker",
+        title_justify="left",
+        caption=f"median of {rounds} round(s); total = dispatch to every job final in history; slowest = "
+        "the longest any one worker spent on its jobs",
+        caption_justify="left",
+    )
     for header in ("workers", "total s", "slowest worker s", "total/slowest", "jobs"):
         table.add_column(header, justify="right")
     for row in rows:
-        table.add_row(str(row.workers), f"{row.total_s:.2f}", f"{row.slowest_worker_s:.2f}",
-                      f"{row.total_over_slowest:.2f}", ", ".join(f"{n} {s}" for s, n in sorted(row.statuses.items())))
+        table.add_row(
+            str(row.workers),
+            f"{row.total_s:.2f}",
+            f"{row.slowest_worker_s:.2f}",
+            f"{row.total_over_slowest:.2f}",
+            ", ".join(f"{n} {s}" for s, n in sorted(row.statuses.items())),
+        )
     console.print(table)
     console.print(f"total/slowest target ≤ {FANOUT_TARGET}: {'met' if met else 'NOT met'}")
     _write(report, json_path or settings.home / "bench" / "fanout.json", console)
@@ -279,28 +343,52 @@ def beat(
     template = template or next(iter(catalog.templates))
     catalog.template(template)
     lease_s = settings.beat_lease_s
-    timings, killed_at, took_over, runs = run(slots, spacing, kill_after, lease_s, template,
-                                        settings.home / "bench" / "logs", timeout)
+    timings, killed_at, took_over, runs = run(
+        slots, spacing, kill_after, lease_s, template, settings.home / "bench" / "logs", timeout
+    )
     takeover_s = (took_over - killed_at).total_seconds() if took_over else None
     rows = phases(timings, killed_at, took_over)
-    report = {"benchmark": "beat", "host": _host(), "slots": slots, "spacing_s": spacing, "tick_s": settings.beat_tick_s,
-              "lease_s": lease_s, "takeover_s": takeover_s, "runs": runs, "phases": [vars(row) for row in rows],
-              "slots_detail": [{"fire_at": t.fire_at.isoformat(), "late_ms": t.late_ms, "status": t.status,
-                                "fired_by": t.fired_by} for t in timings]}
-    table = Table(title="scheduled warmups: fired how late, leader killed midway", title_justify="left",
-                  caption=f"late = run recorded − fire time; tick {settings.beat_tick_s:g} s, lease {lease_s:g} s; "
-                          f"takeover {'-' if takeover_s is None else f'{takeover_s:.1f} s'} after the kill",
-                  caption_justify="left")
+    report = {
+        "benchmark": "beat",
+        "host": _host(),
+        "slots": slots,
+        "spacing_s": spacing,
+        "tick_s": settings.beat_tick_s,
+        "lease_s": lease_s,
+        "takeover_s": takeover_s,
+        "runs": runs,
+        "phases": [vars(row) for row in rows],
+        "slots_detail": [
+            {"fire_at": t.fire_at.isoformat(), "late_ms": t.late_ms, "status": t.status, "fired_by": t.fired_by}
+            for t in timings
+        ],
+    }
+    table = Table(
+        title="scheduled warmups: fired how late, leader killed midway",
+        title_justify="left",
+        caption=f"late = run recorded − fire time; tick {settings.beat_tick_s:g} s, lease {lease_s:g} s; "
+        f"takeover {'-' if takeover_s is None else f'{takeover_s:.1f} s'} after the kill",
+        caption_justify="left",
+    )
     for header in ("phase", "slots", "sent", "late p50 ms", "late max ms"):
         table.add_column(header, justify="left" if header == "phase" else "right")
     for row in rows:
-        table.add_row(row.name, str(row.slots), str(row.sent),
-                      "-" if row.late_p50_ms is None else f"{row.late_p50_ms:,.0f}",
-                      "-" if row.late_max_ms is None else f"{row.late_max_ms:,.0f}")
+        table.add_row(
+            row.name,
+            str(row.slots),
+            str(row.sent),
+            "-" if row.late_p50_ms is None else f"{row.late_p50_ms:,.0f}",
+            "-" if row.late_max_ms is None else f"{row.late_max_ms:,.0f}",
+        )
     console.print(table)
-    console.print(f"{sum(r.sent for r in rows)} of {slots} slots sent, {runs} run(s) recorded; takeover "
-                  + (f"{takeover_s:.1f} s (bound: lease {lease_s:g} s + tick {settings.beat_tick_s:g} s)"
-                     if takeover_s is not None else "not seen"))
+    console.print(
+        f"{sum(r.sent for r in rows)} of {slots} slots sent, {runs} run(s) recorded; takeover "
+        + (
+            f"{takeover_s:.1f} s (bound: lease {lease_s:g} s + tick {settings.beat_tick_s:g} s)"
+            if takeover_s is not None
+            else "not seen"
+        )
+    )
     _write(report, json_path or settings.home / "bench" / "beat.json", console)
 
 
@@ -309,10 +397,12 @@ CONNECT_TARGET = 1.2  # first request through a pre-opened pool / steady state
 
 @app.command()
 def connect(
-    template: str = typer.Option(None, help="Template of the request (default: the catalog's first, or the "
-                                            "endpoint's)."),
-    endpoint: str = typer.Option(None, help="Measure this catalog endpoint (your vLLM or API) instead of a local "
-                                            "preheat serve."),
+    template: str = typer.Option(
+        None, help="Template of the request (default: the catalog's first, or the endpoint's)."
+    ),
+    endpoint: str = typer.Option(
+        None, help="Measure this catalog endpoint (your vLLM or API) instead of a local preheat serve."
+    ),
     rounds: int = typer.Option(60, min=1, max=500, help="Interleaved rounds; figures are medians."),
     http2: bool = typer.Option(False, "--http2", help="Offer HTTP/2 (preheat serve answers HTTP/1.1)."),
     timeout: float = typer.Option(120.0, min=10.0, help="Seconds to wait for the server."),
@@ -339,31 +429,57 @@ def connect(
     target = f"endpoint {endpoint} ({spec.base_url})" if spec else "preheat serve over TLS on loopback"
     console.print(f"first request through a connection pool · {target}, template {name!r}, {rounds} rounds …")
     if spec:
-        report = measure(spec.model_copy(update={"http2": http2 or spec.http2}), catalog, name,
-                         spec.model or catalog.template(name).model, rounds)
+        report = measure(
+            spec.model_copy(update={"http2": http2 or spec.http2}),
+            catalog,
+            name,
+            spec.model or catalog.template(name).model,
+            rounds,
+        )
     else:
         build_missing_models(catalog, console)
         report = run(catalog, name, rounds, http2, settings.home / "bench", timeout)
-    table = Table(title="TTFT of a streamed request over TLS: fresh client vs pre-opened pool vs steady state",
-                  title_justify="left", caption=f"ms, client-side (request → first token), median of {rounds} "
-                  "interleaved rounds; pre-opened paid its connection ahead", caption_justify="left")
+    table = Table(
+        title="TTFT of a streamed request over TLS: fresh client vs pre-opened pool vs steady state",
+        title_justify="left",
+        caption=f"ms, client-side (request → first token), median of {rounds} "
+        "interleaved rounds; pre-opened paid its connection ahead",
+        caption_justify="left",
+    )
     for header in ("way", "TTFT ms", "× steady"):
         table.add_column(header, justify="left" if header == "way" else "right")
-    table.add_row("fresh client (TCP + TLS on the request)", f"{report.fresh_ms:,.2f}", f"{report.fresh_over_steady:.2f}")
-    table.add_row("pre-opened pool, first request", f"{report.preopened_ms:,.2f}",
-                  f"{report.preopened_over_steady:.2f}")
+    table.add_row(
+        "fresh client (TCP + TLS on the request)", f"{report.fresh_ms:,.2f}", f"{report.fresh_over_steady:.2f}"
+    )
+    table.add_row(
+        "pre-opened pool, first request", f"{report.preopened_ms:,.2f}", f"{report.preopened_over_steady:.2f}"
+    )
     table.add_row("steady state (a connection that served before)", f"{report.steady_ms:,.2f}", "1.00")
     console.print(table)
     met = report.preopened_over_steady <= CONNECT_TARGET
-    console.print(f"opening the pool's connection ahead took {report.establish_ms:,.2f} ms; pre-opened / steady "
-                  f"target ≤ {CONNECT_TARGET}: {'met' if met else 'NOT met'}")
-    _write({"benchmark": "connect", "template": name, "measured_against": target, "host": _host(),
+    console.print(
+        f"opening the pool's connection ahead took {report.establish_ms:,.2f} ms; pre-opened / steady "
+        f"target ≤ {CONNECT_TARGET}: {'met' if met else 'NOT met'}"
+    )
+    _write(
+        {
+            "benchmark": "connect",
+            "template": name,
+            "measured_against": target,
+            "host": _host(),
             "http2_offered": http2,
-            "rounds": rounds, "fresh_ms": report.fresh_ms, "preopened_ms": report.preopened_ms,
-            "steady_ms": report.steady_ms, "establish_ms": report.establish_ms,
-            "fresh_over_steady": report.fresh_over_steady, "preopened_over_steady": report.preopened_over_steady,
-            "target": {"preopened_over_steady": f"<= {CONNECT_TARGET}", "met": met}},
-           json_path or settings.home / "bench" / "connect.json", console)
+            "rounds": rounds,
+            "fresh_ms": report.fresh_ms,
+            "preopened_ms": report.preopened_ms,
+            "steady_ms": report.steady_ms,
+            "establish_ms": report.establish_ms,
+            "fresh_over_steady": report.fresh_over_steady,
+            "preopened_over_steady": report.preopened_over_steady,
+            "target": {"preopened_over_steady": f"<= {CONNECT_TARGET}", "met": met},
+        },
+        json_path or settings.home / "bench" / "connect.json",
+        console,
+    )
 
 
 @app.command()
@@ -384,16 +500,31 @@ def outbox(
     if settings.database.startswith("sqlite"):
         migrate.upgrade(settings.database)
     ways, left = run(writes, settings.home / "bench" / "outbox")
-    report = {"benchmark": "outbox", "host": _host(), "writes": writes, "left_in_outbox": left,
-              "ways": [{**vars(way), "per_s": way.per_s} for way in ways]}
-    table = Table(title="history writes: direct, kept while the database is away, replayed", title_justify="left",
-                  caption="one job finish per write; away = connection refused", caption_justify="left")
+    report = {
+        "benchmark": "outbox",
+        "host": _host(),
+        "writes": writes,
+        "left_in_outbox": left,
+        "ways": [{**vars(way), "per_s": way.per_s} for way in ways],
+    }
+    table = Table(
+        title="history writes: direct, kept while the database is away, replayed",
+        title_justify="left",
+        caption="one job finish per write; away = connection refused",
+        caption_justify="left",
+    )
     for header in ("way", "writes", "p50 ms", "p99 ms", "total s", "writes/s"):
         table.add_column(header, justify="left" if header == "way" else "right")
     for way in ways:
         timed = way.p50_ms or way.p99_ms
-        table.add_row(way.name, str(way.writes), f"{way.p50_ms:.2f}" if timed else "-",
-                      f"{way.p99_ms:.2f}" if timed else "-", f"{way.total_s:.2f}", f"{way.per_s:,.0f}")
+        table.add_row(
+            way.name,
+            str(way.writes),
+            f"{way.p50_ms:.2f}" if timed else "-",
+            f"{way.p99_ms:.2f}" if timed else "-",
+            f"{way.total_s:.2f}",
+            f"{way.per_s:,.0f}",
+        )
     console.print(table)
     console.print(f"{ways[1].writes} kept, {ways[2].writes} replayed, {left} left in the outbox")
     _write(report, json_path or settings.home / "bench" / "outbox.json", console)

@@ -14,6 +14,8 @@ def check() -> None:
     settings = get_settings()
     catalog = load_catalog(settings.catalog)
     catalog.check_model_paths()
-    typer.echo(f"settings ok; broker {'embedded filesystem' if settings.is_embedded else 'configured'}; "
-               f"catalog {settings.catalog}: {len(catalog.models)} model(s), {len(catalog.templates)} template(s), "
-               f"{len(catalog.endpoints)} endpoint(s), {len(catalog.schedules)} schedule(s)")
+    typer.echo(
+        f"settings ok; broker {'embedded filesystem' if settings.is_embedded else 'configured'}; "
+        f"catalog {settings.catalog}: {len(catalog.models)} model(s), {len(catalog.templates)} template(s), "
+        f"{len(catalog.endpoints)} endpoint(s), {len(catalog.schedules)} schedule(s)"
+    )

@@ -92,18 +92,27 @@ def measure(spec: EndpointSpec, catalog: Catalog, template: str, model: str, rou
     try:
         for i in range(rounds):
             # Each round starts with another way, so none always follows the same one.
-            for name in order[i % 3:] + order[:i % 3]:
+            for name in order[i % 3 :] + order[: i % 3]:
                 runs[name].append(ways[name]())
     finally:
         steady_pool.close()
-    return ConnectReport(rounds, statistics.median(runs["fresh"]), statistics.median(runs["preopened"]),
-                         statistics.median(runs["steady"]), statistics.median(establish))
+    return ConnectReport(
+        rounds,
+        statistics.median(runs["fresh"]),
+        statistics.median(runs["preopened"]),
+        statistics.median(runs["steady"]),
+        statistics.median(establish),
+    )
 
 
 def run(catalog: Catalog, template: str, rounds: int, http2: bool, folder: Path, timeout_s: float) -> ConnectReport:
     tls = make_tls(folder / "tls")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREHEAT_SERVE_TLS_CERT": str(tls["cert"]),
-           "PREHEAT_SERVE_TLS_KEY": str(tls["key"])}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PREHEAT_SERVE_TLS_CERT": str(tls["cert"]),
+        "PREHEAT_SERVE_TLS_KEY": str(tls["key"]),
+    }
     env.pop("PREHEAT_SERVE_API_KEY", None)
     server = procs.start_serve(env, folder / "logs", name="bench-serve")
     with procs.running(server):

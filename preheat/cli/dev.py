@@ -33,8 +33,10 @@ def _one_request(catalog, timeout: float) -> tuple[str, dict]:
     from preheat.celery import app
 
     template = next(iter(catalog.templates))
-    pending = app.send_task("preheat.infer", kwargs={"template": template, "max_new_tokens": 8,
-                                                     "user_input": catalog.template(template).probe})
+    pending = app.send_task(
+        "preheat.infer",
+        kwargs={"template": template, "max_new_tokens": 8, "user_input": catalog.template(template).probe},
+    )
     return template, pending.get(timeout=timeout)
 
 
@@ -57,7 +59,6 @@ def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait fo
     start a worker and beat, warm every template, print the run read back from history, stop."""
     import os
     import socket
-
 
     from preheat import history, migrate, procs
     from preheat.catalog import load_catalog
@@ -91,10 +92,14 @@ def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait fo
         run = history.get_run(session, run.id)  # read back from the history DB, not from memory
     console.print(render.jobs_table(run))
     render.print_reasons(console, run)
-    console.print(f"history: {settings.database if settings.database.startswith('sqlite') else 'configured DB'}; "
-                  f"see it again with `preheat history {run.id.hex[:8]}`")
+    console.print(
+        f"history: {settings.database if settings.database.startswith('sqlite') else 'configured DB'}; "
+        f"see it again with `preheat history {run.id.hex[:8]}`"
+    )
     template, reply = answer
-    console.print(f"a request with template {template!r} through its model's queue: TTFT {reply['ttft_ms']:,.1f} ms, "
-                  f"{reply['cached_tokens']} of {reply['prompt_tokens']} prompt tokens from the cached prefix")
+    console.print(
+        f"a request with template {template!r} through its model's queue: TTFT {reply['ttft_ms']:,.1f} ms, "
+        f"{reply['cached_tokens']} of {reply['prompt_tokens']} prompt tokens from the cached prefix"
+    )
     if str(run.status) != "succeeded":
         raise typer.Exit(1)

@@ -36,8 +36,10 @@ def ensure_no_live_workers(why: str) -> None:
     with session_scope() as session:
         live = [w.nodename for w in registry.live_workers(session, get_settings().worker_dead_after_s)]
     if live:
-        raise ConfigError(f"{why}, but live worker(s) would take part: {', '.join(live)}; stop them or point "
-                          f"PREHEAT_HOME / the broker at a separate stack")
+        raise ConfigError(
+            f"{why}, but live worker(s) would take part: {', '.join(live)}; stop them or point "
+            f"PREHEAT_HOME / the broker at a separate stack"
+        )
 
 
 # First request -------------------------------------------------------------------------
@@ -57,14 +59,16 @@ class FirstRequestRound:
         return self.first_ttft_ms / self.steady_ttft_ms
 
 
-def first_request_round(template: str, user_input: str, gated: bool, steady_requests: int, log_dir: Path,
-                        timeout_s: float) -> FirstRequestRound:
+def first_request_round(
+    template: str, user_input: str, gated: bool, steady_requests: int, log_dir: Path, timeout_s: float
+) -> FirstRequestRound:
     """Start a fresh worker, send one request the moment it is launched, then more."""
     from preheat.celery import app
 
     def ask() -> dict:
-        pending = app.send_task("preheat.infer", kwargs={"template": template, "user_input": user_input,
-                                                         "max_new_tokens": 1})
+        pending = app.send_task(
+            "preheat.infer", kwargs={"template": template, "user_input": user_input, "max_new_tokens": 1}
+        )
         return pending.get(timeout=timeout_s)
 
     env = _worker_env(PREHEAT_GATE_INFERENCE="true" if gated else "false")
@@ -75,8 +79,9 @@ def first_request_round(template: str, user_input: str, gated: bool, steady_requ
         first = ask()
         answered_s = time.perf_counter() - launched
         steady = [ask()["ttft_ms"] for _ in range(steady_requests)]
-    return FirstRequestRound(gated, first["ttft_ms"], answered_s, first["cached_tokens"], statistics.median(steady),
-                             steady_requests)
+    return FirstRequestRound(
+        gated, first["ttft_ms"], answered_s, first["cached_tokens"], statistics.median(steady), steady_requests
+    )
 
 
 def summarise_first_requests(rounds: list[FirstRequestRound], target: float) -> dict:
@@ -87,14 +92,26 @@ def summarise_first_requests(rounds: list[FirstRequestRound], target: float) -> 
             continue
         first = statistics.median(r.first_ttft_ms for r in mine)
         steady = statistics.median(r.steady_ttft_ms for r in mine)
-        rows.append({"gated": gated, "rounds": len(mine), "first_ttft_ms": first, "steady_ttft_ms": steady,
-                     "first_over_steady": first / steady,
-                     "first_answered_s": statistics.median(r.first_answered_s for r in mine),
-                     "first_cached_tokens": statistics.median(r.first_cached_tokens for r in mine)})
+        rows.append(
+            {
+                "gated": gated,
+                "rounds": len(mine),
+                "first_ttft_ms": first,
+                "steady_ttft_ms": steady,
+                "first_over_steady": first / steady,
+                "first_answered_s": statistics.median(r.first_answered_s for r in mine),
+                "first_cached_tokens": statistics.median(r.first_cached_tokens for r in mine),
+            }
+        )
     gated_row = next((row for row in rows if row["gated"]), None)
-    return {"rows": rows, "rounds": [asdict(r) | {"first_over_steady": r.first_over_steady} for r in rounds],
-            "target": {"first_over_steady": f"<= {target}",
-                       "met": gated_row is not None and gated_row["first_over_steady"] <= target}}
+    return {
+        "rows": rows,
+        "rounds": [asdict(r) | {"first_over_steady": r.first_over_steady} for r in rounds],
+        "target": {
+            "first_over_steady": f"<= {target}",
+            "met": gated_row is not None and gated_row["first_over_steady"] <= target,
+        },
+    }
 
 
 # Fan-out -----------------------------------------------------------------------------
@@ -144,8 +161,12 @@ def median_fanout(rows: list[FanoutRow]) -> FanoutRow:
     for row in rows:
         for status, count in row.statuses.items():
             statuses[status] = statuses.get(status, 0) + count
-    return FanoutRow(rows[0].workers, statistics.median(r.total_s for r in rows),
-                     statistics.median(r.slowest_worker_s for r in rows), statuses)
+    return FanoutRow(
+        rows[0].workers,
+        statistics.median(r.total_s for r in rows),
+        statistics.median(r.slowest_worker_s for r in rows),
+        statuses,
+    )
 
 
 def _all_ready(names: list[str]) -> bool:

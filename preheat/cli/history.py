@@ -47,8 +47,9 @@ def history(
                 raise UnknownNameError(f"no run matches {run!r}")
             runs = [found]
         else:
-            runs = service.list_runs(session, trigger=trigger, status=status,
-                                     since=parse_since(since) if since else None, limit=limit)
+            runs = service.list_runs(
+                session, trigger=trigger, status=status, since=parse_since(since) if since else None, limit=limit
+            )
     if as_json:
         payload = render.run_json(runs[0]) if run is not None else [render.run_json(r) for r in runs]
         print(json.dumps(payload, indent=2))

@@ -27,14 +27,17 @@ def infer(
     from preheat.celery import app
 
     # The router resolves the template's model queue: an unknown template fails here, unsent.
-    pending = app.send_task("preheat.infer", kwargs={"template": template, "user_input": user_input,
-                                                     "max_new_tokens": max_tokens})
+    pending = app.send_task(
+        "preheat.infer", kwargs={"template": template, "user_input": user_input, "max_new_tokens": max_tokens}
+    )
     try:
         answer = pending.get(timeout=timeout, propagate=True)
     except ResultTimeout:
         pending.revoke()
-        console.print(f"[yellow]no warm worker answered within {timeout:.0f} s; is a worker running with "
-                      f"{template!r} warm? (`preheat warm`)[/]")
+        console.print(
+            f"[yellow]no warm worker answered within {timeout:.0f} s; is a worker running with "
+            f"{template!r} warm? (`preheat warm`)[/]"
+        )
         raise typer.Exit(EXIT_TIMEOUT) from None
     except Exception as exc:  # raised on the worker, re-raised here by Celery
         raise PreheatError(f"the worker refused the request: {exc}") from None
@@ -42,6 +45,8 @@ def infer(
         print(json.dumps(answer, indent=2))
         return
     console.print(answer["text"], highlight=False, markup=False)
-    console.print(f"[dim]TTFT {answer['ttft_ms']:,.1f} ms · {answer['cached_tokens']} of {answer['prompt_tokens']} "
-                  f"prompt tokens from the cache · {len(answer['token_ids'])} tokens in {answer['total_ms']:,.1f} ms · "
-                  f"{answer['finish_reason']}[/]")
+    console.print(
+        f"[dim]TTFT {answer['ttft_ms']:,.1f} ms · {answer['cached_tokens']} of {answer['prompt_tokens']} "
+        f"prompt tokens from the cache · {len(answer['token_ids'])} tokens in {answer['total_ms']:,.1f} ms · "
+        f"{answer['finish_reason']}[/]"
+    )

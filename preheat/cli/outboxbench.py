@@ -83,16 +83,26 @@ def _throwaway_runs(jobs: int) -> tuple[list[str], str]:
         runs = []
         for _ in range(-(-jobs // JOBS_PER_RUN)):
             run = history.create_run(session, trigger=TriggerKind.manual, requested_by="preheat bench outbox")
-            history.add_jobs(session, run, target=target, task_id=str(uuid.uuid4()),
-                             model_templates=[("bench", f"t{n}") for n in range(JOBS_PER_RUN)])
+            history.add_jobs(
+                session,
+                run,
+                target=target,
+                task_id=str(uuid.uuid4()),
+                model_templates=[("bench", f"t{n}") for n in range(JOBS_PER_RUN)],
+            )
             runs.append(str(run.id))
         return runs, target
 
 
 def _finish(runs: list[str], target: str, n: int) -> dict:
-    return {"run_id": runs[n // JOBS_PER_RUN], "target": target, "template": f"t{n % JOBS_PER_RUN}",
-            "status": "warm", "measured": {"prefill_ms": 12.5, "ttft_warm_ms": 3.25, "cached_tokens": 48},
-            "at": utcnow()}
+    return {
+        "run_id": runs[n // JOBS_PER_RUN],
+        "target": target,
+        "template": f"t{n % JOBS_PER_RUN}",
+        "status": "warm",
+        "measured": {"prefill_ms": 12.5, "ttft_warm_ms": 3.25, "cached_tokens": 48},
+        "at": utcnow(),
+    }
 
 
 def _timed_writes(box: outbox.Outbox, payloads: list[dict], name: str) -> Way:
@@ -117,8 +127,9 @@ def run(writes: int, folder: Path) -> tuple[list[Way], int]:
     try:
         direct = _timed_writes(box, [_finish(runs, target, n) for n in range(writes)], "written directly")
         with database_away():
-            kept = _timed_writes(box, [_finish(runs, target, writes + n) for n in range(writes)],
-                                 "database away: kept in the outbox")
+            kept = _timed_writes(
+                box, [_finish(runs, target, writes + n) for n in range(writes)], "database away: kept in the outbox"
+            )
         started = time.perf_counter()
         replayed = box.replay(limit=writes)
         replay = Way("replayed once it is back", replayed, 0.0, 0.0, time.perf_counter() - started)

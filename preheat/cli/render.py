@@ -33,25 +33,51 @@ def _kib(value: int | None) -> str:
     return "-" if value is None else f"{value / 1024:,.0f}"
 
 
-JOB_COLUMNS = ("target", "template", "status", "load ms", "connect ms", "prefill ms", "TTFT cold", "TTFT warm",
-               "TTFT bare", "TTFT steady", "saved", "tokens", "KiB")
+JOB_COLUMNS = (
+    "target",
+    "template",
+    "status",
+    "load ms",
+    "connect ms",
+    "prefill ms",
+    "TTFT cold",
+    "TTFT warm",
+    "TTFT bare",
+    "TTFT steady",
+    "saved",
+    "tokens",
+    "KiB",
+)
 
 
 def jobs_table(run: WarmupRun) -> Table:
     models = sorted({f"{job.model} on {job.device}" if job.device else job.model for job in run.jobs})
-    table = Table(title=f"run {short_id(run)} · {run.trigger} · {run.status}", title_justify="left",
-                  caption=f"{'; '.join(models)} · TTFT in ms, median of the probe runs; "
-                          "bare = the probe with no system prompt; steady = the worker's served requests",
-                  caption_justify="left")
+    table = Table(
+        title=f"run {short_id(run)} · {run.trigger} · {run.status}",
+        title_justify="left",
+        caption=f"{'; '.join(models)} · TTFT in ms, median of the probe runs; "
+        "bare = the probe with no system prompt; steady = the worker's served requests",
+        caption_justify="left",
+    )
     for header in JOB_COLUMNS:
         table.add_column(header, justify="left" if header in JOB_COLUMNS[:3] else "right", no_wrap=True)
     for job in run.jobs:
         saved = saved_pct(job)
-        table.add_row(job.target, job.template, str(job.status), _ms(job.load_ms), _ms(job.connect_ms),
-                      _ms(job.prefill_ms),
-                      _ms(job.ttft_cold_ms), _ms(job.ttft_warm_ms), _ms(job.ttft_bare_ms), _ms(job.ttft_steady_ms),
-                      "-" if saved is None else f"{saved:.0f}%",
-                      "-" if job.cached_tokens is None else str(job.cached_tokens), _kib(job.cache_bytes))
+        table.add_row(
+            job.target,
+            job.template,
+            str(job.status),
+            _ms(job.load_ms),
+            _ms(job.connect_ms),
+            _ms(job.prefill_ms),
+            _ms(job.ttft_cold_ms),
+            _ms(job.ttft_warm_ms),
+            _ms(job.ttft_bare_ms),
+            _ms(job.ttft_steady_ms),
+            "-" if saved is None else f"{saved:.0f}%",
+            "-" if job.cached_tokens is None else str(job.cached_tokens),
+            _kib(job.cache_bytes),
+        )
     return table
 
 
@@ -70,10 +96,20 @@ def runs_table(runs: list[WarmupRun]) -> Table:
     for run in runs:
         done = sum(1 for job in run.jobs if job.status.is_final)
         # Nested parts (a peak schedule's peak) are in --json; the table keeps to one line each.
-        detail = ", ".join(f"{k}={v}" for k, v in (run.trigger_detail or {}).items()
-                           if not isinstance(v, dict | list)) or "-"
-        table.add_row(short_id(run), when(run.created_at), str(run.trigger), detail, run.requested_by,
-                      str(run.status), f"{done}/{len(run.jobs)}", when(run.finished_at))
+        detail = (
+            ", ".join(f"{k}={v}" for k, v in (run.trigger_detail or {}).items() if not isinstance(v, dict | list))
+            or "-"
+        )
+        table.add_row(
+            short_id(run),
+            when(run.created_at),
+            str(run.trigger),
+            detail,
+            run.requested_by,
+            str(run.status),
+            f"{done}/{len(run.jobs)}",
+            when(run.finished_at),
+        )
     return table
 
 
@@ -93,14 +129,26 @@ def run_json(run: WarmupRun) -> dict:
         "finished_at": _iso(run.finished_at),
         "jobs": [
             {
-                "target": job.target, "target_kind": str(job.target_kind), "model": job.model,
-                "template": job.template, "status": str(job.status), "celery_task_id": job.celery_task_id,
-                "device": job.device, "started_at": _iso(job.started_at), "finished_at": _iso(job.finished_at),
-                "load_ms": job.load_ms, "prefill_ms": job.prefill_ms, "ttft_cold_ms": job.ttft_cold_ms,
-                "ttft_warm_ms": job.ttft_warm_ms, "ttft_bare_ms": job.ttft_bare_ms,
-                "ttft_steady_ms": job.ttft_steady_ms, "connect_ms": job.connect_ms,
-                "saved_pct": saved_pct(job), "cached_tokens": job.cached_tokens,
-                "cache_bytes": job.cache_bytes, "error": job.error,
+                "target": job.target,
+                "target_kind": str(job.target_kind),
+                "model": job.model,
+                "template": job.template,
+                "status": str(job.status),
+                "celery_task_id": job.celery_task_id,
+                "device": job.device,
+                "started_at": _iso(job.started_at),
+                "finished_at": _iso(job.finished_at),
+                "load_ms": job.load_ms,
+                "prefill_ms": job.prefill_ms,
+                "ttft_cold_ms": job.ttft_cold_ms,
+                "ttft_warm_ms": job.ttft_warm_ms,
+                "ttft_bare_ms": job.ttft_bare_ms,
+                "ttft_steady_ms": job.ttft_steady_ms,
+                "connect_ms": job.connect_ms,
+                "saved_pct": saved_pct(job),
+                "cached_tokens": job.cached_tokens,
+                "cache_bytes": job.cache_bytes,
+                "error": job.error,
             }
             for job in run.jobs
         ],
@@ -116,22 +164,44 @@ def console() -> Console:
 def ttft_table(report: dict) -> Table:
     """`preheat bench ttft`: one row per system prompt length."""
     model = report["model"]
-    table = Table(title=f"TTFT with and without the cached prefix · {model['name']} ({model['architecture']}, "
-                        f"{model['parameters'] / 1e6:.1f} M params) on {report['device']}",
-                  title_justify="left",
-                  caption=f"ms, median of {report['repeats']} interleaved rounds; user input "
-                          f"{report['rows'][0]['user_tokens']} tokens; bare = no system prompt; overhead = "
-                          "lookup + id check + clone, as a share of warm",
-                  caption_justify="left")
-    headers = ("system tokens", "prefill", "TTFT cold", "TTFT warm", "TTFT bare", "saved", "warm/bare", "reuse",
-               "overhead", "cache MiB", "same token")
+    table = Table(
+        title=f"TTFT with and without the cached prefix · {model['name']} ({model['architecture']}, "
+        f"{model['parameters'] / 1e6:.1f} M params) on {report['device']}",
+        title_justify="left",
+        caption=f"ms, median of {report['repeats']} interleaved rounds; user input "
+        f"{report['rows'][0]['user_tokens']} tokens; bare = no system prompt; overhead = "
+        "lookup + id check + clone, as a share of warm",
+        caption_justify="left",
+    )
+    headers = (
+        "system tokens",
+        "prefill",
+        "TTFT cold",
+        "TTFT warm",
+        "TTFT bare",
+        "saved",
+        "warm/bare",
+        "reuse",
+        "overhead",
+        "cache MiB",
+        "same token",
+    )
     for header in headers:
         table.add_column(header, justify="right", no_wrap=True)
     for row in report["rows"]:
-        table.add_row(f"{row['system_tokens']:,}", _ms(row["prefill_ms"]), _ms(row["ttft_cold_ms"]),
-                      _ms(row["ttft_warm_ms"]), _ms(row["ttft_bare_ms"]), f"{row['saved_pct']:.1f}%",
-                      f"{row['warm_over_bare']:.2f}", f"{row['reuse_ms']:.3f}", f"{row['reuse_overhead_pct']:.2f}%",
-                      f"{row['cache_bytes'] / 2**20:,.1f}", "yes" if row["same_first_token"] else "NO")
+        table.add_row(
+            f"{row['system_tokens']:,}",
+            _ms(row["prefill_ms"]),
+            _ms(row["ttft_cold_ms"]),
+            _ms(row["ttft_warm_ms"]),
+            _ms(row["ttft_bare_ms"]),
+            f"{row['saved_pct']:.1f}%",
+            f"{row['warm_over_bare']:.2f}",
+            f"{row['reuse_ms']:.3f}",
+            f"{row['reuse_overhead_pct']:.2f}%",
+            f"{row['cache_bytes'] / 2**20:,.1f}",
+            "yes" if row["same_first_token"] else "NO",
+        )
     return table
 
 
@@ -143,19 +213,34 @@ def worker_state(record: WorkerRecord, live: bool) -> str:
 
 def workers_table(records: list[tuple[WorkerRecord, bool]]) -> Table:
     """`preheat workers`: what each worker's latest heartbeat said."""
-    table = Table(title="preheat workers", title_justify="left",
-                  caption="cache = the KV prefix cache: entries and bytes against the worker's budget; "
-                          "outbox = history writes waiting for the database",
-                  caption_justify="left")
-    for header in ("worker", "state", "last heartbeat (UTC)", "models", "cache entries", "cache MiB", "hit rate",
-                   "outbox", "not ready because"):
+    table = Table(
+        title="preheat workers",
+        title_justify="left",
+        caption="cache = the KV prefix cache: entries and bytes against the worker's budget; "
+        "outbox = history writes waiting for the database",
+        caption_justify="left",
+    )
+    for header in (
+        "worker",
+        "state",
+        "last heartbeat (UTC)",
+        "models",
+        "cache entries",
+        "cache MiB",
+        "hit rate",
+        "outbox",
+        "not ready because",
+    ):
         table.add_column(header, justify="right" if header.startswith(("cache", "hit", "outbox")) else "left")
     for record, live in records:
         state, cache = record.state or {}, (record.state or {}).get("cache", {})
         models = ", ".join(f"{name} ({spec['device']})" for name, spec in state.get("models", {}).items()) or "-"
         lookups = cache.get("hits", 0) + cache.get("misses", 0)
         table.add_row(
-            record.nodename, worker_state(record, live), when(record.heartbeat_at), models,
+            record.nodename,
+            worker_state(record, live),
+            when(record.heartbeat_at),
+            models,
             f"{cache.get('entries', 0)}/{cache.get('max_entries', '-')}",
             f"{cache.get('bytes', 0) / 2**20:,.1f}/{cache.get('max_bytes', 0) / 2**20:,.0f}",
             f"{100 * cache.get('hits', 0) / lookups:.0f}%" if lookups else "-",
@@ -173,6 +258,14 @@ def outbox_cell(counts: dict | None) -> str:
 
 
 def worker_json(record: WorkerRecord, live: bool) -> dict:
-    return {"nodename": record.nodename, "hostname": record.hostname, "pid": record.pid,
-            "state": worker_state(record, live), "ready": record.ready, "started_at": _iso(record.started_at),
-            "heartbeat_at": _iso(record.heartbeat_at), "stopped_at": _iso(record.stopped_at), **(record.state or {})}
+    return {
+        "nodename": record.nodename,
+        "hostname": record.hostname,
+        "pid": record.pid,
+        "state": worker_state(record, live),
+        "ready": record.ready,
+        "started_at": _iso(record.started_at),
+        "heartbeat_at": _iso(record.heartbeat_at),
+        "stopped_at": _iso(record.stopped_at),
+        **(record.state or {}),
+    }

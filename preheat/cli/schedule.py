@@ -26,7 +26,9 @@ def add(
     timezone: str = typer.Option(None, "--tz", "--timezone", help="IANA zone of the cron (default PREHEAT_TIMEZONE)."),
     lead: int = typer.Option(0, "--lead", help="Seconds ahead of the cron time to fire the warmup (0 to 86400)."),
     template: list[str] = typer.Option(None, "--template", "-t", help="Template to warm (repeat; default: all)."),
-    worker: list[str] = typer.Option(None, "--worker", "-w", help="Only these workers (repeat; default: every live one)."),
+    worker: list[str] = typer.Option(
+        None, "--worker", "-w", help="Only these workers (repeat; default: every live one)."
+    ),
     endpoint: list[str] = typer.Option(None, "--endpoint", "-e", help="Warm these endpoints instead of workers."),
     paused: bool = typer.Option(False, "--paused", help="Add it paused (resume to start it)."),
 ) -> None:
@@ -36,8 +38,15 @@ def add(
     settings = get_settings()
     targets = store.targets_of(load_catalog(settings.catalog), templates=template, workers=worker, endpoints=endpoint)
     with session_scope() as session:
-        schedule = store.add(session, name=name, cron=cron, timezone=timezone or settings.timezone, targets=targets,
-                             lead_time_s=lead, enabled=not paused)
+        schedule = store.add(
+            session,
+            name=name,
+            cron=cron,
+            timezone=timezone or settings.timezone,
+            targets=targets,
+            lead_time_s=lead,
+            enabled=not paused,
+        )
         console.print(f"schedule [bold]{schedule.name}[/] added: {_describe(schedule)}")
 
 
@@ -57,14 +66,31 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON instead
         console.print("no schedules (add one with `preheat schedule add`)")
         return
     table = Table(title="schedules", title_justify="left")
-    for header in ("name", "kind", "cron", "time zone", "lead s", "targets", "state", "next fire (UTC)", "latest slot (UTC)"):
+    for header in (
+        "name",
+        "kind",
+        "cron",
+        "time zone",
+        "lead s",
+        "targets",
+        "state",
+        "next fire (UTC)",
+        "latest slot (UTC)",
+    ):
         table.add_column(header, no_wrap=header != "targets")
     for schedule, slot in rows:
         next_fire = next_fire_at(schedule)
-        table.add_row(schedule.name, str(schedule.kind), schedule.cron, schedule.timezone, str(schedule.lead_time_s),
-                      _targets(schedule.targets), "enabled" if schedule.enabled else "paused",
-                      render.when(next_fire) if schedule.enabled and next_fire else "-",
-                      f"{render.when(slot.slot_at)} {slot.status}" if slot else "-")
+        table.add_row(
+            schedule.name,
+            str(schedule.kind),
+            schedule.cron,
+            schedule.timezone,
+            str(schedule.lead_time_s),
+            _targets(schedule.targets),
+            "enabled" if schedule.enabled else "paused",
+            render.when(next_fire) if schedule.enabled and next_fire else "-",
+            f"{render.when(slot.slot_at)} {slot.status}" if slot else "-",
+        )
     console.print(table)
 
 
@@ -110,8 +136,15 @@ def slots(
     for header in ("schedule", "slot", "fired at", "status", "run", "attempts", "reason"):
         table.add_column(header, no_wrap=header != "reason")
     for row in rows:
-        table.add_row(row.schedule_name, render.when(row.slot_at), render.when(row.fire_at), str(row.status),
-                      row.run_id.hex[:8] if row.run_id else "-", str(row.attempts), row.error or "")
+        table.add_row(
+            row.schedule_name,
+            render.when(row.slot_at),
+            render.when(row.fire_at),
+            str(row.status),
+            row.run_id.hex[:8] if row.run_id else "-",
+            str(row.attempts),
+            row.error or "",
+        )
     console.print(table)
 
 
@@ -139,20 +172,34 @@ def _targets(targets: dict) -> str:
 
 def _describe(schedule: Schedule) -> str:
     next_fire = next_fire_at(schedule)
-    return (f"{schedule.cron} ({schedule.timezone}), lead {schedule.lead_time_s} s, {_targets(schedule.targets)}; "
-            + (f"next fire {render.when(next_fire)} UTC" if schedule.enabled else "paused"))
+    return f"{schedule.cron} ({schedule.timezone}), lead {schedule.lead_time_s} s, {_targets(schedule.targets)}; " + (
+        f"next fire {render.when(next_fire)} UTC" if schedule.enabled else "paused"
+    )
 
 
 def schedule_json(schedule: Schedule, latest: ScheduleSlot | None = None) -> dict:
     next_fire = next_fire_at(schedule) if schedule.enabled else None
-    return {"name": schedule.name, "kind": str(schedule.kind), "cron": schedule.cron, "timezone": schedule.timezone,
-            "lead_time_s": schedule.lead_time_s, "targets": schedule.targets, "enabled": schedule.enabled,
-            "detail": schedule.detail, "next_fire_at": next_fire.isoformat() if next_fire else None,
-            "latest_slot": slot_json(latest) if latest else None}
+    return {
+        "name": schedule.name,
+        "kind": str(schedule.kind),
+        "cron": schedule.cron,
+        "timezone": schedule.timezone,
+        "lead_time_s": schedule.lead_time_s,
+        "targets": schedule.targets,
+        "enabled": schedule.enabled,
+        "detail": schedule.detail,
+        "next_fire_at": next_fire.isoformat() if next_fire else None,
+        "latest_slot": slot_json(latest) if latest else None,
+    }
 
 
 def slot_json(row: ScheduleSlot) -> dict:
-    return {"schedule": row.schedule_name, "slot_at": aware(row.slot_at).isoformat(),
-            "fire_at": aware(row.fire_at).isoformat(),
-            "status": str(row.status), "run_id": str(row.run_id) if row.run_id else None, "attempts": row.attempts,
-            "error": row.error}
+    return {
+        "schedule": row.schedule_name,
+        "slot_at": aware(row.slot_at).isoformat(),
+        "fire_at": aware(row.fire_at).isoformat(),
+        "status": str(row.status),
+        "run_id": str(row.run_id) if row.run_id else None,
+        "attempts": row.attempts,
+        "error": row.error,
+    }

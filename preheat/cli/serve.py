@@ -45,7 +45,8 @@ def serve(
     config = ServeConfig(
         token=settings.serve_token.get_secret_value() if settings.serve_token else None,
         api_key=settings.serve_api_key.get_secret_value() if settings.serve_api_key else None,
-        max_body_bytes=int(settings.serve_max_body_bytes))
+        max_body_bytes=int(settings.serve_max_body_bytes),
+    )
     server = Server(runtime, config)
     host, port = host or settings.serve_host, settings.serve_port if port is None else port
     try:
@@ -53,8 +54,13 @@ def serve(
     except OSError as exc:
         raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}); set PREHEAT_SERVE_PORT") from None
     scheme = "https" if context else "http"
-    log.info("preheat serve on %s://%s:%d (internal endpoints %s)", scheme, host, bound,
-             "on" if config.token else "off: no PREHEAT_SERVE_TOKEN")
+    log.info(
+        "preheat serve on %s://%s:%d (internal endpoints %s)",
+        scheme,
+        host,
+        bound,
+        "on" if config.token else "off: no PREHEAT_SERVE_TOKEN",
+    )
     threading.Thread(target=runtime.preload, name="preheat-preload", daemon=True).start()
     loop = tornado.ioloop.IOLoop.current()
 

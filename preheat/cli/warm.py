@@ -39,8 +39,7 @@ def _reap() -> None:
     """Settle jobs of dead workers now, so a wait never outlasts the reaper's bound."""
     settings = get_settings()
     with session_scope() as session:
-        registry.reap(session, dead_after_s=settings.worker_dead_after_s,
-                      time_limit_s=settings.task_time_limit_s)
+        registry.reap(session, dead_after_s=settings.worker_dead_after_s, time_limit_s=settings.task_time_limit_s)
 
 
 def wait_for_run(run_id: uuid.UUID, timeout_s: float, show_progress: bool, poll_s: float = 0.25) -> WarmupRun:
@@ -48,8 +47,15 @@ def wait_for_run(run_id: uuid.UUID, timeout_s: float, show_progress: bool, poll_
     deadline = time.monotonic() + timeout_s
     run = _load(run_id)
     next_reap = time.monotonic() + 5
-    with Progress(TextColumn("warming"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=not show_progress, transient=True) as progress:
+    with Progress(
+        TextColumn("warming"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not show_progress,
+        transient=True,
+    ) as progress:
         bar = progress.add_task("jobs", total=len(run.jobs))
         while time.monotonic() < deadline:
             run = _load(run_id)
@@ -66,8 +72,9 @@ def wait_for_run(run_id: uuid.UUID, timeout_s: float, show_progress: bool, poll_
 def warm(
     template: list[str] = typer.Option(None, "--template", "-t", help="Template to warm (repeat; default: all)."),
     worker: list[str] = typer.Option(None, "--worker", "-w", help="Worker nodename (repeat; default: every live one)."),
-    endpoint: list[str] = typer.Option(None, "--endpoint", "-e",
-                                       help="Catalog endpoint to warm instead of workers (repeat)."),
+    endpoint: list[str] = typer.Option(
+        None, "--endpoint", "-e", help="Catalog endpoint to warm instead of workers (repeat)."
+    ),
     if_cold: bool = typer.Option(False, "--if-cold", help="Skip templates a worker already holds warm."),
     wait: bool = typer.Option(False, "--wait", help="Wait for every job and print what was measured."),
     timeout: float = typer.Option(600.0, "--timeout", min=1.0, help="Seconds --wait waits."),
@@ -83,15 +90,22 @@ def warm(
     if endpoint and worker:
         raise ConfigError("give --worker or --endpoint, not both: a run warms workers or endpoints")
     if endpoint:
-        dispatched = dispatch_endpoint_warmup(endpoint, templates=template or None,
-                                              requested_by=requested_by or _requester())
+        dispatched = dispatch_endpoint_warmup(
+            endpoint, templates=template or None, requested_by=requested_by or _requester()
+        )
     else:
-        dispatched = dispatch_warmup(templates=template or None, workers=worker or None,
-                                     requested_by=requested_by or _requester(), only_if_cold=if_cold)
+        dispatched = dispatch_warmup(
+            templates=template or None,
+            workers=worker or None,
+            requested_by=requested_by or _requester(),
+            only_if_cold=if_cold,
+        )
     if not as_json:
         kind = "endpoint(s)" if endpoint else "worker(s)"
-        console.print(f"run [bold]{dispatched.run_id.hex[:8]}[/] queued: {len(dispatched.templates)} template(s) "
-                      f"on {len(dispatched.workers)} {kind}: {', '.join(dispatched.workers)}")
+        console.print(
+            f"run [bold]{dispatched.run_id.hex[:8]}[/] queued: {len(dispatched.templates)} template(s) "
+            f"on {len(dispatched.workers)} {kind}: {', '.join(dispatched.workers)}"
+        )
     if not wait:
         if as_json:
             print(json.dumps(render.run_json(_load(dispatched.run_id)), indent=2))

@@ -23,10 +23,12 @@ def _run_until_signalled(watcher) -> None:
 def watch_pods(
     namespace: str = typer.Option(..., "--namespace", "-n", help="Namespace of the pods."),
     selector: str = typer.Option(None, "--selector", "-l", help="Label selector, e.g. app=vllm."),
-    endpoint: str = typer.Option(None, "--endpoint", "-e",
-                                 help="Pods are replicas of this catalog endpoint: warm each at its IP and port."),
-    worker_name: str = typer.Option(None, "--worker-name",
-                                    help='Pods are preheat workers named like this, e.g. "gpu0@{pod}".'),
+    endpoint: str = typer.Option(
+        None, "--endpoint", "-e", help="Pods are replicas of this catalog endpoint: warm each at its IP and port."
+    ),
+    worker_name: str = typer.Option(
+        None, "--worker-name", help='Pods are preheat workers named like this, e.g. "gpu0@{pod}".'
+    ),
     port: int = typer.Option(None, "--port", min=1, max=65535, help="The server's port (default: --port-name's)."),
     port_name: str = typer.Option("http", "--port-name", help="Container port to use when --port is not given."),
     template: list[str] = typer.Option(None, "--template", "-t", help="Templates to prime (default: the target's)."),
@@ -39,8 +41,9 @@ def watch_pods(
     from schedules.pods import PodTarget, PodWatcher, kube_api
     from tasks.fleet import prime_dispatch
 
-    target = PodTarget(endpoint=endpoint, worker_name=worker_name, port=port, port_name=port_name,
-                       templates=tuple(template or ()))
+    target = PodTarget(
+        endpoint=endpoint, worker_name=worker_name, port=port, port_name=port_name, templates=tuple(template or ())
+    )
     catalog = load_catalog(get_settings().catalog)
     if endpoint:
         catalog.endpoint(endpoint)  # an unknown endpoint fails now, not at the first Ready pod

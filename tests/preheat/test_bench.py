@@ -8,8 +8,14 @@ from tests.conftest import PREHEAT_CLI
 
 
 def bench(stack, *args):
-    return subprocess.run([PREHEAT_CLI, "bench", "ttft", *args], env=stack.env, cwd=stack.home,
-                          capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [PREHEAT_CLI, "bench", "ttft", *args],
+        env=stack.env,
+        cwd=stack.home,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def test_ttft_prints_the_table_and_writes_the_json(embedded_stack, tmp_path):
@@ -46,13 +52,22 @@ def test_outbox_compares_direct_kept_and_replayed_writes_and_leaves_nothing_behi
     from preheat.models import AppliedWrite, WarmupJob, WarmupRun
 
     out = tmp_path / "outbox.json"
-    done = subprocess.run([PREHEAT_CLI, "bench", "outbox", "--writes", "20", "--json", str(out)], env=stack.env,
-                          cwd=stack.home, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [PREHEAT_CLI, "bench", "outbox", "--writes", "20", "--json", str(out)],
+        env=stack.env,
+        cwd=stack.home,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr
     assert "20 kept, 20 replayed, 0 left in the outbox" in done.stdout
     report = json.loads(out.read_text())
-    assert [way["name"] for way in report["ways"]] == ["written directly", "database away: kept in the outbox",
-                                                       "replayed once it is back"]
+    assert [way["name"] for way in report["ways"]] == [
+        "written directly",
+        "database away: kept in the outbox",
+        "replayed once it is back",
+    ]
     assert all(way["writes"] == 20 for way in report["ways"]) and report["left_in_outbox"] == 0
     with session_scope() as session:  # the throwaway run and its bookkeeping are gone
         for table in (WarmupRun, WarmupJob, AppliedWrite):

@@ -57,7 +57,10 @@ def test_hub_ids_are_passed_through(tmp_path):
         ('[models.m]\npath = "/m"\n[templates.a]\nmodel = "m"\nsystem_prompt = "  "\n', "system_prompt is empty"),
         ('[models.m]\npath = "/m"\ncolour = "red"\n', "models.m.colour: Extra inputs are not permitted"),
         ('[models.m]\npath = "/m"\ndtype = "int3"\n', "models.m.dtype"),
-        ('[models.m]\npath = "/m"\nhub_id = "org/m"\n', "models.m: give exactly one of path (a local folder) or hub_id"),
+        (
+            '[models.m]\npath = "/m"\nhub_id = "org/m"\n',
+            "models.m: give exactly one of path (a local folder) or hub_id",
+        ),
         ('[models.m]\nhub_id = "../etc"\n', "models.m.hub_id"),
         ('[schedules.s]\ncron = "61 8 * * *"\ntemplates = ["a"]\n', "cron '61 8 * * *' is invalid"),
         ('[schedules.s]\ncron = "8 * * *"\ntemplates = ["a"]\n', "must have 5 fields"),
@@ -89,7 +92,7 @@ def test_missing_or_incomplete_model_folder(tmp_path):
     with pytest.raises(ConfigError, match=f"model 'tiny': directory {tmp_path / 'models' / 'tiny'} does not exist"):
         catalog.check_model_paths()
     (tmp_path / "models" / "tiny").mkdir(parents=True)
-    with pytest.raises(ConfigError, match="has no config.json"):
+    with pytest.raises(ConfigError, match=r"has no config\.json"):
         catalog.check_model_paths()
 
 
@@ -117,16 +120,26 @@ def test_the_current_catalog_is_parsed_again_only_when_the_file_changes(tmp_path
         current_catalog(tmp_path / "missing.toml")
 
 
-@pytest.mark.parametrize(("hours", "utc_hour", "active"), [
-    ("07:00-20:00", 6, False), ("07:00-20:00", 7, True), ("07:00-20:00", 19, True), ("07:00-20:00", 20, False),
-    # An overnight range, in the endpoint's own zone (Berlin is UTC+1 in winter).
-    ("22:00-06:00", 20, False), ("22:00-06:00", 21, True), ("22:00-06:00", 4, True), ("22:00-06:00", 5, False),
-])
+@pytest.mark.parametrize(
+    ("hours", "utc_hour", "active"),
+    [
+        ("07:00-20:00", 6, False),
+        ("07:00-20:00", 7, True),
+        ("07:00-20:00", 19, True),
+        ("07:00-20:00", 20, False),
+        # An overnight range, in the endpoint's own zone (Berlin is UTC+1 in winter).
+        ("22:00-06:00", 20, False),
+        ("22:00-06:00", 21, True),
+        ("22:00-06:00", 4, True),
+        ("22:00-06:00", 5, False),
+    ],
+)
 def test_active_hours_are_read_in_the_endpoints_time_zone(hours, utc_hour, active):
     import datetime as dt
 
     from preheat.catalog import EndpointSpec
 
-    spec = EndpointSpec(base_url="http://x/v1", active_hours=hours,
-                        timezone="Europe/Berlin" if hours.startswith("22") else "UTC")
+    spec = EndpointSpec(
+        base_url="http://x/v1", active_hours=hours, timezone="Europe/Berlin" if hours.startswith("22") else "UTC"
+    )
     assert spec.is_active(dt.datetime(2026, 11, 30, utc_hour, 30, tzinfo=dt.UTC)) is active

@@ -22,9 +22,12 @@ from tests.conftest import write_catalog
 
 @pytest.fixture
 def settings(tmp_path, tiny_model, apply_env):
-    catalog = write_catalog(tmp_path, tiny_model, '\n[schedules.morning]\ncron = "50 8 * * 1-5"\ntemplates = ["support"]\n')
-    apply_env({"PREHEAT_HOME": str(tmp_path / "home"), "PREHEAT_CATALOG": str(catalog),
-               "PREHEAT_TIMEZONE": "Europe/Berlin"})
+    catalog = write_catalog(
+        tmp_path, tiny_model, '\n[schedules.morning]\ncron = "50 8 * * 1-5"\ntemplates = ["support"]\n'
+    )
+    apply_env(
+        {"PREHEAT_HOME": str(tmp_path / "home"), "PREHEAT_CATALOG": str(catalog), "PREHEAT_TIMEZONE": "Europe/Berlin"}
+    )
     return load_settings()
 
 
@@ -61,7 +64,8 @@ def test_every_worker_has_its_own_queue_with_a_transport_safe_name():
 
 def test_requests_go_to_their_models_inference_queue_and_unknown_templates_are_refused(settings):
     assert route_task("preheat.infer", (), {"template": "support", "user_input": "hi"}, {}) == {
-        "queue": "preheat.infer.tiny"}
+        "queue": "preheat.infer.tiny"
+    }
     assert route_task("preheat.infer", ("support", "hi"), {}, {}) == {"queue": "preheat.infer.tiny"}
     with pytest.raises(UnknownNameError, match="unknown template 'nope'"):
         route_task("preheat.infer", (), {"template": "nope"}, {})
@@ -85,8 +89,13 @@ def test_tasks_are_named_under_preheat_and_share_the_base_task(settings):
     app = create_app(settings)
     app.loader.import_default_modules()
     names = {name for name in app.tasks if not name.startswith("celery.")}
-    assert names == {"preheat.warm_worker", "preheat.warm_fleet", "preheat.warm_endpoint", "preheat.keep_alive_endpoint",
-                     "preheat.infer"}
+    assert names == {
+        "preheat.warm_worker",
+        "preheat.warm_fleet",
+        "preheat.warm_endpoint",
+        "preheat.keep_alive_endpoint",
+        "preheat.infer",
+    }
     for name in names:
         assert PreheatTask in type(app.tasks[name]).__mro__
 
@@ -103,7 +112,11 @@ def test_flower_is_refused_without_auth():
 def test_celery_refuses_to_start_on_a_malformed_broker_url(command, apply_env):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREHEAT_")}
     env["PREHEAT_BROKER_URL"] = "redis:/no-host"
-    done = subprocess.run([sys.executable, "-m", "celery", "-A", "preheat", command], env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "preheat", command], env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2
-    assert done.stderr.strip() == "preheat: invalid setting PREHEAT_BROKER_URL: has no host (expected e.g. redis://127.0.0.1:6379/0)"
+    assert (
+        done.stderr.strip()
+        == "preheat: invalid setting PREHEAT_BROKER_URL: has no host (expected e.g. redis://127.0.0.1:6379/0)"
+    )

@@ -98,7 +98,6 @@ def test_db_upgrade_and_check(embedded):
     assert done.returncode == 0 and "models and migrations agree" in done.stdout
 
 
-
 def test_unreachable_services_exit_5_with_one_line(embedded, tmp_path):
     port = procs.free_port()  # nothing listens there
     broker_down = run("warm", env={**embedded.env, "PREHEAT_BROKER_URL": f"redis://:pw@127.0.0.1:{port}/0"})
@@ -107,8 +106,9 @@ def test_unreachable_services_exit_5_with_one_line(embedded, tmp_path):
     assert line.startswith("error: cannot reach the broker:") and "Connection refused" in line
     assert "pw" not in line
 
-    db_down = run("history", env={**embedded.env,
-                                  "PREHEAT_DATABASE_URL": f"postgresql+psycopg://u:secret@127.0.0.1:{port}/x"})
+    db_down = run(
+        "history", env={**embedded.env, "PREHEAT_DATABASE_URL": f"postgresql+psycopg://u:secret@127.0.0.1:{port}/x"}
+    )
     assert db_down.returncode == 5
     assert one_error_line(db_down).startswith("error: cannot use the history database: connection failed")
     assert "secret" not in db_down.stderr
@@ -129,8 +129,9 @@ def test_serve_refuses_a_busy_port_and_half_a_tls_setting_with_one_line(embedded
         port = busy.getsockname()[1]
         taken = run("serve", "--host", "127.0.0.1", "--port", str(port), env=embedded.env)
     assert taken.returncode == 2
-    assert one_error_line(taken) == (f"error: cannot listen on 127.0.0.1:{port} (Address already in use); "
-                                     "set PREHEAT_SERVE_PORT")
+    assert one_error_line(taken) == (
+        f"error: cannot listen on 127.0.0.1:{port} (Address already in use); set PREHEAT_SERVE_PORT"
+    )
     half = run("serve", env={**embedded.env, "PREHEAT_SERVE_TLS_CERT": "/etc/cert.pem"})
     assert half.returncode == 2 and "PREHEAT_SERVE_TLS_KEY go together" in one_error_line(half)
     bad_port = run("serve", env={**embedded.env, "PREHEAT_SERVE_PORT": "99999"})
@@ -158,11 +159,17 @@ def test_arguments_that_are_not_utf8_are_one_line_and_nothing_is_written(embedde
         done = embedded.cli_here(*argv)
         assert done.returncode == 2, (argv, done.stdout, done.stderr)
         position = next(i for i, arg in enumerate(argv, start=1) if NOT_UTF8 in arg)
-        assert done.stderr.strip().startswith(f"error: argument {position} is not UTF-8 text (byte 0xff at offset"), \
-            (argv, done.stderr)
+        assert done.stderr.strip().startswith(f"error: argument {position} is not UTF-8 text (byte 0xff at offset"), (
+            argv,
+            done.stderr,
+        )
     # The same through a real process, bytes and all.
-    raw = subprocess.run([PREHEAT_CLI.encode(), b"warm", b"--template", b"caf\xc3\xa9\xff"], env=embedded.env,
-                         capture_output=True, timeout=120)
+    raw = subprocess.run(
+        [PREHEAT_CLI.encode(), b"warm", b"--template", b"caf\xc3\xa9\xff"],
+        env=embedded.env,
+        capture_output=True,
+        timeout=120,
+    )
     assert raw.returncode == 2
     assert raw.stderr.decode().strip() == "error: argument 3 is not UTF-8 text (byte 0xff at offset 5)"
     for listing in (("history", "--json"), ("schedule", "list", "--json")):

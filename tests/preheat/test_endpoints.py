@@ -33,29 +33,44 @@ def tls(tmp_path):
 
 @pytest.fixture
 def tls_server(embedded_stack, tmp_path, tls):
-    env = {**embedded_stack.env, "PREHEAT_SERVE_TOKEN": TOKEN, "PREHEAT_SERVE_TLS_CERT": str(tls["cert"]),
-           "PREHEAT_SERVE_TLS_KEY": str(tls["key"])}
+    env = {
+        **embedded_stack.env,
+        "PREHEAT_SERVE_TOKEN": TOKEN,
+        "PREHEAT_SERVE_TLS_CERT": str(tls["cert"]),
+        "PREHEAT_SERVE_TLS_KEY": str(tls["key"]),
+    }
     proc = procs.start_serve(env, tmp_path / "logs")
     with procs.running(proc):
         url = procs.serve_url(proc)
         assert url.startswith("https://")
-        procs.poll(lambda: httpx.get(f"{url}/health/ready", verify=trusting(tls["ca"]), timeout=5).status_code == 200,
-                   60, what="ready")
+        procs.poll(
+            lambda: httpx.get(f"{url}/health/ready", verify=trusting(tls["ca"]), timeout=5).status_code == 200,
+            60,
+            what="ready",
+        )
         yield url, proc
 
 
 def _connections_opened(url: str, ca) -> float:
     # Read with a client of its own, which opens (and counts) one more connection.
     text = httpx.get(f"{url}/metrics", verify=trusting(ca), timeout=5).text
-    return float(next(line.split()[1] for line in text.splitlines()
-                      if line.startswith("preheat_http_connections_opened_total")))
+    return float(
+        next(line.split()[1] for line in text.splitlines() if line.startswith("preheat_http_connections_opened_total"))
+    )
 
 
 @pytest.mark.parametrize("http2", [False, True])
 def test_min_connections_are_established_before_any_request_and_closed_on_shutdown(tls_server, tls, http2):
     url, _ = tls_server
-    spec = EndpointSpec(base_url=f"{url}/v1", kind="preheat", min_connections=3, max_connections=5,
-                        ca_bundle=str(tls["ca"]), http2=http2, templates=["support"])
+    spec = EndpointSpec(
+        base_url=f"{url}/v1",
+        kind="preheat",
+        min_connections=3,
+        max_connections=5,
+        ca_bundle=str(tls["ca"]),
+        http2=http2,
+        templates=["support"],
+    )
     pools = PoolRegistry()
     before = _connections_opened(url, tls["ca"])
     pool, opened = pools.get("local", spec)
@@ -80,8 +95,9 @@ def test_a_server_whose_certificate_is_not_trusted_is_a_clear_failure(embedded_s
     from preheat.endpoints import warm_endpoint
 
     catalog = load_catalog(embedded_stack.catalog)
-    [result] = warm_endpoint("untrusted", EndpointSpec(base_url=f"{url}/v1", kind="openai", templates=["support"]),
-                             catalog, ["support"])
+    [result] = warm_endpoint(
+        "untrusted", EndpointSpec(base_url=f"{url}/v1", kind="openai", templates=["support"]), catalog, ["support"]
+    )
     assert result.status == "failed" and "cannot open connections" in result.error
     assert "CERTIFICATE_VERIFY_FAILED" in result.error
 
@@ -91,15 +107,16 @@ def endpoints_catalog(embedded_stack, tls_server, tls, tiny_model, tmp_path):
     """The stack's catalog with two endpoints on the TLS server: one primed through its
     completions route (as vLLM is), one through preheat's own /internal/warmup."""
     url, _ = tls_server
-    extra = (f'\n[endpoints.as-vllm]\nbase_url = "{url}/v1"\nkind = "openai"\nmodel = "tiny"\nmin_connections = 2\n'
-             f'ca_bundle = "{tls["ca"]}"\ntemplates = ["support"]\n'
-             f'\n[endpoints.as-preheat]\nbase_url = "{url}/v1"\nkind = "preheat"\ntoken_env = "TEST_SERVE_TOKEN"\n'
-             f'ca_bundle = "{tls["ca"]}"\ntemplates = ["support"]\n')
+    extra = (
+        f'\n[endpoints.as-vllm]\nbase_url = "{url}/v1"\nkind = "openai"\nmodel = "tiny"\nmin_connections = 2\n'
+        f'ca_bundle = "{tls["ca"]}"\ntemplates = ["support"]\n'
+        f'\n[endpoints.as-preheat]\nbase_url = "{url}/v1"\nkind = "preheat"\ntoken_env = "TEST_SERVE_TOKEN"\n'
+        f'ca_bundle = "{tls["ca"]}"\ntemplates = ["support"]\n'
+    )
     return write_catalog(tmp_path, tiny_model, extra)
 
 
-def test_a_warmup_of_two_endpoints_is_recorded_with_connect_time_and_ttft(embedded_stack, endpoints_catalog,
-                                                                         tmp_path):
+def test_a_warmup_of_two_endpoints_is_recorded_with_connect_time_and_ttft(embedded_stack, endpoints_catalog, tmp_path):
     env = {**embedded_stack.env, "TEST_SERVE_TOKEN": TOKEN}
     worker = procs.start_worker("io@endpoint-test", env, tmp_path / "logs", cwd=embedded_stack.home)
     with procs.running(worker):
@@ -107,8 +124,9 @@ def test_a_warmup_of_two_endpoints_is_recorded_with_connect_time_and_ttft(embedd
         # Once its own model is loaded: the server's probe, timed against its steady state,
         # must not share the two cores with a model load (seen: degraded on a fresh clone).
         procs.wait_for_log(worker, "preload done")
-        done = embedded_stack.cli("warm", "--endpoint", "as-vllm", "--endpoint", "as-preheat", "--wait", "--json",
-                                  "--timeout", "120")
+        done = embedded_stack.cli(
+            "warm", "--endpoint", "as-vllm", "--endpoint", "as-preheat", "--wait", "--json", "--timeout", "120"
+        )
         assert done.returncode == 0, done.stderr + worker.log()[-3000:]
     printed = json.loads(done.stdout)
     with session_scope() as session:
@@ -123,8 +141,9 @@ def test_a_warmup_of_two_endpoints_is_recorded_with_connect_time_and_ttft(embedd
     assert "preheat.warm_endpoint[" in worker.log() and TOKEN not in worker.log()
 
 
-def test_keep_alive_pings_within_active_hours_and_counts_what_it_skips(embedded_stack, endpoints_catalog, tls,
-                                                                    monkeypatch):
+def test_keep_alive_pings_within_active_hours_and_counts_what_it_skips(
+    embedded_stack, endpoints_catalog, tls, monkeypatch
+):
     from preheat import endpoints as service
     from tasks.endpoints import keep_alive_endpoint
 
@@ -147,8 +166,10 @@ def test_keep_alive_pings_within_active_hours_and_counts_what_it_skips(embedded_
         assert (row.endpoint, row.pings_sent, row.pings_failed) == ("as-vllm", 2, 0)
         assert row.last_ttft_ms > 0 and row.last_error is None
         listed = embedded_stack.cli("endpoints", "--json")
-        assert [(e["endpoint"], e["pings_sent"]) for e in json.loads(listed.stdout)] == [("as-vllm", 2),
-                                                                                        ("as-preheat", 0)]
+        assert [(e["endpoint"], e["pings_sent"]) for e in json.loads(listed.stdout)] == [
+            ("as-vllm", 2),
+            ("as-preheat", 0),
+        ]
     finally:
         POOLS.close_all()
 

@@ -10,8 +10,9 @@ pytestmark = pytest.mark.slow
 
 def test_first_request_compares_gated_and_ungated_fresh_workers(embedded_stack, tmp_path):
     out = tmp_path / "first.json"
-    done = embedded_stack.cli("bench", "first-request", "--rounds", "1", "--steady", "3", "--json", str(out),
-                              timeout=300)
+    done = embedded_stack.cli(
+        "bench", "first-request", "--rounds", "1", "--steady", "3", "--json", str(out), timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert "gated (after warm)" in done.stdout and "ungated (from start)" in done.stdout
     report = json.loads(out.read_text())
@@ -71,8 +72,9 @@ def test_beat_bench_fires_every_slot_once_through_a_killed_leader(embedded_stack
     stack = embedded_stack
     stack.env.update(PREHEAT_BEAT_LEASE_S="3", PREHEAT_BEAT_TICK_S="0.5")
     out = tmp_path / "beat.json"
-    done = stack.cli("bench", "beat", "--slots", "4", "--spacing", "2", "--kill-after", "1", "--json", str(out),
-                     timeout=300)
+    done = stack.cli(
+        "bench", "beat", "--slots", "4", "--spacing", "2", "--kill-after", "1", "--json", str(out), timeout=300
+    )
     assert done.returncode == 0, done.stderr + done.stdout
     assert "leader (before the kill)" in done.stdout and "4 of 4 slots sent, 4 run(s) recorded" in done.stdout
     report = json.loads(out.read_text())

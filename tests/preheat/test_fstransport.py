@@ -36,8 +36,13 @@ def test_the_app_uses_preheats_filesystem_transport():
 
 def test_a_consumer_racing_a_producer_in_another_process_gets_every_message_whole(tmp_path):
     fstransport.install()
-    options = {"data_folder_in": str(tmp_path), "data_folder_out": str(tmp_path), "control_folder": str(tmp_path),
-               "store_processed": False, "polling_interval": 0.0}
+    options = {
+        "data_folder_in": str(tmp_path),
+        "data_folder_out": str(tmp_path),
+        "control_folder": str(tmp_path),
+        "store_processed": False,
+        "polling_interval": 0.0,
+    }
     with Connection("filesystem://", transport_options=options) as connection:
         queue = connection.SimpleQueue("race")  # declared before the producer starts
         producer = subprocess.Popen([sys.executable, "-c", PRODUCER, str(tmp_path), str(MESSAGES)])

@@ -21,16 +21,23 @@ def db(stack):
 
 def _run_with_jobs(templates=("support", "code"), target="w1@host", task_id="t-1"):
     with session_scope() as session:
-        run = history.create_run(session, trigger=TriggerKind.manual, requested_by="alice",
-                                 detail={"why": "test"})
-        history.add_jobs(session, run, target=target, model_templates=[("tiny", t) for t in templates],
-                         task_id=task_id)
+        run = history.create_run(session, trigger=TriggerKind.manual, requested_by="alice", detail={"why": "test"})
+        history.add_jobs(session, run, target=target, model_templates=[("tiny", t) for t in templates], task_id=task_id)
         return run.id
 
 
 def _measured(**overrides):
-    values = dict(load_ms=10.0, prefill_ms=2.0, ttft_cold_ms=8.0, ttft_warm_ms=3.0, ttft_bare_ms=2.5,
-                  cached_tokens=40, cache_bytes=3 * 2**31, device="cpu/float32", error=None)
+    values = dict(
+        load_ms=10.0,
+        prefill_ms=2.0,
+        ttft_cold_ms=8.0,
+        ttft_warm_ms=3.0,
+        ttft_bare_ms=2.5,
+        cached_tokens=40,
+        cache_bytes=3 * 2**31,
+        device="cpu/float32",
+        error=None,
+    )
     return values | overrides
 
 
@@ -42,11 +49,9 @@ def test_a_run_goes_queued_running_succeeded(db):
         assert {job.status for job in jobs} == {J.running}
     with session_scope() as session:
         assert history.get_run(session, run_id).status == RunStatus.running
-        history.finish_job(session, run_id, target="w1@host", template="support", status=J.warm,
-                           measured=_measured())
+        history.finish_job(session, run_id, target="w1@host", template="support", status=J.warm, measured=_measured())
         assert history.get_run(session, run_id).status == RunStatus.running
-        history.finish_job(session, run_id, target="w1@host", template="code", status=J.warm,
-                           measured=_measured())
+        history.finish_job(session, run_id, target="w1@host", template="code", status=J.warm, measured=_measured())
     with session_scope() as session:
         run = history.get_run(session, run_id)
         assert run.status == RunStatus.succeeded and run.finished_at is not None
@@ -73,16 +78,14 @@ def test_one_row_per_run_target_model_template(db):
 
 def test_a_gone_run_starts_nothing(db):
     with session_scope() as session:
-        assert history.start_jobs(session, uuid.uuid4(), target="w1@host", templates=["support"],
-                                  task_id="t-9") == []
+        assert history.start_jobs(session, uuid.uuid4(), target="w1@host", templates=["support"], task_id="t-9") == []
 
 
 def test_a_failed_task_fails_only_its_unfinished_jobs(db):
     run_id = _run_with_jobs(templates=("support", "code"))
     with session_scope() as session:
         history.start_jobs(session, run_id, target="w1@host", templates=["support", "code"], task_id="t-1")
-        history.finish_job(session, run_id, target="w1@host", template="support", status=J.warm,
-                           measured=_measured())
+        history.finish_job(session, run_id, target="w1@host", template="support", status=J.warm, measured=_measured())
     with session_scope() as session:
         assert history.fail_task_jobs(session, "t-1", "MemoryError: out of memory") == 1
     with session_scope() as session:

@@ -8,8 +8,18 @@ from preheat import migrate
 from preheat.db import make_engine
 from preheat.models import WarmupJob
 
-TABLES = {"warmup_runs", "warmup_jobs", "schedules", "schedule_slots", "beat_leases", "traffic_counts", "workers",
-          "endpoint_keepalives", "applied_writes", "alembic_version"}
+TABLES = {
+    "warmup_runs",
+    "warmup_jobs",
+    "schedules",
+    "schedule_slots",
+    "beat_leases",
+    "traffic_counts",
+    "workers",
+    "endpoint_keepalives",
+    "applied_writes",
+    "alembic_version",
+}
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

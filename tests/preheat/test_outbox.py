@@ -46,8 +46,7 @@ def _run_with_jobs(direct, templates=("support", "summarise")) -> tuple[str, str
     task_id = str(uuid.uuid4())
     with direct() as session, session.begin():
         run = history.create_run(session, trigger=TriggerKind.manual, requested_by="test")
-        history.add_jobs(session, run, target=WORKER, model_templates=[("tiny", t) for t in templates],
-                         task_id=task_id)
+        history.add_jobs(session, run, target=WORKER, model_templates=[("tiny", t) for t in templates], task_id=task_id)
         return str(run.id), task_id
 
 
@@ -61,13 +60,29 @@ def _start(run_id, task_id, at, templates=("support", "summarise")) -> dict:
 
 
 def _finish(run_id, template, at, status="warm") -> dict:
-    return {"run_id": run_id, "target": WORKER, "template": template, "status": status,
-            "measured": {"prefill_ms": 12.5, "ttft_warm_ms": 3.25, "cached_tokens": 48}, "at": at}
+    return {
+        "run_id": run_id,
+        "target": WORKER,
+        "template": template,
+        "status": status,
+        "measured": {"prefill_ms": 12.5, "ttft_warm_ms": 3.25, "cached_tokens": 48},
+        "at": at,
+    }
 
 
 def _tally(requests: int, template: str = "support") -> dict:
-    return {"tallies": [{"minute": T0, "model": "tiny", "template": template, "requests": requests,
-                         "prompt_tokens": 10 * requests, "prefix_tokens": 48}]}
+    return {
+        "tallies": [
+            {
+                "minute": T0,
+                "model": "tiny",
+                "template": template,
+                "requests": requests,
+                "prompt_tokens": 10 * requests,
+                "prefix_tokens": 48,
+            }
+        ]
+    }
 
 
 def test_writes_go_straight_to_the_database_while_it_answers(away, box):
@@ -143,7 +158,7 @@ def test_an_entry_the_database_refuses_is_set_aside_and_does_not_block_the_rest(
 
 
 def test_a_finish_for_a_run_deleted_meanwhile_is_applied_as_nothing(away, box):
-    run_id, task_id = _run_with_jobs(away.direct)
+    run_id, _task_id = _run_with_jobs(away.direct)
     away.cut()
     box.write("job.finish", _finish(run_id, "support", T0))
     with away.direct() as session, session.begin():

@@ -27,8 +27,9 @@ def _run_on(*targets, created_at=T0):
         run = history.create_run(session, trigger=TriggerKind.manual, requested_by="test")
         run.created_at = created_at
         for target in targets:
-            history.add_jobs(session, run, target=target, model_templates=[("tiny", "support")],
-                             task_id=f"task-{target}")
+            history.add_jobs(
+                session, run, target=target, model_templates=[("tiny", "support")], task_id=f"task-{target}"
+            )
         return run.id
 
 
@@ -132,9 +133,10 @@ def test_a_lost_job_redelivered_later_updates_its_own_row(db):
     _start(run_id, "a@h", T0)
     _reap(T0 + dt.timedelta(seconds=DEAD_AFTER + 1))
     with session_scope() as session:
-        [job] = history.start_jobs(session, run_id, target="a@h", templates=["support"], task_id="task-a@h")
-        history.finish_job(session, run_id, target="a@h", template="support", status=JobStatus.warm,
-                           measured={"ttft_warm_ms": 3.0})
+        [_job] = history.start_jobs(session, run_id, target="a@h", templates=["support"], task_id="task-a@h")
+        history.finish_job(
+            session, run_id, target="a@h", template="support", status=JobStatus.warm, measured={"ttft_warm_ms": 3.0}
+        )
     status, jobs = _jobs(run_id)
     assert status == RunStatus.succeeded and jobs == {"a@h": (JobStatus.warm, None)}
 
@@ -143,6 +145,5 @@ def test_finished_and_endpoint_jobs_are_never_reaped(db):
     run_id = _run_on("ghost@h")
     with session_scope() as session:
         history.start_jobs(session, run_id, target="ghost@h", templates=["support"], task_id="t")
-        history.finish_job(session, run_id, target="ghost@h", template="support", status=JobStatus.warm,
-                           measured={})
+        history.finish_job(session, run_id, target="ghost@h", template="support", status=JobStatus.warm, measured={})
     assert _reap(T0 + dt.timedelta(days=1)) == 0

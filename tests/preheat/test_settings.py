@@ -39,9 +39,16 @@ def test_services_come_from_the_environment(monkeypatch):
         ("PREHEAT_DATABASE_URL", "not a url", "invalid setting PREHEAT_DATABASE_URL: is not a database URL"),
         ("PREHEAT_DEVICE", "tpu", "invalid setting PREHEAT_DEVICE: Input should be 'auto', 'cpu' or 'cuda'"),
         ("PREHEAT_TIMEZONE", "Mars/Olympus", "invalid setting PREHEAT_TIMEZONE: unknown time zone 'Mars/Olympus'"),
-        ("PREHEAT_PROBE_REPEATS", "0", "invalid setting PREHEAT_PROBE_REPEATS: Input should be greater than or equal to 1"),
-        ("PREHEAT_VISIBILITY_TIMEOUT_S", "60",
-         "invalid setting PREHEAT_VISIBILITY_TIMEOUT_S (60) must exceed PREHEAT_WARMUP_TIME_LIMIT_S (1800)"),
+        (
+            "PREHEAT_PROBE_REPEATS",
+            "0",
+            "invalid setting PREHEAT_PROBE_REPEATS: Input should be greater than or equal to 1",
+        ),
+        (
+            "PREHEAT_VISIBILITY_TIMEOUT_S",
+            "60",
+            "invalid setting PREHEAT_VISIBILITY_TIMEOUT_S (60) must exceed PREHEAT_WARMUP_TIME_LIMIT_S (1800)",
+        ),
     ],
 )
 def test_invalid_values_fail_with_one_line_naming_the_setting(monkeypatch, variable, value, expected):

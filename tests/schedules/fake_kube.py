@@ -7,6 +7,7 @@ connections it can drop mid-stream. The real `kubernetes` client talks to it ove
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import threading
@@ -21,17 +22,40 @@ import tornado.web
 TOKEN = "watcher-token"
 
 
-def pod(name: str, uid: str, *, ready: bool, since: str, ip: str = "127.0.0.1", port: int = 8000,
-        labels: dict | None = None, namespace: str = "serving", note: str = "") -> dict:
+def pod(
+    name: str,
+    uid: str,
+    *,
+    ready: bool,
+    since: str,
+    ip: str = "127.0.0.1",
+    port: int = 8000,
+    labels: dict | None = None,
+    namespace: str = "serving",
+    note: str = "",
+) -> dict:
     return {
-        "metadata": {"name": name, "namespace": namespace, "uid": uid, "labels": labels or {"app": "vllm"},
-                     "annotations": {"note": note}},
-        "spec": {"containers": [{"name": "server", "image": "vllm/vllm-openai",
-                                 "ports": [{"name": "metrics", "containerPort": 9090},
-                                           {"name": "http", "containerPort": port}]}]},
-        "status": {"phase": "Running", "podIP": ip,
-                   "conditions": [{"type": "Ready", "status": "True" if ready else "False",
-                                   "lastTransitionTime": since}]},
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": uid,
+            "labels": labels or {"app": "vllm"},
+            "annotations": {"note": note},
+        },
+        "spec": {
+            "containers": [
+                {
+                    "name": "server",
+                    "image": "vllm/vllm-openai",
+                    "ports": [{"name": "metrics", "containerPort": 9090}, {"name": "http", "containerPort": port}],
+                }
+            ]
+        },
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": since}],
+        },
     }
 
 
@@ -75,12 +99,18 @@ class FakeKube:
         return f"http://127.0.0.1:{self.port}"
 
     def kubeconfig(self, path) -> str:
-        path.write_text(json.dumps({  # YAML is a superset of JSON
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "watcher", "user": {"token": TOKEN}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "watcher"}}],
-        }))
+        path.write_text(
+            json.dumps(
+                {  # YAML is a superset of JSON
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                    "users": [{"name": "watcher", "user": {"token": TOKEN}}],
+                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "watcher"}}],
+                }
+            )
+        )
         return str(path)
 
     # What the test does to the cluster (from its own thread) ----------------------------
@@ -116,15 +146,19 @@ class FakeKube:
 
     def drop(self) -> None:
         """Cut every open watch mid-stream (no final chunk), as a load balancer or a restart does."""
+
         def cut() -> None:
             self.drops += 1
+
         self._on_loop(cut)
 
     def compact(self) -> None:
         """Forget history up to now (etcd compaction): a watch from an older version gets 410."""
+
         def forget() -> None:
             self.compacted_below = self.resource_version + 1
             self.drops += 1  # open watches end; their re-watch meets the 410
+
         self._on_loop(forget)
 
     def watches(self) -> list[dict]:
@@ -154,19 +188,46 @@ class PodsHandler(tornado.web.RequestHandler):
         selector = self.get_argument("labelSelector", None)
         watching = self.get_argument("watch", "").lower() in ("true", "1")
         since = int(self.get_argument("resourceVersion", "0") or 0)
-        self.kube.requests.append({"watch": watching, "resourceVersion": since, "selector": selector,
-                                   "bookmarks": self.get_argument("allowWatchBookmarks", "")})
+        self.kube.requests.append(
+            {
+                "watch": watching,
+                "resourceVersion": since,
+                "selector": selector,
+                "bookmarks": self.get_argument("allowWatchBookmarks", ""),
+            }
+        )
         self.set_header("Content-Type", "application/json")
         if not watching:
-            items = [p for p in self.kube.pods.values() if _matches(p, selector) and
-                     p["metadata"]["namespace"] == namespace]
-            self.finish({"kind": "PodList", "apiVersion": "v1",
-                         "metadata": {"resourceVersion": str(self.kube.resource_version)}, "items": items})
+            items = [
+                p for p in self.kube.pods.values() if _matches(p, selector) and p["metadata"]["namespace"] == namespace
+            ]
+            self.finish(
+                {
+                    "kind": "PodList",
+                    "apiVersion": "v1",
+                    "metadata": {"resourceVersion": str(self.kube.resource_version)},
+                    "items": items,
+                }
+            )
             return
         if since < self.kube.compacted_below:
-            self.finish(json.dumps({"type": "ERROR", "object": {
-                "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "reason": "Expired",
-                "message": f"too old resource version: {since} ({self.kube.compacted_below})", "code": 410}}) + "\n")
+            self.finish(
+                json.dumps(
+                    {
+                        "type": "ERROR",
+                        "object": {
+                            "kind": "Status",
+                            "apiVersion": "v1",
+                            "metadata": {},
+                            "status": "Failure",
+                            "reason": "Expired",
+                            "message": f"too old resource version: {since} ({self.kube.compacted_below})",
+                            "code": 410,
+                        },
+                    }
+                )
+                + "\n"
+            )
             return
         await self._stream(since, selector, float(self.get_argument("timeoutSeconds", "300")))
 
@@ -184,10 +245,8 @@ class PodsHandler(tornado.web.RequestHandler):
             async with self.kube.changed:
                 remaining = deadline - time.monotonic()
                 if remaining > 0 and self.kube.drops == drops:
-                    try:
+                    with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.kube.changed.wait(), min(remaining, 1.0))
-                    except TimeoutError:
-                        pass
             if self.kube.drops != drops:
                 self.request.connection.stream.close()  # mid-stream: no terminating chunk
                 return

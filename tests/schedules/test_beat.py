@@ -28,19 +28,39 @@ def live_worker(name: str = WORKER) -> None:
         registry.beat(session, name, started_at=utcnow(), ready=True, state={})
 
 
-def add_schedule(name: str, cron: str, *, timezone: str = "UTC", lead: int = 0, since: dt.datetime,
-                 kind: ScheduleKind = ScheduleKind.manual, detail: dict | None = None, targets: dict | None = None):
+def add_schedule(
+    name: str,
+    cron: str,
+    *,
+    timezone: str = "UTC",
+    lead: int = 0,
+    since: dt.datetime,
+    kind: ScheduleKind = ScheduleKind.manual,
+    detail: dict | None = None,
+    targets: dict | None = None,
+):
     with session_scope() as session:
-        schedule = store.add(session, name=name, cron=cron, timezone=timezone, lead_time_s=lead, kind=kind,
-                             targets=targets or {"templates": ["support"]}, detail=detail)
+        schedule = store.add(
+            session,
+            name=name,
+            cron=cron,
+            timezone=timezone,
+            lead_time_s=lead,
+            kind=kind,
+            targets=targets or {"templates": ["support"]},
+            detail=detail,
+        )
         schedule.active_since = since
         return schedule.id
 
 
 def slots_of(name: str) -> list[ScheduleSlot]:
     with session_scope() as session:
-        return list(session.scalars(select(ScheduleSlot).where(ScheduleSlot.schedule_name == name)
-                                    .order_by(ScheduleSlot.slot_at)))
+        return list(
+            session.scalars(
+                select(ScheduleSlot).where(ScheduleSlot.schedule_name == name).order_by(ScheduleSlot.slot_at)
+            )
+        )
 
 
 def runs() -> list[WarmupRun]:
@@ -81,14 +101,19 @@ def test_slots_past_the_grace_window_are_missed_and_only_the_newest_in_time_fire
     assert list(fired.values()) == [SlotStatus.sent]
     slots = slots_of("quarterly")
     assert [(f"{s.slot_at:%H:%M}", s.status) for s in slots] == [
-        ("09:15", SlotStatus.missed), ("09:30", SlotStatus.missed), ("09:45", SlotStatus.missed),
-        ("10:00", SlotStatus.sent)]
-    assert "no beat ran: fire time passed 2820 s ago (grace 300 s)" == slots[0].error
+        ("09:15", SlotStatus.missed),
+        ("09:30", SlotStatus.missed),
+        ("09:45", SlotStatus.missed),
+        ("10:00", SlotStatus.sent),
+    ]
+    assert slots[0].error == "no beat ran: fire time passed 2820 s ago (grace 300 s)"
     # Two slots within a wide grace: the older is superseded, one warmup goes out.
     add_schedule("minutely", "* * * * *", since=at(2026, 11, 30, 10, 0))
     fire(at(2026, 11, 30, 10, 2, 30), grace_s=600)
     assert [(f"{s.slot_at:%H:%M}", s.status) for s in slots_of("minutely")] == [
-        ("10:01", SlotStatus.missed), ("10:02", SlotStatus.sent)]
+        ("10:01", SlotStatus.missed),
+        ("10:02", SlotStatus.sent),
+    ]
     assert len(runs()) == 2
 
 
@@ -137,7 +162,7 @@ def test_a_beat_that_died_after_recording_the_run_does_not_send_it_twice(stack, 
     [due] = beat.find_due(now, GRACE_S)
     with session_scope() as session:
         store.claim(session, schedule_id, due.name, due.slot_at, due.fire_at, "beat-a", now)
-    status, run_id, _ = beat.send_slot(due, "beat-a", now)  # recorded and sent; then beat A died
+    _status, run_id, _ = beat.send_slot(due, "beat-a", now)  # recorded and sent; then beat A died
     assert fire(now + dt.timedelta(seconds=LEASE_S + 2), holder="beat-b")
     [slot] = slots_of("halfway")
     assert (slot.status, slot.run_id) == (SlotStatus.sent, run_id) and len(runs()) == 1
@@ -165,8 +190,9 @@ def test_paused_slots_are_neither_fired_nor_missed_and_resume_starts_afresh(stac
 def test_a_peak_schedule_fires_as_trigger_peak_with_the_peak_it_anticipates(stack, stack_app):
     live_worker()
     peak = {"model": "tiny", "weekday": "mon", "starts": "09:00", "requests_per_min": 120.0}
-    add_schedule("peak-tiny-mon-0900", "0 9 * * mon", lead=90, since=at(2026, 11, 30), kind=ScheduleKind.peak,
-                 detail=peak)
+    add_schedule(
+        "peak-tiny-mon-0900", "0 9 * * mon", lead=90, since=at(2026, 11, 30), kind=ScheduleKind.peak, detail=peak
+    )
     fire(at(2026, 11, 30, 8, 58, 31))  # Monday, 90 s before 09:00
     [run] = runs()
     assert run.trigger == TriggerKind.peak and run.trigger_detail["peak"] == peak
@@ -189,8 +215,11 @@ def test_catalog_schedules_are_kept_in_step_with_the_file(stack, stack_app, tmp_
         assert store.sync_catalog(session, catalog, "UTC") == []
     with session_scope() as session:
         schedule = store.get(session, "morning")
-        assert (schedule.kind, schedule.timezone, schedule.targets) == (ScheduleKind.catalog, "Europe/Berlin",
-                                                                        {"templates": ["support"]})
+        assert (schedule.kind, schedule.timezone, schedule.targets) == (
+            ScheduleKind.catalog,
+            "Europe/Berlin",
+            {"templates": ["support"]},
+        )
         with pytest.raises(Exception, match="declared in the catalog"):
             store.remove(session, "morning")
     changed = load_catalog(write_catalog(tmp_path, tiny_model, morning.replace("50 8", "55 8")))
@@ -217,11 +246,19 @@ def test_the_lease_has_one_holder_and_passes_on_when_it_expires(stack, stack_app
 
 
 def test_each_endpoint_gets_a_keep_alive_entry_below_its_prompt_cache_ttl(tmp_path, tiny_model):
-    catalog = load_catalog(write_catalog(tmp_path, tiny_model, (
-        '\n[endpoints.hosted]\nbase_url = "https://api.example/v1"\ntemplates = ["support"]\n'
-        '\n[endpoints.quiet]\nbase_url = "https://api.example/v1"\ntemplates = ["support"]\nkeepalive_interval_s = 0.5\n'
-        'prompt_cache_ttl_s = 1\n'
-        '\n[endpoints.no-templates]\nbase_url = "https://api.example/v1"\n')))
+    catalog = load_catalog(
+        write_catalog(
+            tmp_path,
+            tiny_model,
+            (
+                '\n[endpoints.hosted]\nbase_url = "https://api.example/v1"\ntemplates = ["support"]\n'
+                '\n[endpoints.quiet]\nbase_url = "https://api.example/v1"\ntemplates = ["support"]\n'
+                "keepalive_interval_s = 0.5\n"
+                "prompt_cache_ttl_s = 1\n"
+                '\n[endpoints.no-templates]\nbase_url = "https://api.example/v1"\n'
+            ),
+        )
+    )
     entries = beat.keepalive_entries(catalog)
     assert sorted(entries) == ["keepalive:hosted", "keepalive:quiet"]
     hosted = entries["keepalive:hosted"]

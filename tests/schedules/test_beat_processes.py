@@ -30,8 +30,14 @@ def add_firing_at(stack, name: str, fire_at: dt.datetime, cli: bool = False) -> 
         assert added.returncode == 0, added.stderr
         return
     with session_scope() as session:
-        store.add(session, name=name, cron="* * * * *", timezone="UTC", targets={"templates": ["support"]},
-                  lead_time_s=minutely_lead_for(fire_at))
+        store.add(
+            session,
+            name=name,
+            cron="* * * * *",
+            timezone="UTC",
+            targets={"templates": ["support"]},
+            lead_time_s=minutely_lead_for(fire_at),
+        )
 
 
 def slot_rows() -> dict[str, list[ScheduleSlot]]:
@@ -66,8 +72,9 @@ def fleet(services_stack, tmp_path):
 
 
 def start_beat(stack, name: str, tmp_path):
-    return procs.start(name, procs.celery_command("beat", "--loglevel=INFO"), stack.env, tmp_path / "logs",
-                       cwd=stack.home)
+    return procs.start(
+        name, procs.celery_command("beat", "--loglevel=INFO"), stack.env, tmp_path / "logs", cwd=stack.home
+    )
 
 
 def test_two_beats_a_killed_leader_and_a_restart_fire_each_slot_once_and_record_what_was_missed(fleet, tmp_path):

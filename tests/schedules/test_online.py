@@ -20,8 +20,9 @@ def online_runs() -> list[WarmupRun]:
     from preheat import history
 
     with session_scope() as session:
-        ids = session.scalars(select(WarmupRun.id).where(WarmupRun.trigger == TriggerKind.worker_online)
-                              .order_by(WarmupRun.created_at)).all()
+        ids = session.scalars(
+            select(WarmupRun.id).where(WarmupRun.trigger == TriggerKind.worker_online).order_by(WarmupRun.created_at)
+        ).all()
         return [history.get_run(session, run_id) for run_id in ids]
 
 
@@ -32,8 +33,10 @@ def settled_runs(count: int):
 
 def test_a_worker_coming_online_is_warmed_once_per_start_even_with_two_watchers(services_stack, tmp_path):
     stack = services_stack
-    watchers = [procs.start(f"watch-workers-{i}", [PREHEAT_CLI, "watch-workers"], stack.env, tmp_path / "logs",
-                            cwd=stack.home) for i in (1, 2)]
+    watchers = [
+        procs.start(f"watch-workers-{i}", [PREHEAT_CLI, "watch-workers"], stack.env, tmp_path / "logs", cwd=stack.home)
+        for i in (1, 2)
+    ]
     with procs.running(*watchers):
         for watcher in watchers:
             procs.wait_for_log(watcher, "watching for workers coming online")

@@ -14,16 +14,27 @@ import pytest
 from sqlalchemy import select
 
 from preheat.db import session_scope
-from preheat.models import (JobStatus, RunStatus, Schedule, ScheduleKind, TargetKind, TrafficCount, TriggerKind,
-                            WarmupJob, WarmupRun)
+from preheat.models import (
+    JobStatus,
+    RunStatus,
+    Schedule,
+    ScheduleKind,
+    TargetKind,
+    TrafficCount,
+    TriggerKind,
+    WarmupJob,
+    WarmupRun,
+)
 from schedules.peaks import _days_field, find_peaks, p95
 from tests.conftest import write_catalog
 
 BERLIN = ZoneInfo("Europe/Berlin")
 START = dt.datetime(2026, 11, 2, tzinfo=BERLIN)  # a Monday; three weeks, no clock change
 WEEKS = 3
-EXTRA_TEMPLATES = ('\n[templates.summarise]\nmodel = "tiny"\nsystem_prompt = "Summarise in five bullets."\n'
-                   '\n[templates.code]\nmodel = "tiny"\nsystem_prompt = "You review Python code."\n')
+EXTRA_TEMPLATES = (
+    '\n[templates.summarise]\nmodel = "tiny"\nsystem_prompt = "Summarise in five bullets."\n'
+    '\n[templates.code]\nmodel = "tiny"\nsystem_prompt = "You review Python code."\n'
+)
 
 
 def synthetic_minutes():
@@ -59,13 +70,27 @@ def record_warmups(durations_s: list[float], measured: dict[str, tuple[float, in
     with session_scope() as session:
         for index, duration in enumerate(durations_s):
             created = base + dt.timedelta(hours=index)
-            run = WarmupRun(trigger=TriggerKind.schedule, requested_by="test", status=RunStatus.succeeded,
-                            created_at=created, finished_at=created + dt.timedelta(seconds=duration))
+            run = WarmupRun(
+                trigger=TriggerKind.schedule,
+                requested_by="test",
+                status=RunStatus.succeeded,
+                created_at=created,
+                finished_at=created + dt.timedelta(seconds=duration),
+            )
             for template, (prefill_ms, cache_bytes) in measured.items():
-                run.jobs.append(WarmupJob(target="gpu0@a", model="tiny", template=template, status=JobStatus.warm,
-                                          target_kind=TargetKind.worker, prefill_ms=prefill_ms,
-                                          cache_bytes=cache_bytes, cached_tokens=50,
-                                          finished_at=created + dt.timedelta(seconds=duration)))
+                run.jobs.append(
+                    WarmupJob(
+                        target="gpu0@a",
+                        model="tiny",
+                        template=template,
+                        status=JobStatus.warm,
+                        target_kind=TargetKind.worker,
+                        prefill_ms=prefill_ms,
+                        cache_bytes=cache_bytes,
+                        cached_tokens=50,
+                        finished_at=created + dt.timedelta(seconds=duration),
+                    )
+                )
             session.add(run)
 
 
@@ -77,8 +102,10 @@ def learned(services_stack, tmp_path, tiny_model):
     assert imported.returncode == 0, imported.stderr
     assert "imported 31,140 row(s)" in imported.stdout
     # Twenty recorded warmups of 10 … 29 s: p95 (nearest rank) is 28 s.
-    record_warmups([10.0 + i for i in range(20)],
-                   {"support": (30.0, 200 * 1024), "summarise": (20.0, 150 * 1024), "code": (50.0, 300 * 1024)})
+    record_warmups(
+        [10.0 + i for i in range(20)],
+        {"support": (30.0, 200 * 1024), "summarise": (20.0, 150 * 1024), "code": (50.0, 300 * 1024)},
+    )
     return stack
 
 
@@ -89,8 +116,12 @@ def test_peaks_suggest_finds_the_known_peaks_with_lead_times_from_recorded_warmu
     found = {s["name"]: s for s in json.loads(suggested.stdout)}
     assert sorted(found) == ["peak-tiny-mon-fri-0900", "peak-tiny-sat-2000"]
     weekday, saturday = found["peak-tiny-mon-fri-0900"], found["peak-tiny-sat-2000"]
-    assert (weekday["cron"], weekday["timezone"], weekday["starts"], weekday["ends"]) == \
-        ("0 9 * * 1-5", "Europe/Berlin", "09:00", "10:00")
+    assert (weekday["cron"], weekday["timezone"], weekday["starts"], weekday["ends"]) == (
+        "0 9 * * 1-5",
+        "Europe/Berlin",
+        "09:00",
+        "10:00",
+    )
     assert (saturday["cron"], saturday["starts"], saturday["ends"]) == ("0 20 * * 6", "20:00", "21:00")
     assert weekday["templates"] == ["summarise", "support"] and saturday["templates"] == ["support"]
     assert weekday["peak_rpm"] == 60.0 and saturday["peak_rpm"] == 30.0
@@ -105,8 +136,11 @@ def test_peaks_suggest_finds_the_known_peaks_with_lead_times_from_recorded_warmu
         schedules = {s.name: s for s in session.scalars(select(Schedule))}
     assert sorted(schedules) == sorted(found)  # applied twice: replaced, not doubled
     weekday_schedule = schedules["peak-tiny-mon-fri-0900"]
-    assert (weekday_schedule.kind, weekday_schedule.cron, weekday_schedule.lead_time_s) == \
-        (ScheduleKind.peak, "0 9 * * 1-5", 88)
+    assert (weekday_schedule.kind, weekday_schedule.cron, weekday_schedule.lead_time_s) == (
+        ScheduleKind.peak,
+        "0 9 * * 1-5",
+        88,
+    )
     assert weekday_schedule.targets == {"templates": ["summarise", "support"]}
     assert weekday_schedule.detail["days"] == ["mon", "tue", "wed", "thu", "fri"]
 
@@ -132,21 +166,26 @@ def test_templates_rank_by_time_saved_and_fit_the_pinned_budget(learned):
     assert "over budget" in table.stdout and "support" in table.stdout
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ("minute,model,requests\n2026-11-30T09:00Z,tiny,abc\n", "line 3: requests 'abc' is not a whole number"),
-    ("minute,model,requests\n2026-11-30T09:00,tiny,3\n", "has no time zone"),
-    ("minute,model,requests\nyesterday,tiny,3\n", "is not an ISO 8601 time"),
-    ("minute,model,requests\n2026-11-30T09:00Z,tiny,-3\n", "is not a whole number"),
-    ("minute,model,requests\n2026-11-30T09:00Z,ti ny,3\n", "model 'ti ny' is not a name"),
-    ("minute,model\n2026-11-30T09:00Z,tiny\n", "missing requests"),
-    ("minute,model,requests,colour\n2026-11-30T09:00Z,tiny,1,red\n", "unknown column(s) colour"),
-    ("minute,model,requests\n2026-11-30T09:00Z,tiny,1\n2026-11-30T09:00:30Z,tiny,2\n", "a second row"),
-])
-def test_a_bad_traffic_file_is_refused_with_its_line_and_nothing_is_written(embedded_stack, tmp_path, content,
-                                                                            message):
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("minute,model,requests\n2026-11-30T09:00Z,tiny,abc\n", "line 3: requests 'abc' is not a whole number"),
+        ("minute,model,requests\n2026-11-30T09:00,tiny,3\n", "has no time zone"),
+        ("minute,model,requests\nyesterday,tiny,3\n", "is not an ISO 8601 time"),
+        ("minute,model,requests\n2026-11-30T09:00Z,tiny,-3\n", "is not a whole number"),
+        ("minute,model,requests\n2026-11-30T09:00Z,ti ny,3\n", "model 'ti ny' is not a name"),
+        ("minute,model\n2026-11-30T09:00Z,tiny\n", "missing requests"),
+        ("minute,model,requests,colour\n2026-11-30T09:00Z,tiny,1,red\n", "unknown column(s) colour"),
+        ("minute,model,requests\n2026-11-30T09:00Z,tiny,1\n2026-11-30T09:00:30Z,tiny,2\n", "a second row"),
+    ],
+)
+def test_a_bad_traffic_file_is_refused_with_its_line_and_nothing_is_written(embedded_stack, tmp_path, content, message):
     path = tmp_path / "traffic.csv"
-    path.write_text("minute,model,requests\n2026-11-29T09:00Z,tiny,5\n" + content.split("\n", 1)[1]
-                    if content.startswith("minute,model,requests\n") else content)
+    path.write_text(
+        "minute,model,requests\n2026-11-29T09:00Z,tiny,5\n" + content.split("\n", 1)[1]
+        if content.startswith("minute,model,requests\n")
+        else content
+    )
     result = embedded_stack.cli_here("traffic", "import", str(path))
     assert result.returncode == 2 and message in result.stderr, result.stderr
     with session_scope() as session:  # not even the good first row

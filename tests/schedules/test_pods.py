@@ -54,7 +54,7 @@ def test_the_target_is_the_pods_ip_and_named_port():
     assert PodTarget(endpoint="vllm", port_name="http").replica(transition) == "10.1.2.3:8000"
     assert PodTarget(endpoint="vllm", port=9000).replica(transition) == "10.1.2.3:9000"
     assert PodTarget(endpoint="vllm", port_name="nope").replica(transition) == "10.1.2.3:9090"  # its first
-    with pytest.raises(ConfigError, match="--endpoint .* or --worker-name"):
+    with pytest.raises(ConfigError, match=r"--endpoint .* or --worker-name"):
         PodTarget()
     with pytest.raises(ConfigError, match="must contain"):
         PodTarget(worker_name="gpu0@node")
@@ -86,7 +86,8 @@ def kube():
 
 @pytest.mark.slow
 def test_watch_pods_warms_once_per_transition_through_list_watch_bookmark_410_and_reconnect(
-        services_stack, kube, tmp_path, tiny_model):
+    services_stack, kube, tmp_path, tiny_model
+):
     stack = services_stack
     serve = procs.start_serve(stack.env, tmp_path / "logs")
     worker = procs.start_worker("io@pods-test", stack.env, tmp_path / "logs", cwd=stack.home)
@@ -96,16 +97,36 @@ def test_watch_pods_warms_once_per_transition_through_list_watch_bookmark_410_an
         # The pods say Ready only once the server is (their readiness probe is /health/ready).
         procs.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 60, what="serve ready")
         # The catalog's address is the Service's; each pod is warmed at its own IP and port.
-        write_catalog(tmp_path, tiny_model, '\n[endpoints.vllm]\nbase_url = "http://vllm.serving.svc:8000/v1"\n'
-                                            'model = "tiny"\ntemplates = ["support"]\nkeepalive_interval_s = 60\n')
+        write_catalog(
+            tmp_path,
+            tiny_model,
+            '\n[endpoints.vllm]\nbase_url = "http://vllm.serving.svc:8000/v1"\n'
+            'model = "tiny"\ntemplates = ["support"]\nkeepalive_interval_s = 60\n',
+        )
         kube.apply(pod("pod-a", "uid-a", ready=True, since=T1, port=port))
         kube.apply(pod("pod-b", "uid-b", ready=False, since=T1, port=port))
         kube.apply(pod("other", "uid-o", ready=True, since=T1, labels={"app": "redis"}))
         procs.wait_for_log(worker, "io@pods-test ready.", 90)
-        watcher = procs.start("watch-pods", [PREHEAT_CLI, "watch-pods", "--namespace", "serving", "--selector",
-                                             "app=vllm", "--endpoint", "vllm", "--settle-s", "0",
-                                             "--kubeconfig", kube.kubeconfig(tmp_path / "kubeconfig")],
-                              stack.env, tmp_path / "logs", cwd=stack.home)
+        watcher = procs.start(
+            "watch-pods",
+            [
+                PREHEAT_CLI,
+                "watch-pods",
+                "--namespace",
+                "serving",
+                "--selector",
+                "app=vllm",
+                "--endpoint",
+                "vllm",
+                "--settle-s",
+                "0",
+                "--kubeconfig",
+                kube.kubeconfig(tmp_path / "kubeconfig"),
+            ],
+            stack.env,
+            tmp_path / "logs",
+            cwd=stack.home,
+        )
         with procs.running(watcher):
             # Initial list: pod-a is first seen Ready; pod-b is not Ready; `other` is not selected.
             procs.poll(lambda: runs_for(f"pod-a@{T1}"), 30, what="pod-a's warmup")
@@ -119,8 +140,11 @@ def test_watch_pods_warms_once_per_transition_through_list_watch_bookmark_410_an
             procs.poll(lambda: runs_for(f"pod-c@{T2}", f"pod-b@{T2}"), 30, what="pod-b and pod-c")
             # A dropped connection: watched again from the bookmark, not listed again.
             kube.drop()
-            procs.poll(lambda: any(w["resourceVersion"] == bookmark for w in kube.watches()), 30,
-                       what="a watch from the bookmark")
+            procs.poll(
+                lambda: any(w["resourceVersion"] == bookmark for w in kube.watches()),
+                30,
+                what="a watch from the bookmark",
+            )
             assert len(kube.lists()) == 1
             # 410 Gone: listed again; pod-d became Ready meanwhile; b and c are not warmed again.
             kube.compact()
@@ -134,8 +158,9 @@ def test_watch_pods_warms_once_per_transition_through_list_watch_bookmark_410_an
             procs.poll(lambda: _finished(pod_runs()[f"pod-a@{T1}"][0].id), 60, what="pod-a's warmup finishing")
         log = watcher.log()
     runs = pod_runs()
-    assert sorted(runs) == sorted([f"pod-a@{T1}", f"pod-c@{T2}", f"pod-b@{T2}", f"pod-d@{T3}",
-                                   "pod-b@2026-11-30T08:10:00Z"])
+    assert sorted(runs) == sorted(
+        [f"pod-a@{T1}", f"pod-c@{T2}", f"pod-b@{T2}", f"pod-d@{T3}", "pod-b@2026-11-30T08:10:00Z"]
+    )
     assert all(len(found) == 1 for found in runs.values()), {k: len(v) for k, v in runs.items()}
     first = runs[f"pod-a@{T1}"][0]
     assert first.trigger_detail["replica"] == f"127.0.0.1:{port}" and first.trigger_detail["uid"] == "uid-a"
@@ -165,8 +190,7 @@ def test_a_ready_worker_pod_is_warmed_on_its_own_queue_once(stack, stack_app, re
     from schedules.pods import send_warmup
 
     with session_scope() as session:
-        registry.beat(session, "gpu0@preheat-gpu-worker-1", started_at=utcnow(),
-                      ready=True, state={})
+        registry.beat(session, "gpu0@preheat-gpu-worker-1", started_at=utcnow(), ready=True, state={})
     target = PodTarget(worker_name="gpu0@{pod}")
     transition = transition_of(pod("preheat-gpu-worker-1", "uid-w1", ready=True, since=T1))
     first = send_warmup(target, transition)

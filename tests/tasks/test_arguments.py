@@ -10,27 +10,44 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tasks.endpoints  # noqa: F401 - registers the tasks
-import tasks.infer  # noqa: F401
+import tasks.endpoints
+import tasks.infer
 import tasks.warmup  # noqa: F401
 from preheat.celery import BadTaskArguments, app
 from preheat.text import not_text_at
+
 # Any code point, lone surrogates included: what a message's JSON can carry ("\ud800").
 any_text = st.text(st.characters(exclude_categories=()), max_size=40)
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | any_text,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 
 VALID = {
-    "preheat.warm_worker": {"run_id": str(uuid.uuid4()), "worker": "gpu0@node-1", "templates": ["support"],
-                            "only_if_cold": True},
-    "preheat.warm_endpoint": {"run_id": str(uuid.uuid4()), "endpoint": "vllm", "templates": ["support"],
-                              "base_url": "http://10.0.0.5:8000/v1", "target": "vllm@10.0.0.5:8000"},
+    "preheat.warm_worker": {
+        "run_id": str(uuid.uuid4()),
+        "worker": "gpu0@node-1",
+        "templates": ["support"],
+        "only_if_cold": True,
+    },
+    "preheat.warm_endpoint": {
+        "run_id": str(uuid.uuid4()),
+        "endpoint": "vllm",
+        "templates": ["support"],
+        "base_url": "http://10.0.0.5:8000/v1",
+        "target": "vllm@10.0.0.5:8000",
+    },
     "preheat.keep_alive_endpoint": {"endpoint": "vllm"},
     "preheat.infer": {"template": "support", "user_input": "Where is my parcel?", "max_new_tokens": 8},
-    "preheat.warm_fleet": {"templates": ["support"], "trigger": "peak", "detail": {"schedule": "x"},
-                           "requested_by": "beat", "workers": ["gpu0@node-1"], "only_if_cold": False},
+    "preheat.warm_fleet": {
+        "templates": ["support"],
+        "trigger": "peak",
+        "detail": {"schedule": "x"},
+        "requested_by": "beat",
+        "workers": ["gpu0@node-1"],
+        "only_if_cold": False,
+    },
 }
 TASKS = sorted(VALID)
 
@@ -51,10 +68,11 @@ def test_garbage_arguments_are_one_clear_error(name, data):
     parameters = list(inspect.signature(task.run).parameters)
     # Valid arguments with some replaced or added, or arguments made up from nothing.
     mutated = dict(VALID[name])
-    for key in data.draw(st.lists(st.sampled_from(parameters + ["surprise"]), max_size=3)):
+    for key in data.draw(st.lists(st.sampled_from([*parameters, "surprise"]), max_size=3)):
         mutated[key] = data.draw(json_values)
-    kwargs = data.draw(st.sampled_from([mutated, data.draw(st.dictionaries(st.sampled_from(parameters),
-                                                                            json_values, max_size=5))]))
+    kwargs = data.draw(
+        st.sampled_from([mutated, data.draw(st.dictionaries(st.sampled_from(parameters), json_values, max_size=5))])
+    )
     try:
         task.checked((), kwargs)
     except BadTaskArguments as exc:
@@ -64,21 +82,24 @@ def test_garbage_arguments_are_one_clear_error(name, data):
         assert not_text_at(kwargs) is None
 
 
-@pytest.mark.parametrize(("name", "change", "message"), [
-    ("preheat.warm_worker", {"run_id": "'; DROP TABLE warmup_runs; --"}, "run_id"),
-    ("preheat.warm_worker", {"templates": []}, "templates"),
-    ("preheat.warm_worker", {"only_if_cold": "yes"}, "only_if_cold"),
-    ("preheat.warm_worker", {"templates": ["../../etc/passwd"]}, "templates.0"),
-    ("preheat.infer", {"max_new_tokens": 0}, "max_new_tokens"),
-    ("preheat.infer", {"max_new_tokens": -5}, "max_new_tokens"),
-    ("preheat.infer", {"user_input": "x" * 200_001}, "user_input"),
-    ("preheat.infer", {"user_input": b"\xff\xfe".decode("latin-1") * 2}, None),  # odd text is still text
-    ("preheat.infer", {"user_input": "parcel \ud800 late"}, "user_input is not valid text"),
-    ("preheat.warm_worker", {"worker": "gpu0@node\udcff"}, "worker is not valid text"),
-    ("preheat.warm_fleet", {"detail": {"note": "\udcfe"}}, "detail.note is not valid text"),
-    ("preheat.warm_endpoint", {"base_url": "file:///etc/passwd"}, "base_url"),
-    ("preheat.warm_fleet", {"trigger": "cron"}, "trigger"),
-])
+@pytest.mark.parametrize(
+    ("name", "change", "message"),
+    [
+        ("preheat.warm_worker", {"run_id": "'; DROP TABLE warmup_runs; --"}, "run_id"),
+        ("preheat.warm_worker", {"templates": []}, "templates"),
+        ("preheat.warm_worker", {"only_if_cold": "yes"}, "only_if_cold"),
+        ("preheat.warm_worker", {"templates": ["../../etc/passwd"]}, "templates.0"),
+        ("preheat.infer", {"max_new_tokens": 0}, "max_new_tokens"),
+        ("preheat.infer", {"max_new_tokens": -5}, "max_new_tokens"),
+        ("preheat.infer", {"user_input": "x" * 200_001}, "user_input"),
+        ("preheat.infer", {"user_input": b"\xff\xfe".decode("latin-1") * 2}, None),  # odd text is still text
+        ("preheat.infer", {"user_input": "parcel \ud800 late"}, "user_input is not valid text"),
+        ("preheat.warm_worker", {"worker": "gpu0@node\udcff"}, "worker is not valid text"),
+        ("preheat.warm_fleet", {"detail": {"note": "\udcfe"}}, "detail.note is not valid text"),
+        ("preheat.warm_endpoint", {"base_url": "file:///etc/passwd"}, "base_url"),
+        ("preheat.warm_fleet", {"trigger": "cron"}, "trigger"),
+    ],
+)
 def test_bad_values_name_the_argument(name, change, message):
     task = app.tasks[name]
     if message is None:

@@ -71,8 +71,15 @@ def test_one_warm_reaches_both_workers_and_history_matches_what_each_measured(se
     for name, job in jobs.items():
         measured = reported_by[name]["last_warmup"]["support"]
         assert job.status == JobStatus.warm == measured["status"]
-        for column in ("load_ms", "prefill_ms", "ttft_cold_ms", "ttft_warm_ms", "ttft_bare_ms", "cached_tokens",
-                       "cache_bytes"):
+        for column in (
+            "load_ms",
+            "prefill_ms",
+            "ttft_cold_ms",
+            "ttft_warm_ms",
+            "ttft_bare_ms",
+            "cached_tokens",
+            "cache_bytes",
+        ):
             assert getattr(job, column) == pytest.approx(measured[column]), (name, column)
     # Two processes, two measurements: the rows are each worker's own, not one copied.
     assert jobs[W1].ttft_cold_ms != jobs[W2].ttft_cold_ms
@@ -84,9 +91,13 @@ def _job_of(run_id: str, target: str) -> WarmupJob:
 
 
 def test_a_worker_killed_mid_warmup_leaves_no_job_running_and_its_replacement_warms_itself(
-        services_stack, tmp_path, tiny_model):
-    write_catalog(tmp_path, tiny_model,
-                  f'\n[templates.long]\nmodel = "tiny"\nsystem_prompt = "{LONG_PROMPT}"\nprobe = "Where is it?"\n')
+    services_stack, tmp_path, tiny_model
+):
+    write_catalog(
+        tmp_path,
+        tiny_model,
+        f'\n[templates.long]\nmodel = "tiny"\nsystem_prompt = "{LONG_PROMPT}"\nprobe = "Where is it?"\n',
+    )
     env = one_core_each({**services_stack.env, "PREHEAT_PROBE_REPEATS": "40"})
     stack = services_stack
     victim = procs.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)

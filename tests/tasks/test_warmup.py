@@ -63,8 +63,15 @@ def test_warm_fleet_reaches_the_worker_that_runs_it(stack, worker):
     from preheat.settings import get_settings
 
     app = create_app(get_settings())
-    app.send_task("preheat.warm_fleet", kwargs={"templates": ["support"], "trigger": "schedule",
-                                                "detail": {"schedule": "morning"}, "requested_by": "beat"})
+    app.send_task(
+        "preheat.warm_fleet",
+        kwargs={
+            "templates": ["support"],
+            "trigger": "schedule",
+            "detail": {"schedule": "morning"},
+            "requested_by": "beat",
+        },
+    )
     procs.wait_for_log(worker, "preheat.warm_worker[", timeout_s=60)
     procs.wait_for_log(worker, "succeeded in", timeout_s=60)
     listing = stack.cli("history", "--trigger", "schedule", "--json")

@@ -15,8 +15,9 @@ def send_infer(template="support", user_input="Where is my parcel?", max_new_tok
     from preheat.settings import get_settings
 
     app = create_app(get_settings())
-    return app.send_task("preheat.infer", kwargs={"template": template, "user_input": user_input,
-                                                  "max_new_tokens": max_new_tokens})
+    return app.send_task(
+        "preheat.infer", kwargs={"template": template, "user_input": user_input, "max_new_tokens": max_new_tokens}
+    )
 
 
 @pytest.mark.slow
@@ -52,17 +53,22 @@ def _traffic(model: str, template: str):
 
     with session_scope() as session:
         requests, prompt_tokens, prefix_tokens = session.execute(
-            select(func.sum(TrafficCount.requests), func.sum(TrafficCount.prompt_tokens),
-                   func.max(TrafficCount.prefix_tokens))
-            .where(TrafficCount.model == model, TrafficCount.template == template)).one()
+            select(
+                func.sum(TrafficCount.requests),
+                func.sum(TrafficCount.prompt_tokens),
+                func.max(TrafficCount.prefix_tokens),
+            ).where(TrafficCount.model == model, TrafficCount.template == template)
+        ).one()
     return (requests, prompt_tokens, prefix_tokens) if requests == 2 else None
 
 
 @pytest.mark.slow
 def test_a_worker_with_a_broken_model_starts_serves_the_others_and_says_why_not_ready(stack, tmp_path):
     with stack.catalog.open("a") as catalog:
-        catalog.write('\n[models.gone]\npath = "does/not/exist"\n'
-                      '[templates.orphan]\nmodel = "gone"\nsystem_prompt = "You are lost."\n')
+        catalog.write(
+            '\n[models.gone]\npath = "does/not/exist"\n'
+            '[templates.orphan]\nmodel = "gone"\nsystem_prompt = "You are lost."\n'
+        )
     worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
     with procs.running(worker):
         procs.wait_for_log(worker, "preload done", timeout_s=90)
@@ -72,8 +78,9 @@ def test_a_worker_with_a_broken_model_starts_serves_the_others_and_says_why_not_
         assert send_infer().get(timeout=60)["cached_tokens"] > 20  # tiny is warm and served
 
 
-@pytest.mark.parametrize(("pool", "in_process"), [("solo", True), ("threads", True), ("prefork", False),
-                                                  ("processes", False)])
+@pytest.mark.parametrize(
+    ("pool", "in_process"), [("solo", True), ("threads", True), ("prefork", False), ("processes", False)]
+)
 def test_only_pools_that_run_tasks_in_the_worker_process_hold_models(pool, in_process):
     from celery import concurrency
 
@@ -84,12 +91,19 @@ def test_only_pools_that_run_tasks_in_the_worker_process_hold_models(pool, in_pr
 
 @pytest.mark.slow
 def test_a_prefork_pool_is_refused_in_one_line(stack):
-    done = subprocess.run(procs.celery_command("worker", "--pool=processes", "-n", "bad@preheat-test"),
-                          env=stack.env, cwd=stack.home, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        procs.celery_command("worker", "--pool=processes", "-n", "bad@preheat-test"),
+        env=stack.env,
+        cwd=stack.home,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
         "preheat: preheat workers hold models in the process that runs tasks: start them with --pool=solo "
-        "(one process per GPU), not --pool=prefork")
+        "(one process per GPU), not --pool=prefork"
+    )
 
 
 @pytest.mark.slow
@@ -101,9 +115,15 @@ def test_a_health_port_in_use_stops_the_worker_in_one_line(stack, tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         env = {**stack.env, "PREHEAT_HEALTH_HOST": "127.0.0.1", "PREHEAT_HEALTH_PORT": str(port)}
-        done = subprocess.run(procs.celery_command("worker", "-n", "busy@preheat-test", "--without-mingle",
-                                                   "--without-gossip"),
-                              env=env, cwd=stack.home, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            procs.celery_command("worker", "-n", "busy@preheat-test", "--without-mingle", "--without-gossip"),
+            env=env,
+            cwd=stack.home,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert done.returncode == 2
-    assert (f"preheat: health server cannot listen on 127.0.0.1:{port} (Address already in use); "
-            "set PREHEAT_HEALTH_PORT") in done.stderr
+    assert (
+        f"preheat: health server cannot listen on 127.0.0.1:{port} (Address already in use); set PREHEAT_HEALTH_PORT"
+    ) in done.stderr

@@ -13,7 +13,7 @@ def test_cached_prefix_logits_match_stock_sdpa_and_the_model_uses_it(tiny_model)
     assert resident.model.config.num_key_value_heads < resident.model.config.num_attention_heads  # grouped
     prefix_ids, prompt_ids = support_request(resident, "Where is my parcel? It is late.")
     _, prefix = forward(resident, prefix_ids)
-    suffix = prompt_ids[:, prefix_ids.shape[-1]:]
+    suffix = prompt_ids[:, prefix_ids.shape[-1] :]
 
     grouped, _ = forward(resident, suffix, clone_for_request(prefix))
     resident.model.set_attn_implementation("sdpa")

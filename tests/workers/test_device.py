@@ -20,7 +20,6 @@ def test_cuda_without_a_device_is_a_clear_error():
         pick_placement("cuda")
 
 
-
 # Out of memory: what the allocators raise, turned into one error naming the work. (The
 # CPU allocator's real failure, under a capped data segment, is in tests/test_faults.py.)
 
@@ -30,11 +29,16 @@ def test_cuda_out_of_memory_becomes_one_error_naming_the_work():
     from workers.device import out_of_memory_as_error
 
     def allocate():
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
-                                     "capacity of 79.10 GiB of which 1.06 GiB is free.")
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+            "capacity of 79.10 GiB of which 1.06 GiB is free."
+        )
 
-    with pytest.raises(DeviceOutOfMemory, match=r"^out of memory on cuda while pre-filling support: "
-                                                r"CUDA out of memory\. Tried to allocate 2\.00 GiB\.$") as raised:
+    with pytest.raises(
+        DeviceOutOfMemory,
+        match=r"^out of memory on cuda while pre-filling support: "
+        r"CUDA out of memory\. Tried to allocate 2\.00 GiB\.$",
+    ) as raised:
         out_of_memory_as_error(torch.device("cuda"), "pre-filling support", allocate)
     assert raised.value.__context__ is None  # nothing keeps the failed work's frames alive
 

@@ -25,10 +25,14 @@ def engine():
 def reference_generate(resident, prompt_ids, max_new_tokens):
     """transformers' own greedy generate, from scratch, with no prefix anywhere."""
     with torch.inference_mode():
-        out = resident.model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids),
-                                      max_new_tokens=max_new_tokens, do_sample=False,
-                                      pad_token_id=resident.tokenizer.eos_token_id)
-    return out[0, prompt_ids.shape[-1]:].tolist()
+        out = resident.model.generate(
+            input_ids=prompt_ids,
+            attention_mask=torch.ones_like(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=resident.tokenizer.eos_token_id,
+        )
+    return out[0, prompt_ids.shape[-1] :].tolist()
 
 
 @pytest.mark.parametrize("user_input", USER_INPUTS)
@@ -84,7 +88,7 @@ def test_a_prompt_whose_ids_differ_from_the_prefix_falls_back_to_full_prefill(re
 
 
 def test_bad_requests_are_refused_before_any_work(resident, engine):
-    prefix_ids, prompt_ids = support_request(resident, "Hi")
+    _prefix_ids, prompt_ids = support_request(resident, "Hi")
     with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
         engine.generate(resident, prompt_ids, max_new_tokens=0)
     with pytest.raises(ValueError, match="has a context of"):

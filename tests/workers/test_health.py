@@ -23,8 +23,10 @@ def test_ready_is_503_with_reasons_until_preloaded_then_200(served):
     assert client.get("/health/live").json() == {"status": "live"}
     before = client.get("/health/ready")
     assert before.status_code == 503
-    assert before.json() == {"status": "not ready",
-                             "reasons": ["model tiny not loaded yet", "template support: not pre-filled yet"]}
+    assert before.json() == {
+        "status": "not ready",
+        "reasons": ["model tiny not loaded yet", "template support: not pre-filled yet"],
+    }
     runtime.preload()
     after = client.get("/health/ready")
     assert (after.status_code, after.json()) == (200, {"status": "ready"})

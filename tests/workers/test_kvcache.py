@@ -17,8 +17,9 @@ def ids(n: int, start: int = 1) -> list[int]:
 
 def fill(cache: KVCacheManager, *specs: tuple[str, int, int]) -> dict[str, CacheKey]:
     """Insert (label, first token id, nbytes) entries of 4 tokens each, in order."""
-    return {label: cache.insert("m", ids(4, start), object(), nbytes, label=label).key
-            for label, start, nbytes in specs}
+    return {
+        label: cache.insert("m", ids(4, start), object(), nbytes, label=label).key for label, start, nbytes in specs
+    }
 
 
 def labels(cache: KVCacheManager) -> list[str]:
@@ -28,7 +29,7 @@ def labels(cache: KVCacheManager) -> list[str]:
 def test_the_entry_budget_evicts_the_least_recently_used_first():
     cache = KVCacheManager(CacheBudget(max_entries=3, max_bytes=10_000))
     fill(cache, ("a", 100, 10), ("b", 200, 10), ("c", 300, 10))
-    cache.release(cache.acquire_longest("m", ids(4, 100) + [7]))  # a is now the most recent
+    cache.release(cache.acquire_longest("m", [*ids(4, 100), 7]))  # a is now the most recent
     fill(cache, ("d", 400, 10))
     assert labels(cache) == ["c", "a", "d"]
     fill(cache, ("e", 500, 10))
@@ -82,7 +83,9 @@ def test_a_prefix_larger_than_the_whole_budget_is_refused_and_nothing_changes():
     cache = KVCacheManager(CacheBudget(max_entries=4, max_bytes=100))
     fill(cache, ("a", 100, 60))
     before = (labels(cache), cache.stats())
-    with pytest.raises(CacheBudgetError, match=r"prefix huge needs 101 bytes of KV cache; the whole cache budget is 100"):
+    with pytest.raises(
+        CacheBudgetError, match=r"prefix huge needs 101 bytes of KV cache; the whole cache budget is 100"
+    ):
         cache.insert("m", ids(4, 900), object(), 101, label="huge")
     assert (labels(cache), cache.stats()) == before
 
@@ -145,11 +148,14 @@ def test_records_without_stats_for_warmups():
     assert cache.stats().queries == 0
 
 
-@pytest.mark.parametrize(("entries", "nbytes", "share", "message"), [
-    (0, 10, 0.5, "at least 1 entry"),
-    (1, 0, 0.5, "positive byte budget"),
-    (1, 10, 1.5, "between 0 and 1"),
-])
+@pytest.mark.parametrize(
+    ("entries", "nbytes", "share", "message"),
+    [
+        (0, 10, 0.5, "at least 1 entry"),
+        (1, 0, 0.5, "positive byte budget"),
+        (1, 10, 1.5, "between 0 and 1"),
+    ],
+)
 def test_a_budget_that_cannot_hold_anything_is_refused(entries, nbytes, share, message):
     with pytest.raises(CacheBudgetError, match=message):
         CacheBudget(entries, nbytes, share)
@@ -165,9 +171,8 @@ def test_releasing_more_than_acquired_is_a_bug_reported_loudly():
 def test_removing_an_entry_in_use_is_refused():
     cache = KVCacheManager(CacheBudget(max_entries=10, max_bytes=1_000))
     entry = cache.insert("m", [1, 2], object(), 10)
-    with cache.using("m", [1, 2]):
-        with pytest.raises(CacheFullError, match="in use by 1 request"):
-            cache.remove(entry.key)
+    with cache.using("m", [1, 2]), pytest.raises(CacheFullError, match="in use by 1 request"):
+        cache.remove(entry.key)
     cache.remove(entry.key)
     assert len(cache) == 0 and cache.stats().bytes == 0
 
@@ -179,8 +184,9 @@ class CacheWorkload(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.evicted = []
-        self.cache = KVCacheManager(CacheBudget(max_entries=5, max_bytes=1_000, pinned_share=0.4),
-                                    on_evict=self.evicted.append)
+        self.cache = KVCacheManager(
+            CacheBudget(max_entries=5, max_bytes=1_000, pinned_share=0.4), on_evict=self.evicted.append
+        )
         self.held = []
 
     @rule(first=st.integers(0, 20), length=st.integers(1, 6), nbytes=st.integers(0, 1_200), pin=st.booleans())

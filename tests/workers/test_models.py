@@ -17,6 +17,7 @@ def record_loads(monkeypatch) -> list[tuple[str, float, float]]:
             return real(source, placement)
         finally:
             calls.append((source.name, started, time.monotonic()))
+
     monkeypatch.setattr(models, "_load", load)
     return calls
 
@@ -24,8 +25,13 @@ def record_loads(monkeypatch) -> list[tuple[str, float, float]]:
 def test_preload_loads_models_in_parallel_and_keeps_the_failures(monkeypatch, tiny_model, tiny_qwen2):
     calls = record_loads(monkeypatch)
     registry = ModelRegistry("cpu")
-    failures = registry.preload([ModelSource("llama", str(tiny_model)), ModelSource("qwen2", str(tiny_qwen2)),
-                                 ModelSource("gone", "/does/not/exist")])
+    failures = registry.preload(
+        [
+            ModelSource("llama", str(tiny_model)),
+            ModelSource("qwen2", str(tiny_qwen2)),
+            ModelSource("gone", "/does/not/exist"),
+        ]
+    )
     assert set(registry.resident) == {"llama", "qwen2"}
     assert failures.keys() == registry.unavailable.keys() == {"gone"}
     assert "model 'gone' failed to load from /does/not/exist" in failures["gone"]
@@ -39,8 +45,10 @@ def test_concurrent_callers_for_one_model_load_it_once(monkeypatch, tiny_model):
     calls = record_loads(monkeypatch)
     registry = ModelRegistry("cpu")
     results = []
-    threads = [threading.Thread(target=lambda: results.append(registry.ensure(ModelSource("m", str(tiny_model)))))
-               for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda: results.append(registry.ensure(ModelSource("m", str(tiny_model)))))
+        for _ in range(3)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -54,7 +54,10 @@ def test_a_template_prompt_starts_with_the_prefix_ids_and_empty_input_is_the_pre
 
 
 def test_a_prompt_that_leaves_no_room_to_generate_is_refused(resident):
-    with pytest.raises(ValueError, match=rf"prompt is {resident.max_context} tokens \(\+1 to generate\); "
-                                         rf"model 'tiny' has a context of {resident.max_context}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"prompt is {resident.max_context} tokens \(\+1 to generate\); "
+        rf"model 'tiny' has a context of {resident.max_context}",
+    ):
         check_context(resident, resident.max_context, "prompt")
     check_context(resident, resident.max_context - 8, "prompt", new_tokens=8)

@@ -11,8 +11,9 @@ from workers.kvcache import CacheBudget, CacheBudgetError
 from workers.runtime import WorkerRuntime
 
 SUMMARY = '\n[templates.summarise]\nmodel = "tiny"\nsystem_prompt = "Summarise the text in three bullet points."\n'
-BROKEN = ('\n[models.gone]\npath = "does/not/exist"\n'
-          '[templates.orphan]\nmodel = "gone"\nsystem_prompt = "You are lost."\n')
+BROKEN = (
+    '\n[models.gone]\npath = "does/not/exist"\n[templates.orphan]\nmodel = "gone"\nsystem_prompt = "You are lost."\n'
+)
 
 
 def make_runtime(tmp_path, model_dir, extra="", **kwargs) -> WorkerRuntime:
@@ -31,12 +32,19 @@ def test_preload_loads_what_it_can_prefills_and_pins_its_templates_and_says_why_
     warm_models = []
     runtime.on_model_warm = warm_models.append
     # Grouped by model: each model's own reason, then its templates'.
-    assert runtime.readiness() == ["model tiny not loaded yet", "template support: not pre-filled yet",
-                                   "template summarise: not pre-filled yet", "model gone not loaded yet",
-                                   "template orphan: not pre-filled yet"]
+    assert runtime.readiness() == [
+        "model tiny not loaded yet",
+        "template support: not pre-filled yet",
+        "template summarise: not pre-filled yet",
+        "model gone not loaded yet",
+        "template orphan: not pre-filled yet",
+    ]
     reasons = runtime.preload()
-    assert reasons == runtime.readiness() == [
-        f"model gone unavailable: {runtime.registry.unavailable['gone']}", "template orphan: not pre-filled yet"]
+    assert (
+        reasons
+        == runtime.readiness()
+        == [f"model gone unavailable: {runtime.registry.unavailable['gone']}", "template orphan: not pre-filled yet"]
+    )
     assert "does/not/exist" in reasons[0]
     assert warm_models == ["tiny"]  # announced once, when its last template was pre-filled
     assert sorted(e.label for e in runtime.cache.entries()) == ["summarise", "support"]
@@ -70,10 +78,14 @@ def test_a_warmup_without_preload_loads_and_prefills(runtime):
 
 def test_a_changed_system_prompt_is_prefilled_again(runtime):
     first = runtime.warm_template("support")
-    runtime.catalog = runtime.catalog.model_copy(update={"templates": {
-        **runtime.catalog.templates,
-        "support": runtime.catalog.templates["support"].model_copy(update={"system_prompt": "Be brief."}),
-    }})
+    runtime.catalog = runtime.catalog.model_copy(
+        update={
+            "templates": {
+                **runtime.catalog.templates,
+                "support": runtime.catalog.templates["support"].model_copy(update={"system_prompt": "Be brief."}),
+            }
+        }
+    )
     result = runtime.warm_template("support")
     assert result.prefill_ms > 0 and result.cached_tokens < first.cached_tokens
 
@@ -84,10 +96,14 @@ def test_the_serving_threads_exercise_uses_the_prefix_as_prefilled_not_a_prompt_
     (an out-of-memory there once kept a model from its requests for good)."""
     runtime.preload()
     inserts = runtime.cache.stats().inserts
-    runtime.catalog = runtime.catalog.model_copy(update={"templates": {
-        **runtime.catalog.templates,
-        "support": runtime.catalog.templates["support"].model_copy(update={"system_prompt": "Be brief."}),
-    }})
+    runtime.catalog = runtime.catalog.model_copy(
+        update={
+            "templates": {
+                **runtime.catalog.templates,
+                "support": runtime.catalog.templates["support"].model_copy(update={"system_prompt": "Be brief."}),
+            }
+        }
+    )
     runtime.exercise("tiny")
     assert runtime.cache.stats().inserts == inserts
 
@@ -142,8 +158,10 @@ def test_an_evicted_template_is_prefilled_again_by_the_next_request(runtime):
 def test_a_budget_smaller_than_one_prefix_fails_clearly_and_leaves_the_cache_consistent(tmp_path, tiny_model):
     runtime = make_runtime(tmp_path, tiny_model, SUMMARY, cache_budget=CacheBudget(max_entries=4, max_bytes=200_000))
     reasons = runtime.preload()
-    assert any(r.startswith("template support: prefix support needs") and "the whole cache budget is 200,000"
-               in r for r in reasons)
+    assert any(
+        r.startswith("template support: prefix support needs") and "the whole cache budget is 200,000" in r
+        for r in reasons
+    )
     result = runtime.warm_template("support")
     assert result.status == "failed" and "the whole cache budget is 200,000 bytes" in result.error
     stats = runtime.cache.stats()
@@ -156,7 +174,7 @@ def test_a_budget_smaller_than_one_prefix_fails_clearly_and_leaves_the_cache_con
 
 
 def test_a_system_prompt_longer_than_the_context_fails_the_warmup(tmp_path, tiny_model):
-    huge = "\n[templates.huge]\nmodel = \"tiny\"\nsystem_prompt = \"" + "word " * 5000 + "\"\n"
+    huge = '\n[templates.huge]\nmodel = "tiny"\nsystem_prompt = "' + "word " * 5000 + '"\n'
     runtime = make_runtime(tmp_path, tiny_model, huge)
     result = runtime.warm_template("huge")
     assert result.status == "failed" and "model 'tiny' has a context of 4096" in result.error

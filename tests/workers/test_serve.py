@@ -47,8 +47,12 @@ def test_the_openai_client_streams_a_chat_completion_with_cached_prompt_tokens_a
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     stream = client.chat.completions.create(
-        model="tiny", max_tokens=6, stream=True, stream_options={"include_usage": True},
-        messages=[{"role": "system", "content": SUPPORT_PROMPT}, {"role": "user", "content": "Where is my parcel?"}])
+        model="tiny",
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+        messages=[{"role": "system", "content": SUPPORT_PROMPT}, {"role": "user", "content": "Where is my parcel?"}],
+    )
     deltas, usage, finish = [], None, None
     for chunk in stream:
         if chunk.choices:
@@ -61,8 +65,10 @@ def test_the_openai_client_streams_a_chat_completion_with_cached_prompt_tokens_a
     assert usage.completion_tokens <= 6 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
     whole = client.chat.completions.create(
-        model="tiny", max_tokens=6,
-        messages=[{"role": "system", "content": SUPPORT_PROMPT}, {"role": "user", "content": "Where is my parcel?"}])
+        model="tiny",
+        max_tokens=6,
+        messages=[{"role": "system", "content": SUPPORT_PROMPT}, {"role": "user", "content": "Where is my parcel?"}],
+    )
     assert whole.choices[0].message.content == "".join(deltas)  # greedy: the same text either way
 
 
@@ -71,8 +77,11 @@ def test_completions_and_ad_hoc_system_prompts_are_cached_for_the_next_request(s
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     plain = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=3)
     assert plain.usage.completion_tokens >= 1 and plain.object == "text_completion"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt="Once upon a time", max_tokens=3, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=3, stream=True)
+        if c.choices
+    )
     assert streamed == plain.choices[0].text
 
     ad_hoc = [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Colour?"}]
@@ -91,8 +100,10 @@ def test_internal_warmup_without_or_with_a_wrong_token_is_401_and_runs_nothing(s
         assert refused.status_code == 401
         assert refused.json()["error"]["message"] == "a valid bearer token is required"
         assert refused.headers["WWW-Authenticate"].startswith("Bearer")
-    assert (metric(url, 'preheat_prefills_total{model="tiny"}'), metric(url, "preheat_kv_cache_queries_total")) == \
-        before
+    assert (
+        metric(url, 'preheat_prefills_total{model="tiny"}'),
+        metric(url, "preheat_kv_cache_queries_total"),
+    ) == before
     unknown = warmup(url, templates=["support", "nope"])
     assert unknown.status_code == 400 and "unknown template(s): nope" in unknown.json()["error"]["message"]
 
@@ -126,16 +137,33 @@ def test_bad_input_is_a_4xx_with_a_reason(server):
 # Bytes that are not UTF-8 text, or JSON that decodes to text that is not (a lone
 # surrogate), on every route that reads a body, a header or a path: a 4xx with a reason.
 NOT_TEXT = [
-    ("POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff"}]}', {},
-     400, "not UTF-8"),
-    ("POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', {},
-     400, "not valid text"),
+    (
+        "POST",
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff"}]}',
+        {},
+        400,
+        "not UTF-8",
+    ),
+    (
+        "POST",
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        {},
+        400,
+        "not valid text",
+    ),
     ("POST", "/v1/completions", b'{"model": "tiny", "prompt": "caf\xe9"}', {}, 400, "not UTF-8"),
     ("POST", "/v1/completions", b'{"model": "tiny", "prompt": "\\udcff"}', {}, 400, "not valid text"),
-    ("POST", "/internal/warmup", b'{"templates": ["\xfe"]}', {"Authorization": f"Bearer {TOKEN}"}, 400,
-     "not UTF-8"),
-    ("POST", "/internal/warmup", b'{"templates": ["support"]}', {"Authorization": b"Bearer \xff\xfe"}, 401,
-     "a valid bearer token is required"),
+    ("POST", "/internal/warmup", b'{"templates": ["\xfe"]}', {"Authorization": f"Bearer {TOKEN}"}, 400, "not UTF-8"),
+    (
+        "POST",
+        "/internal/warmup",
+        b'{"templates": ["support"]}',
+        {"Authorization": b"Bearer \xff\xfe"},
+        401,
+        "a valid bearer token is required",
+    ),
     ("GET", "/v1/models/%FF%FE", b"", {}, 404, ""),
 ]
 
@@ -159,8 +187,9 @@ def test_an_api_key_guards_v1_and_internal_routes_are_off_without_a_token(embedd
         procs.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 60, what="ready")
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 401
-        ok = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer client-key"},
-                        timeout=30)
+        ok = httpx.post(
+            f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer client-key"}, timeout=30
+        )
         assert ok.status_code == 200
         disabled = warmup(url, token="anything")
         assert disabled.status_code == 401 and "no PREHEAT_SERVE_TOKEN" in disabled.json()["error"]["message"]
@@ -168,21 +197,32 @@ def test_an_api_key_guards_v1_and_internal_routes_are_off_without_a_token(embedd
 
 
 def test_a_model_that_is_not_warm_takes_no_request(embedded_stack, tmp_path, tiny_model):
-    write_catalog(tmp_path, tiny_model, '\n[models.gone]\npath = "does/not/exist"\n'
-                  '[templates.orphan]\nmodel = "gone"\nsystem_prompt = "You are lost."\n')
+    write_catalog(
+        tmp_path,
+        tiny_model,
+        '\n[models.gone]\npath = "does/not/exist"\n'
+        '[templates.orphan]\nmodel = "gone"\nsystem_prompt = "You are lost."\n',
+    )
     proc = procs.start_serve(embedded_stack.env, tmp_path / "logs")
     with procs.running(proc):
         url = procs.serve_url(proc)
+
         def only_gone_is_missing():
             reasons = httpx.get(f"{url}/health/ready", timeout=5).json().get("reasons", [])
             return [r.split(":")[0] for r in reasons] == ["model gone unavailable", "template orphan"]
 
         procs.poll(only_gone_is_missing, 60, what="tiny warm and gone reported")
         assert httpx.get(f"{url}/health/ready", timeout=5).status_code == 503
-        refused = httpx.post(f"{url}/v1/chat/completions", timeout=10,
-                             json={"model": "gone", "messages": [{"role": "user", "content": "hi"}]})
+        refused = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=10,
+            json={"model": "gone", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "5"
         assert "model 'gone' is not warm yet" in refused.json()["error"]["message"]
-        served = httpx.post(f"{url}/v1/chat/completions", timeout=30,
-                            json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+        served = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=30,
+            json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert served.status_code == 200  # the other model serves

@@ -10,7 +10,9 @@ PREFIX_TOKENS = 200
 
 
 def _probe(warm_ms=6.0, bare_ms=5.0, warm_token=7, cached=PREFIX_TOKENS):
-    return Probe(bare=FirstToken(7, bare_ms, 0), cold=FirstToken(7, 40.0, 0), warm=FirstToken(warm_token, warm_ms, cached))
+    return Probe(
+        bare=FirstToken(7, bare_ms, 0), cold=FirstToken(7, 40.0, 0), warm=FirstToken(warm_token, warm_ms, cached)
+    )
 
 
 def _judge(probe, steady_ms=None, factor=1.5):
@@ -51,6 +53,7 @@ def test_side_by_side_interleaves_with_an_untimed_call_before_each_timed_one():
         def measure():
             calls.append(name)
             return FirstToken(1, float(len(calls)), 0)
+
         return measure
 
     runs = side_by_side({"a": way("a"), "b": way("b")}, repeats=2)
