@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install browser demo test test-fast clean
+.PHONY: install browser demo lint format test test-fast clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,12 +35,21 @@ demo: install
 TEST_WORKERS ?= 3
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist worksteal)
 
+## ruff: lint and format check (configured in pyproject.toml); a finding fails `make test`.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
 ## Every test, slow end-to-end ones included (real Redis, Postgres, worker processes).
-test: install browser
+test: install browser lint
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 ## The quick loop: skips tests marked slow.
-test-fast: install
+test-fast: install lint
 	$(BIN)/python -m pytest $(XDIST) --skip-slow $(PYTEST_ARGS)
 
 clean:
