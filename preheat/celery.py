@@ -15,8 +15,7 @@ from celery import Celery, Task
 from celery.signals import celeryd_after_setup, worker_process_init
 from sqlalchemy.exc import OperationalError
 
-from preheat import fstransport
-from preheat.db import utcnow
+from preheat import fstransport, history
 from preheat.errors import ConfigError, PreheatError, exit_with
 from preheat.settings import Settings, get_settings
 
@@ -108,6 +107,11 @@ def celery_config(settings: Settings) -> dict:
     }
 
 
+# The retry policy of tasks that touch the database: they retry while it is briefly away
+# (the warmup itself is idempotent). Declared in each task's decorator.
+DB_RETRY = {"autoretry_for": (OperationalError,), "retry_backoff": 2, "retry_backoff_max": 60, "max_retries": 8}
+
+
 class BadTaskArguments(PreheatError):
     """A task message whose arguments do not fit the task's schema; nothing was done."""
 
@@ -156,37 +160,17 @@ class PreheatTask(Task):
     def start_jobs(self, run_id: str, target: str, templates: list[str]) -> bool:
         """Mark this target's jobs running; False (quietly) when the run is gone. With the
         database away the run cannot be checked: the warmup goes ahead."""
-        from preheat import outbox
-
-        started = outbox.record(
-            "job.start",
-            {"run_id": run_id, "target": target, "templates": templates, "task_id": self.request.id, "at": utcnow()},
-        )
-        if started is False:
+        if history.report_job_start(run_id, target, templates, self.request.id) is False:
             log.info("run %s is gone; nothing to warm", run_id)
             return False
         return True
 
     def finish_job(self, run_id: str, target: str, template: str, status: str, measured: dict) -> None:
-        from preheat import outbox
-
-        outbox.record(
-            "job.finish",
-            {
-                "run_id": run_id,
-                "target": target,
-                "template": template,
-                "status": status,
-                "measured": measured,
-                "at": utcnow(),
-            },
-        )
+        history.report_job_finish(run_id, target, template, status, measured)
 
     def on_failure(self, exc, task_id, args, kwargs, einfo):
-        from preheat import outbox
-
         try:
-            outbox.record("task.fail", {"task_id": task_id, "error": f"{type(exc).__name__}: {exc}", "at": utcnow()})
+            history.report_task_failure(task_id, f"{type(exc).__name__}: {exc}")
         except OperationalError:
             log.exception("could not record the failure of %s[%s] in history", self.name, task_id)
 

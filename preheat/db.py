@@ -12,6 +12,7 @@ from typing import ClassVar
 
 from sqlalchemy import JSON, DateTime, Enum, MetaData, create_engine, event
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from preheat.settings import get_settings
@@ -26,8 +27,18 @@ NAMING_CONVENTION = {
 }
 
 
+# The database is away (refused, reset, timed out, locked): worth waiting for. Anything
+# else is an answer, and waiting would not change it.
+DATABASE_AWAY = (OperationalError, InterfaceError)
+
+
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def aware(moment: dt.datetime) -> dt.datetime:
+    """SQLite hands datetimes back without their zone; every one stored here is UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)
 
 
 class Base(DeclarativeBase):

@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
+from preheat import outbox
 from preheat.db import utcnow
 from preheat.models import EndpointKeepAlive, JobStatus, RunStatus, TargetKind, TriggerKind, WarmupJob, WarmupRun
-from preheat.outbox import writer
 
 # A job in one of these states counts for the run as…
 _SUCCESS = {JobStatus.warm, JobStatus.skipped}
@@ -237,15 +237,15 @@ def keepalives(session: Session) -> list[EndpointKeepAlive]:
 
 
 # The same writes as outbox entries (preheat.outbox): a worker's record of its own work,
-# written later, with the times it happened, when the database was away.
+# written later, with the times it happened, when the database was away. Each kind is
+# defined here once: its name, the payload `report_*` builds, and how it is applied.
 
 
 def _at(payload: dict) -> dt.datetime | None:
     return dt.datetime.fromisoformat(payload["at"]) if payload.get("at") else None
 
 
-@writer("job.start")
-def _write_job_start(session: Session, p: dict) -> bool:
+def _apply_job_start(session: Session, p: dict) -> bool:
     return bool(
         start_jobs(
             session,
@@ -258,8 +258,7 @@ def _write_job_start(session: Session, p: dict) -> bool:
     )
 
 
-@writer("job.finish")
-def _write_job_finish(session: Session, p: dict) -> None:
+def _apply_job_finish(session: Session, p: dict) -> None:
     finish_job(
         session,
         uuid.UUID(p["run_id"]),
@@ -271,13 +270,11 @@ def _write_job_finish(session: Session, p: dict) -> None:
     )
 
 
-@writer("task.fail")
-def _write_task_failure(session: Session, p: dict) -> None:
+def _apply_task_failure(session: Session, p: dict) -> None:
     fail_task_jobs(session, p["task_id"], p["error"], at=_at(p))
 
 
-@writer("keepalive")
-def _write_keepalive(session: Session, p: dict) -> None:
+def _apply_keepalive(session: Session, p: dict) -> None:
     record_keepalive(
         session,
         p["endpoint"],
@@ -288,3 +285,33 @@ def _write_keepalive(session: Session, p: dict) -> None:
         error=p["error"],
         at=_at(p),
     )
+
+
+JOB_START = outbox.EntryKind("job.start", _apply_job_start)
+JOB_FINISH = outbox.EntryKind("job.finish", _apply_job_finish)
+TASK_FAILURE = outbox.EntryKind("task.fail", _apply_task_failure)
+KEEPALIVE = outbox.EntryKind("keepalive", _apply_keepalive)
+OUTBOX_KINDS = (JOB_START, JOB_FINISH, TASK_FAILURE, KEEPALIVE)
+
+
+def report_job_start(run_id: str, target: str, templates: list[str], task_id: str) -> object:
+    """Mark a task's jobs running, now or from the outbox: False when the run is gone,
+    outbox.DEFERRED when the database is away."""
+    payload = {"run_id": run_id, "target": target, "templates": templates, "task_id": task_id, "at": utcnow()}
+    return outbox.record(JOB_START, payload)
+
+
+def report_job_finish(run_id: str, target: str, template: str, status: str, measured: dict) -> None:
+    payload = {"run_id": run_id, "target": target, "template": template, "status": status, "measured": measured}
+    outbox.record(JOB_FINISH, {**payload, "at": utcnow()})
+
+
+def report_task_failure(task_id: str, error: str) -> None:
+    outbox.record(TASK_FAILURE, {"task_id": task_id, "error": error, "at": utcnow()})
+
+
+def report_keepalive(
+    endpoint: str, *, sent: int, failed: int, skipped: int, ttft_ms: float | None, error: str | None
+) -> None:
+    payload = {"endpoint": endpoint, "sent": sent, "failed": failed, "skipped": skipped, "ttft_ms": ttft_ms}
+    outbox.record(KEEPALIVE, {**payload, "error": error, "at": utcnow()})

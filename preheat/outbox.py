@@ -23,21 +23,17 @@ import re
 import sqlite3
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import select
-from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from preheat.db import session_scope, utcnow
+from preheat.db import DATABASE_AWAY, session_scope, utcnow
 
 log = logging.getLogger(__name__)
-
-# The database is away (refused, reset, timed out, locked): worth waiting for. Anything
-# else is an answer, and waiting would not change it.
-DATABASE_AWAY = (OperationalError, InterfaceError)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -52,18 +48,18 @@ CREATE TABLE IF NOT EXISTS entries (
 """
 
 Writer = Callable[[Session, dict], object]
-WRITERS: dict[str, Writer] = {}
 
 
-def writer(kind: str) -> Callable[[Writer], Writer]:
-    """Register how an entry of `kind` is applied: `fn(session, payload)`, idempotent or not
-    (the applied_writes row makes each entry count once)."""
+@dataclass(frozen=True)
+class EntryKind:
+    """One kind of history write that may wait in an outbox: its name on disk and how it is
+    applied, `apply(session, payload)`. Defined once, by the module that owns the write
+    (preheat.history, preheat.traffic); the outbox imports none of them: whoever opens one
+    says which kinds it keeps. The applied_writes row makes each entry count once, so
+    `apply` need not be idempotent."""
 
-    def register(fn: Writer) -> Writer:
-        WRITERS[kind] = fn
-        return fn
-
-    return register
+    name: str
+    apply: Writer
 
 
 DEFERRED = object()  # what `write` returns when the entry waits in the outbox
@@ -82,9 +78,9 @@ class Outbox:
     """One process's outbox file. Thread-safe: tasks write from the consumer thread, the
     heartbeat replays from its own."""
 
-    def __init__(self, path: Path, source: str) -> None:
-        _register_writers()
+    def __init__(self, path: Path, source: str, kinds: Iterable[EntryKind]) -> None:
         self.path, self.source = path, source
+        self.kinds = {kind.name: kind for kind in kinds}
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
@@ -99,27 +95,27 @@ class Outbox:
 
     # Writing ---------------------------------------------------------------------------
 
-    def write(self, kind: str, payload: dict) -> object:
+    def write(self, kind: EntryKind, payload: dict) -> object:
         """Apply now when nothing waits and the database answers; otherwise keep it for
         replay and return DEFERRED. Errors other than "database away" are raised."""
         payload = as_stored(payload)
         if self.counts().pending == 0:
             try:
                 with session_scope() as session:
-                    return WRITERS[kind](session, payload)
+                    return kind.apply(session, payload)
             except DATABASE_AWAY as exc:
-                log.warning("database away (%s): %s kept in the outbox", _first_line(exc), kind)
+                log.warning("database away (%s): %s kept in the outbox", _first_line(exc), kind.name)
         self.append(kind, payload)
         return DEFERRED
 
-    def append(self, kind: str, payload: dict) -> str:
-        if kind not in WRITERS:
-            raise KeyError(f"no writer for outbox entries of kind {kind!r}")
+    def append(self, kind: EntryKind, payload: dict) -> str:
+        if self.kinds.get(kind.name) is not kind:
+            raise KeyError(f"no writer for outbox entries of kind {kind.name!r} in this outbox")
         entry_id = str(uuid.uuid4())
         with self._lock:
             self._db.execute(
                 "INSERT INTO entries (id, kind, payload, created_at) VALUES (?, ?, ?, ?)",
-                (entry_id, kind, json.dumps(payload, default=_json_default), utcnow().isoformat()),
+                (entry_id, kind.name, json.dumps(payload, default=_json_default), utcnow().isoformat()),
             )
         return entry_id
 
@@ -154,7 +150,7 @@ class Outbox:
                 return  # applied before this process could remove it (it died in between)
             session.add(AppliedWrite(id=key, source=self.source, kind=kind))
             session.flush()
-            WRITERS[kind](session, payload)
+            self.kinds[kind].apply(session, payload)
 
     def _waiting(self, limit: int) -> list[tuple]:
         with self._lock:
@@ -223,11 +219,6 @@ class OutboxCollector:
         )
 
 
-def _register_writers() -> None:
-    import preheat.history
-    import preheat.traffic  # noqa: F401 - importing them registers their writers
-
-
 def as_stored(payload: dict) -> dict:
     """The payload as a replay will read it (datetimes as ISO text): a writer sees one form,
     whether it writes at once or later."""
@@ -256,12 +247,13 @@ def path_for(folder: Path, nodename: str) -> Path:
 _OUTBOX: Outbox | None = None
 
 
-def open_for(nodename: str, folder: Path) -> Outbox:
-    """Open (or reopen) the worker's outbox; what it holds is replayed with the next heartbeat."""
+def open_for(nodename: str, folder: Path, kinds: Iterable[EntryKind]) -> Outbox:
+    """Open (or reopen) the worker's outbox for `kinds`; what it holds is replayed with the
+    next heartbeat."""
     global _OUTBOX
     if _OUTBOX is not None:
         _OUTBOX.close()
-    _OUTBOX = Outbox(path_for(folder, nodename), nodename)
+    _OUTBOX = Outbox(path_for(folder, nodename), nodename, kinds)
     counts = _OUTBOX.counts()
     if counts.pending or counts.dead:
         log.warning(
@@ -284,14 +276,13 @@ def close() -> None:
         _OUTBOX = None
 
 
-def record(kind: str, payload: dict) -> object:
+def record(kind: EntryKind, payload: dict) -> object:
     """A history write: through this process's outbox when it has one (a worker), else
     directly (and the caller sees the error)."""
     if _OUTBOX is not None:
         return _OUTBOX.write(kind, payload)
-    _register_writers()
     with session_scope() as session:
-        return WRITERS[kind](session, as_stored(payload))
+        return kind.apply(session, as_stored(payload))
 
 
 def replay() -> int:

@@ -24,15 +24,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from preheat import history
-from preheat.db import session_scope, utcnow
+from preheat.db import aware, session_scope, utcnow
 from preheat.models import JobStatus, TargetKind, WarmupJob, WarmupRun, WorkerRecord
 
 log = logging.getLogger(__name__)
-
-
-def aware(moment: dt.datetime) -> dt.datetime:
-    """SQLite hands datetimes back without their zone; every one stored here is UTC."""
-    return moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)
 
 
 def beat(

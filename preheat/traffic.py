@@ -17,10 +17,10 @@ from pathlib import Path
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from preheat import outbox
 from preheat.catalog import NAME_PATTERN
 from preheat.errors import ConfigError
 from preheat.models import TrafficCount
-from preheat.outbox import writer
 
 UTC = dt.UTC
 CSV_COLUMNS = ("minute", "model", "template", "requests", "prompt_tokens", "prefix_tokens")
@@ -106,17 +106,21 @@ TRAFFIC = TrafficCounter()  # this process's counts (a worker's preheat.infer)
 def flush(counter: TrafficCounter = TRAFFIC) -> int:
     """Add this process's counts to the table (a worker does it with each heartbeat); a
     worker's counts wait in its outbox while the database is away."""
-    from preheat import outbox
 
     def write(tallies: list[Tally]) -> None:
-        outbox.record("traffic", {"tallies": [asdict(t) for t in tallies]})
+        outbox.record(TALLIES, {"tallies": [asdict(t) for t in tallies]})
 
     return counter.flush(write)
 
 
-@writer("traffic")
-def _write_tallies(session: Session, payload: dict) -> None:
+def _apply_tallies(session: Session, payload: dict) -> None:
     record(session, [Tally(**{**t, "minute": dt.datetime.fromisoformat(t["minute"])}) for t in payload["tallies"]])
+
+
+# Traffic counts as an outbox entry kind (preheat.outbox): a worker's counts wait there
+# while the database is away.
+TALLIES = outbox.EntryKind("traffic", _apply_tallies)
+OUTBOX_KINDS = (TALLIES,)
 
 
 def _upsert(session: Session, rows: list[dict], *, add: bool) -> None:

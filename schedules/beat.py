@@ -28,10 +28,9 @@ from kombu.exceptions import OperationalError as BrokerError
 from sqlalchemy.exc import SQLAlchemyError
 
 from preheat.catalog import Catalog, load_catalog
-from preheat.db import session_scope, utcnow
+from preheat.db import aware, session_scope, utcnow
 from preheat.errors import PreheatError
 from preheat.models import Schedule, ScheduleKind, SlotStatus, TriggerKind
-from preheat.registry import aware
 from preheat.settings import get_settings
 from schedules import leader, store
 
@@ -131,7 +130,7 @@ def _due_and_next(now: dt.datetime, grace_s: float) -> tuple[list[DueSlot], dt.d
 
 def send_slot(slot: DueSlot, holder: str, now: dt.datetime) -> tuple[SlotStatus, uuid.UUID | None, str | None]:
     """Dispatch the slot's warmup (its run keyed by the slot); what became of it, and why."""
-    from tasks.fleet import dispatch_endpoint_warmup, dispatch_warmup
+    from preheat.dispatch import dispatch_endpoint_warmup, dispatch_warmup
 
     detail = {
         "schedule": slot.name,

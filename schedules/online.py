@@ -34,7 +34,7 @@ def trigger_key(event: dict) -> str:
 
 def warm_online_worker(event: dict, templates: list[str] | None = None) -> str | None:
     """Send the worker that just came online its warmup; the run id, or None if none was sent."""
-    from tasks.fleet import dispatch_warmup
+    from preheat.dispatch import dispatch_warmup
 
     worker = event["hostname"]
     online_at = dt.datetime.fromtimestamp(float(event.get("timestamp") or time.time()), dt.UTC)

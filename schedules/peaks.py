@@ -25,8 +25,8 @@ from sqlalchemy.orm import Session
 
 from preheat import traffic
 from preheat.catalog import Catalog
+from preheat.db import aware
 from preheat.models import JobStatus, RunStatus, TargetKind, WarmupJob, WarmupRun
-from preheat.registry import aware
 
 DAY_NAMES = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")  # cron's numbering: 0 is Sunday
 MINUTES_PER_WEEK = 7 * 24 * 60

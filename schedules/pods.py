@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 from kombu.exceptions import OperationalError as BrokerError
 
+from preheat.db import DATABASE_AWAY
 from preheat.errors import ConfigError, PreheatError
 from preheat.models import TriggerKind
-from preheat.outbox import DATABASE_AWAY
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class PodTarget:
 
 def send_warmup(target: PodTarget, transition: ReadyTransition) -> str | None:
     """Dispatch the transition's warmup; its run id, or None when it could not be sent."""
-    from tasks.fleet import dispatch_endpoint_warmup, dispatch_warmup
+    from preheat.dispatch import dispatch_endpoint_warmup, dispatch_warmup
 
     common = {
         "templates": list(target.templates) or None,

@@ -18,10 +18,9 @@ from sqlalchemy.orm import Session
 
 from preheat.catalog import NAME_PATTERN, Catalog
 from preheat.cron import Cron, CronError
-from preheat.db import utcnow
+from preheat.db import aware, utcnow
 from preheat.errors import ConfigError, UnknownNameError
 from preheat.models import Schedule, ScheduleKind, ScheduleSlot, SlotStatus
-from preheat.registry import aware
 
 MAX_LEAD_TIME_S = 86400
 

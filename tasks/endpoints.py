@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import logging
 
-from preheat import outbox
+from preheat import history
 from preheat.catalog import load_catalog
-from preheat.celery import app
+from preheat.celery import DB_RETRY, app
 from preheat.db import utcnow
 from preheat.endpoints import POOLS, keep_alive, warm_endpoint
 from preheat.errors import UnknownNameError
 from preheat.settings import get_settings
 from tasks.arguments import KeepAliveArguments, WarmEndpointArguments
-from tasks.warmup import DB_RETRY
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +49,7 @@ def keep_alive_endpoint(endpoint: str) -> dict:
         POOLS.discard(endpoint)
         return {}
     tick = keep_alive(endpoint, spec, catalog, utcnow())
-    outbox.record(
-        "keepalive",
-        {
-            "endpoint": endpoint,
-            "sent": tick.sent,
-            "failed": tick.failed,
-            "skipped": tick.skipped,
-            "ttft_ms": tick.ttft_ms,
-            "error": tick.error,
-            "at": utcnow(),
-        },
+    history.report_keepalive(
+        endpoint, sent=tick.sent, failed=tick.failed, skipped=tick.skipped, ttft_ms=tick.ttft_ms, error=tick.error
     )
     return {"sent": tick.sent, "failed": tick.failed, "skipped": tick.skipped}

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from sqlalchemy.exc import OperationalError
-
-from preheat.celery import app
+from preheat.celery import DB_RETRY, app
+from preheat.dispatch import dispatch_warmup
 from preheat.models import TriggerKind
 from tasks.arguments import WarmFleetArguments, WarmWorkerArguments
-from tasks.fleet import dispatch_warmup
 from tasks.runtime import get_runtime
-
-# History writes retry while the database is briefly away; the warmup itself is idempotent.
-DB_RETRY = {"autoretry_for": (OperationalError,), "retry_backoff": 2, "retry_backoff_max": 60, "max_retries": 8}
 
 
 @app.task(bind=True, name="preheat.warm_worker", arguments=WarmWorkerArguments, **DB_RETRY)

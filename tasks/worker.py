@@ -18,7 +18,7 @@ from typing import ClassVar
 from celery import bootsteps
 from celery.signals import worker_shutdown
 
-from preheat import outbox, traffic
+from preheat import history, outbox, traffic
 from preheat.celery import app, infer_queue
 from preheat.endpoints import POOLS
 from preheat.errors import ConfigError, exit_with
@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 # Pools that run tasks in this process, where the models are. A prefork parent would load
 # them (and initialise CUDA) before forking its children.
 IN_PROCESS_POOLS = ("solo", "thread")  # module names: --pool=solo, --pool=threads
+# Every history write a worker makes that may wait in its outbox while the database is away.
+HISTORY_WRITES = (*history.OUTBOX_KINDS, *traffic.OUTBOX_KINDS)
 
 
 def pool_name(pool_cls) -> str:
@@ -89,7 +91,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
                 )
             )
         health_port = self.health.port
-        history_outbox = outbox.open_for(worker.hostname, settings.outbox_folder)
+        history_outbox = outbox.open_for(worker.hostname, settings.outbox_folder, HISTORY_WRITES)
         runtime.metrics.registry.register(outbox.OutboxCollector(history_outbox))
         self.heartbeat = Heartbeat(
             worker.hostname,

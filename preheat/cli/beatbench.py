@@ -20,10 +20,9 @@ from sqlalchemy import delete, select
 
 from preheat import procs
 from preheat.cli.fleetbench import _nodename, _worker_env, ensure_no_live_workers
-from preheat.db import session_scope, utcnow
+from preheat.db import aware, session_scope, utcnow
 from preheat.errors import ConfigError
 from preheat.models import Schedule, ScheduleSlot, SlotStatus, WarmupRun
-from preheat.registry import aware
 
 
 @dataclass(frozen=True)

@@ -65,8 +65,8 @@ def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait fo
     from preheat.cli import render
     from preheat.cli.warm import wait_for_run
     from preheat.db import session_scope
+    from preheat.dispatch import dispatch_warmup
     from preheat.settings import get_settings
-    from tasks.fleet import dispatch_warmup
 
     console = render.console()
     settings = get_settings()

@@ -130,7 +130,7 @@ class FanoutRow:
 
 
 def fanout_round(count: int, templates: list[str] | None, log_dir: Path, timeout_s: float) -> FanoutRow:
-    from tasks.fleet import dispatch_warmup, prime_dispatch
+    from preheat.dispatch import dispatch_warmup, prime_dispatch
 
     names = [_nodename(f"fan{count}") for _ in range(count)]
     # Each worker gets its share of the CPUs, as a pod gets its CPU request: N processes

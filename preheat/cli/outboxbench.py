@@ -109,7 +109,7 @@ def _timed_writes(box: outbox.Outbox, payloads: list[dict], name: str) -> Way:
     took, started = [], time.perf_counter()
     for payload in payloads:
         one = time.perf_counter()
-        box.write("job.finish", payload)
+        box.write(history.JOB_FINISH, payload)
         took.append((time.perf_counter() - one) * 1000)
     return _way(name, took, time.perf_counter() - started)
 
@@ -123,7 +123,7 @@ def _way(name: str, took_ms: list[float], total_s: float) -> Way:
 def run(writes: int, folder: Path) -> tuple[list[Way], int]:
     """(the three ways, entries left in the outbox after the replay: 0 when none was lost)."""
     runs, target = _throwaway_runs(2 * writes)
-    box = outbox.Outbox(outbox.path_for(folder, f"{SOURCE}-{uuid.uuid4().hex[:8]}"), SOURCE)
+    box = outbox.Outbox(outbox.path_for(folder, f"{SOURCE}-{uuid.uuid4().hex[:8]}"), SOURCE, [history.JOB_FINISH])
     try:
         direct = _timed_writes(box, [_finish(runs, target, n) for n in range(writes)], "written directly")
         with database_away():

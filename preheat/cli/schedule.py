@@ -10,9 +10,8 @@ from rich.table import Table
 
 from preheat.catalog import load_catalog
 from preheat.cli import render
-from preheat.db import session_scope, utcnow
+from preheat.db import aware, session_scope, utcnow
 from preheat.models import Schedule, ScheduleSlot
-from preheat.registry import aware
 from preheat.settings import get_settings
 
 app = typer.Typer(no_args_is_help=True, help="Peak schedules: when beat warms what, ahead of traffic.")

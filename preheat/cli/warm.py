@@ -85,7 +85,7 @@ def warm(
 
     With --wait, exits 0 when every job is warm or skipped, 1 when one failed or was lost,
     6 when one is degraded (warm but not verified), 4 when the wait timed out."""
-    from tasks.fleet import dispatch_endpoint_warmup, dispatch_warmup
+    from preheat.dispatch import dispatch_endpoint_warmup, dispatch_warmup
 
     if endpoint and worker:
         raise ConfigError("give --worker or --endpoint, not both: a run warms workers or endpoints")

@@ -38,8 +38,8 @@ def watch_pods(
 ) -> None:
     """Warm each pod once when it becomes Ready (or is first seen Ready)."""
     from preheat.catalog import load_catalog
+    from preheat.dispatch import prime_dispatch
     from schedules.pods import PodTarget, PodWatcher, kube_api
-    from tasks.fleet import prime_dispatch
 
     target = PodTarget(
         endpoint=endpoint, worker_name=worker_name, port=port, port_name=port_name, templates=tuple(template or ())
@@ -60,8 +60,8 @@ def watch_workers(
     """Warm each Celery worker that comes online, unless its start-up warmup made it warm."""
     from preheat.catalog import load_catalog
     from preheat.celery import app
+    from preheat.dispatch import prime_dispatch
     from schedules.online import WorkerOnlineWatcher
-    from tasks.fleet import prime_dispatch
 
     catalog = load_catalog(get_settings().catalog)
     for name in template or []:

@@ -12,13 +12,14 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from preheat import history, outbox
+from preheat import history, outbox, traffic
 from preheat.db import make_engine
 from preheat.models import AppliedWrite, JobStatus, RunStatus, TrafficCount, TriggerKind, WarmupJob
 from tests.tcp_proxy import TcpProxy
 
 WORKER = "gpu0@outbox-test"
 T0 = dt.datetime(2026, 11, 29, 22, 0, tzinfo=dt.UTC)
+KINDS = (*history.OUTBOX_KINDS, *traffic.OUTBOX_KINDS)
 
 
 @pytest.fixture
@@ -37,7 +38,7 @@ def away(services_stack, apply_env):
 
 @pytest.fixture
 def box(tmp_path):
-    opened = outbox.Outbox(outbox.path_for(tmp_path, WORKER), WORKER)
+    opened = outbox.Outbox(outbox.path_for(tmp_path, WORKER), WORKER, KINDS)
     yield opened
     opened.close()
 
@@ -87,7 +88,7 @@ def _tally(requests: int, template: str = "support") -> dict:
 
 def test_writes_go_straight_to_the_database_while_it_answers(away, box):
     run_id, task_id = _run_with_jobs(away.direct)
-    assert box.write("job.start", _start(run_id, task_id, T0)) is True
+    assert box.write(history.JOB_START, _start(run_id, task_id, T0)) is True
     assert box.counts() == outbox.Counts(0, 0)
     assert {job.status for job in _jobs(away.direct, run_id).values()} == {JobStatus.running}
 
@@ -95,12 +96,12 @@ def test_writes_go_straight_to_the_database_while_it_answers(away, box):
 def test_with_the_database_away_writes_wait_and_are_written_later_in_order_with_their_times(away, box):
     run_id, task_id = _run_with_jobs(away.direct)
     away.cut()
-    assert box.write("job.start", _start(run_id, task_id, T0)) is outbox.DEFERRED
-    assert box.write("job.finish", _finish(run_id, "support", T0 + dt.timedelta(seconds=2))) is outbox.DEFERRED
+    assert box.write(history.JOB_START, _start(run_id, task_id, T0)) is outbox.DEFERRED
+    assert box.write(history.JOB_FINISH, _finish(run_id, "support", T0 + dt.timedelta(seconds=2))) is outbox.DEFERRED
     assert box.replay() == 0  # still away: nothing applied, nothing lost
     away.restore()
     # The database is back, but earlier writes still wait: this one queues behind them.
-    assert box.write("job.finish", _finish(run_id, "summarise", T0 + dt.timedelta(seconds=3))) is outbox.DEFERRED
+    assert box.write(history.JOB_FINISH, _finish(run_id, "summarise", T0 + dt.timedelta(seconds=3))) is outbox.DEFERRED
     assert [entry["kind"] for entry in box.entries()] == ["job.start", "job.finish", "job.finish"]
     assert box.entries()[0]["attempts"] == 1
     with away.direct() as session:
@@ -117,13 +118,13 @@ def test_with_the_database_away_writes_wait_and_are_written_later_in_order_with_
         assert session.scalar(select(func.count()).select_from(AppliedWrite)) == 3
     assert box.counts() == outbox.Counts(0, 0)
     # Empty again: the next write goes straight through.
-    assert box.write("job.start", _start(run_id, task_id, T0, ["support"])) is True
+    assert box.write(history.JOB_START, _start(run_id, task_id, T0, ["support"])) is True
 
 
 def test_an_entry_applied_just_before_a_crash_is_not_applied_again(away, box, tmp_path):
     away.cut()
-    box.write("traffic", _tally(7))
-    box.write("traffic", _tally(5))
+    box.write(traffic.TALLIES, _tally(7))
+    box.write(traffic.TALLIES, _tally(5))
     # The worker dies after the database committed but before the file forgot the entries:
     # its restart finds them still there.
     left_behind = tmp_path / "restarted" / box.path.name
@@ -133,7 +134,7 @@ def test_an_entry_applied_just_before_a_crash_is_not_applied_again(away, box, tm
     away.restore()
     assert box.replay() == 2
 
-    restarted = outbox.Outbox(left_behind, WORKER)
+    restarted = outbox.Outbox(left_behind, WORKER, KINDS)
     try:
         assert restarted.counts().pending == 2
         assert restarted.replay() == 2  # found applied, removed
@@ -146,8 +147,8 @@ def test_an_entry_applied_just_before_a_crash_is_not_applied_again(away, box, tm
 
 def test_an_entry_the_database_refuses_is_set_aside_and_does_not_block_the_rest(away, box):
     away.cut()
-    box.write("traffic", _tally(3, template="x" * 65))  # longer than the column: refused for good
-    box.write("traffic", _tally(4))
+    box.write(traffic.TALLIES, _tally(3, template="x" * 65))  # longer than the column: refused for good
+    box.write(traffic.TALLIES, _tally(4))
     away.restore()
     assert box.replay() == 1
     assert box.counts() == outbox.Counts(pending=0, dead=1)
@@ -160,7 +161,7 @@ def test_an_entry_the_database_refuses_is_set_aside_and_does_not_block_the_rest(
 def test_a_finish_for_a_run_deleted_meanwhile_is_applied_as_nothing(away, box):
     run_id, _task_id = _run_with_jobs(away.direct)
     away.cut()
-    box.write("job.finish", _finish(run_id, "support", T0))
+    box.write(history.JOB_FINISH, _finish(run_id, "support", T0))
     with away.direct() as session, session.begin():
         session.delete(history.get_run(session, uuid.UUID(run_id)))
     away.restore()
@@ -172,18 +173,18 @@ def test_without_an_outbox_the_caller_sees_the_database_away(away):
     assert outbox.current() is None
     away.cut()
     with pytest.raises(OperationalError):
-        outbox.record("traffic", _tally(1))
+        outbox.record(traffic.TALLIES, _tally(1))
 
 
 def test_an_unknown_kind_is_refused_before_it_is_kept(box):
     with pytest.raises(KeyError, match="no writer"):
-        box.append("job.teleport", {})
+        box.append(outbox.EntryKind("job.teleport", lambda session, payload: None), {})
     assert box.counts() == outbox.Counts(0, 0)
 
 
 def test_the_process_outbox_is_one_file_per_worker_name(tmp_path):
     try:
-        opened = outbox.open_for("gpu0@node-3", tmp_path)
+        opened = outbox.open_for("gpu0@node-3", tmp_path, KINDS)
         assert opened.path == tmp_path / "gpu0_node-3.sqlite3" and outbox.current() is opened
     finally:
         outbox.close()

@@ -5,7 +5,7 @@ import datetime as dt
 import pytest
 
 from preheat import history, registry
-from preheat.db import session_scope, utcnow
+from preheat.db import aware, session_scope, utcnow
 from preheat.models import JobStatus, RunStatus, TriggerKind
 
 DEAD_AFTER, TIME_LIMIT = 30.0, 600.0
@@ -65,7 +65,7 @@ def test_a_heartbeat_updates_one_row_per_worker(db):
     _beat("a@h", at=T0 + dt.timedelta(seconds=10), ready=True)
     with session_scope() as session:
         [record] = registry.workers(session)
-        assert record.ready and registry.aware(record.heartbeat_at) == T0 + dt.timedelta(seconds=10)
+        assert record.ready and aware(record.heartbeat_at) == T0 + dt.timedelta(seconds=10)
 
 
 def test_jobs_of_a_silent_worker_are_lost_after_the_bound_and_the_run_fails(db):

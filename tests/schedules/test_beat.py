@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from preheat import registry
 from preheat.catalog import load_catalog
-from preheat.db import session_scope, utcnow
+from preheat.db import aware, session_scope, utcnow
 from preheat.models import ScheduleKind, ScheduleSlot, SlotStatus, TriggerKind, WarmupRun
 from schedules import beat, leader, store
 from tests.conftest import write_catalog
@@ -85,7 +85,7 @@ def test_a_due_slot_fires_once_and_its_run_carries_the_slot(stack, stack_app, re
     assert fire(at(2026, 11, 30, 8, 50, 2)) == {}  # the same slot never again
     [slot] = slots_of("morning")
     [run] = runs()
-    assert (slot.status, slot.run_id, registry.aware(slot.slot_at)) == (SlotStatus.sent, run.id, at(2026, 11, 30, 9))
+    assert (slot.status, slot.run_id, aware(slot.slot_at)) == (SlotStatus.sent, run.id, at(2026, 11, 30, 9))
     assert run.trigger == TriggerKind.schedule and run.requested_by == "beat beat-a"
     assert run.trigger_detail["schedule"] == "morning" and run.trigger_detail["slot"] == "2026-11-30T09:00:00+00:00"
     assert run.trigger_detail["lead_time_s"] == 600 and run.trigger_key.startswith("schedule:")
@@ -121,7 +121,7 @@ def test_slots_past_the_grace_window_are_missed_and_only_the_newest_in_time_fire
 def test_beats_racing_for_one_slot_fire_it_once(stack, stack_app):
     live_worker()
     add_schedule("race", "0 9 * * *", since=at(2026, 11, 30))
-    from tasks.fleet import prime_dispatch
+    from preheat.dispatch import prime_dispatch
 
     prime_dispatch()  # the app's connection pool, made once (beat makes it on its one thread)
     barrier, results = threading.Barrier(4), []
@@ -204,7 +204,7 @@ def test_daylight_saving_slots_through_the_beat(stack, stack_app):
     # 2026-03-08: 02:30 does not exist in New York; the slot is the change itself, 07:00 UTC.
     assert fire(at(2026, 3, 8, 6, 59, 59)) == {}
     assert list(fire(at(2026, 3, 8, 7, 0, 1)).values()) == [SlotStatus.sent]
-    assert [registry.aware(s.slot_at) for s in slots_of("ny-early")] == [at(2026, 3, 8, 7, 0)]
+    assert [aware(s.slot_at) for s in slots_of("ny-early")] == [at(2026, 3, 8, 7, 0)]
 
 
 def test_catalog_schedules_are_kept_in_step_with_the_file(stack, stack_app, tmp_path, tiny_model):

@@ -11,9 +11,9 @@ import datetime as dt
 import pytest
 from sqlalchemy import select
 
-from preheat import procs, registry
+from preheat import procs
 from preheat.cli.beatbench import minutely_lead_for
-from preheat.db import session_scope, utcnow
+from preheat.db import aware, session_scope, utcnow
 from preheat.models import ScheduleSlot, SlotStatus, WarmupRun
 from schedules import store
 
@@ -112,7 +112,7 @@ def test_two_beats_a_killed_leader_and_a_restart_fire_each_slot_once_and_record_
         assert [run.id for run in runs[name]] == [row.run_id]  # one run per slot, the slot's
     taken_over = rows["after-kill"][0]
     assert taken_over.claimed_by.split(":")[1] == str(second.popen.pid)
-    assert registry.aware(taken_over.claimed_at) - killed_at < dt.timedelta(seconds=15)
+    assert aware(taken_over.claimed_at) - killed_at < dt.timedelta(seconds=15)
     assert "Traceback" not in second.log(), second.log()[-3000:]
 
     # (2) No beat runs. One slot passes and its window closes; another passes within it.

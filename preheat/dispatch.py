@@ -1,4 +1,5 @@
-"""Sending one warmup to each worker: the service behind `preheat warm` and `preheat.warm_fleet`.
+"""The dispatch service: one warmup sent to each worker or endpoint. Behind `preheat warm`,
+beat, both watchers and the `preheat.warm_fleet` task.
 
 Each worker holds its own model copy and cache, so a warmup must reach every replica:
 one message per worker, on that worker's own durable queue.
