@@ -20,7 +20,7 @@ import redis
 from sqlalchemy import func, select
 
 from preheat import procs
-from preheat.cli.beatbench import minutely_lead_for
+from preheat.cli.bench.beat import minutely_lead_for
 from preheat.db import session_scope, utcnow
 from preheat.models import JobStatus, ScheduleSlot, SlotStatus, WarmupJob, WarmupRun
 from tests.conftest import PREHEAT_CLI
@@ -40,7 +40,7 @@ class TlsRedis:
     """redis-server on a free port, TLS only, with a password; stopped and started at will."""
 
     def __init__(self, folder: Path) -> None:
-        from preheat.cli.connectbench import make_tls
+        from preheat.cli.bench.connect import make_tls
 
         self.folder, self.tls, self.port = folder, make_tls(folder / "tls"), procs.free_port()
         self.password = f"p@ss:w/rd%{uuid.uuid4().hex[:8]}"

@@ -12,9 +12,9 @@ import pytest
 
 from preheat import history, procs
 from preheat.catalog import EndpointSpec, load_catalog
-from preheat.cli.connectbench import make_tls
+from preheat.cli.bench.connect import make_tls
 from preheat.db import session_scope
-from preheat.endpoints import POOLS, PoolRegistry
+from preheat.endpoints import POOLS, EndpointPools
 from preheat.errors import ConfigError
 from tests.conftest import write_catalog
 from tests.workers.test_serve import TOKEN
@@ -71,7 +71,7 @@ def test_min_connections_are_established_before_any_request_and_closed_on_shutdo
         http2=http2,
         templates=["support"],
     )
-    pools = PoolRegistry()
+    pools = EndpointPools()
     before = _connections_opened(url, tls["ca"])
     pool, opened = pools.get("local", spec)
     assert opened and pool.opened_ms > 0

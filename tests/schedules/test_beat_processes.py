@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import select
 
 from preheat import procs
-from preheat.cli.beatbench import minutely_lead_for
+from preheat.cli.bench.beat import minutely_lead_for
 from preheat.db import aware, session_scope, utcnow
 from preheat.models import ScheduleSlot, SlotStatus, WarmupRun
 from schedules import store

@@ -25,6 +25,7 @@ from sqlalchemy import delete
 from sqlalchemy.engine import make_url
 
 from preheat import history, outbox, procs
+from preheat.cli.bench.common import host, prepare, write_report
 from preheat.db import reset_engine, session_scope, utcnow
 from preheat.models import AppliedWrite, TriggerKind, WarmupRun
 from preheat.settings import get_settings
@@ -144,3 +145,44 @@ def run(writes: int, folder: Path) -> tuple[list[Way], int]:
             for run_id in runs:  # the ORM's cascade takes the jobs along
                 session.delete(session.get(WarmupRun, uuid.UUID(run_id)))
     return [direct, kept, replay], left
+
+
+def main(writes: int, json_path: Path) -> None:
+    """The command (its options are declared in preheat.cli.bench): measure, print, write JSON."""
+    from rich.table import Table
+
+    from preheat.cli import render
+    from preheat.settings import get_settings
+
+    console = render.console()
+    # The embedded database is migrated here; a Postgres one is the operator's (db upgrade).
+    settings, _ = prepare(console, models=False, database=get_settings().database.startswith("sqlite"))
+    ways, left = run(writes, settings.home / "bench" / "outbox")
+    report = {
+        "benchmark": "outbox",
+        "host": host(),
+        "writes": writes,
+        "left_in_outbox": left,
+        "ways": [{**vars(way), "per_s": way.per_s} for way in ways],
+    }
+    table = Table(
+        title="history writes: direct, kept while the database is away, replayed",
+        title_justify="left",
+        caption="one job finish per write; away = connection refused",
+        caption_justify="left",
+    )
+    for header in ("way", "writes", "p50 ms", "p99 ms", "total s", "writes/s"):
+        table.add_column(header, justify="left" if header == "way" else "right")
+    for way in ways:
+        timed = way.p50_ms or way.p99_ms
+        table.add_row(
+            way.name,
+            str(way.writes),
+            f"{way.p50_ms:.2f}" if timed else "-",
+            f"{way.p99_ms:.2f}" if timed else "-",
+            f"{way.total_s:.2f}",
+            f"{way.per_s:,.0f}",
+        )
+    console.print(table)
+    console.print(f"{ways[1].writes} kept, {ways[2].writes} replayed, {left} left in the outbox")
+    write_report(report, json_path or settings.home / "bench" / "outbox.json", console)

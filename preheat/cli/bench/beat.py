@@ -16,10 +16,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import typer
 from sqlalchemy import delete, select
 
 from preheat import procs
-from preheat.cli.fleetbench import _nodename, _worker_env, ensure_no_live_workers
+from preheat.cli.bench.common import host, prepare, write_report
+from preheat.cli.bench.fleet import _nodename, _worker_env, ensure_no_live_workers
 from preheat.db import aware, session_scope, utcnow
 from preheat.errors import ConfigError
 from preheat.models import Schedule, ScheduleSlot, SlotStatus, WarmupRun
@@ -157,3 +159,67 @@ def phases(timings: list[SlotTiming], killed_at: dt.datetime, took_over: dt.date
 def _phase(name: str, group: list[SlotTiming]) -> Phase:
     late = [t.late_ms for t in group if t.late_ms is not None]
     return Phase(name, len(group), len(late), statistics.median(late) if late else None, max(late) if late else None)
+
+
+def main(slots: int, spacing: int, kill_after: int, template: str, timeout: float, json_path: Path) -> None:
+    """The command (its options are declared in preheat.cli.bench): measure, print, write JSON."""
+    from rich.table import Table
+
+    from preheat.cli import render
+
+    console = render.console()
+    if slots * spacing >= 55:
+        raise typer.BadParameter("slots x spacing must stay under 55 s (each schedule fires once a minute)")
+    if kill_after >= slots:
+        raise typer.BadParameter("--kill-after must leave slots for the standby")
+    settings, catalog = prepare(console, exclusive="bench beat starts its own worker and beats")
+    template = template or next(iter(catalog.templates))
+    catalog.template(template)
+    lease_s = settings.beat_lease_s
+    timings, killed_at, took_over, runs = run(
+        slots, spacing, kill_after, lease_s, template, settings.home / "bench" / "logs", timeout
+    )
+    takeover_s = (took_over - killed_at).total_seconds() if took_over else None
+    rows = phases(timings, killed_at, took_over)
+    report = {
+        "benchmark": "beat",
+        "host": host(),
+        "slots": slots,
+        "spacing_s": spacing,
+        "tick_s": settings.beat_tick_s,
+        "lease_s": lease_s,
+        "takeover_s": takeover_s,
+        "runs": runs,
+        "phases": [vars(row) for row in rows],
+        "slots_detail": [
+            {"fire_at": t.fire_at.isoformat(), "late_ms": t.late_ms, "status": t.status, "fired_by": t.fired_by}
+            for t in timings
+        ],
+    }
+    table = Table(
+        title="scheduled warmups: fired how late, leader killed midway",
+        title_justify="left",
+        caption=f"late = run recorded − fire time; tick {settings.beat_tick_s:g} s, lease {lease_s:g} s; "
+        f"takeover {'-' if takeover_s is None else f'{takeover_s:.1f} s'} after the kill",
+        caption_justify="left",
+    )
+    for header in ("phase", "slots", "sent", "late p50 ms", "late max ms"):
+        table.add_column(header, justify="left" if header == "phase" else "right")
+    for row in rows:
+        table.add_row(
+            row.name,
+            str(row.slots),
+            str(row.sent),
+            "-" if row.late_p50_ms is None else f"{row.late_p50_ms:,.0f}",
+            "-" if row.late_max_ms is None else f"{row.late_max_ms:,.0f}",
+        )
+    console.print(table)
+    console.print(
+        f"{sum(r.sent for r in rows)} of {slots} slots sent, {runs} run(s) recorded; takeover "
+        + (
+            f"{takeover_s:.1f} s (bound: lease {lease_s:g} s + tick {settings.beat_tick_s:g} s)"
+            if takeover_s is not None
+            else "not seen"
+        )
+    )
+    write_report(report, json_path or settings.home / "bench" / "beat.json", console)

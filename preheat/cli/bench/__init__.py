@@ -1,0 +1,107 @@
+"""`preheat bench …`: measurements that print a table and write JSON, side by side in one run.
+
+One module per benchmark (its measurement, table and report); the commands here declare
+their options and import the module only when run, so `preheat --help` loads none of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, help="Benchmarks: side-by-side measurements, a table and a JSON file.")
+
+
+@app.command("ttft")
+def ttft_command(
+    model: str = typer.Option(None, help="Catalog model to measure (default: the catalog's first)."),
+    lengths: str = typer.Option("512,1024,2048", help="System prompt lengths in tokens, comma-separated."),
+    repeats: int = typer.Option(9, min=1, max=100, help="Measured rounds; each figure is the median."),
+    user_input: str = typer.Option("Where is my parcel?", help="The user's message after the system prompt."),
+    json_path: Path = typer.Option(None, "--json", help="Where to write the results (default: HOME/bench/ttft.json)."),
+) -> None:
+    """TTFT cold (full prefill) vs warm (cached prefix) vs bare (no system prompt), per length."""
+    from preheat.cli.bench import ttft as bench
+
+    bench.main(model=model, lengths=lengths, repeats=repeats, user_input=user_input, json_path=json_path)
+
+
+@app.command("first-request")
+def first_request_command(
+    template: str = typer.Option(None, help="Template of the requests (default: the catalog's first)."),
+    rounds: int = typer.Option(3, min=1, max=20, help="Fresh workers per mode; figures are medians."),
+    steady: int = typer.Option(9, min=3, max=100, help="Requests after the first, for the steady state."),
+    timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for any one answer."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/first-request.json."),
+) -> None:
+    """Start a fresh worker, send a request the moment it launches, and compare its TTFT with
+    the steady state; gated (requests wait until warm) vs ungated, rounds alternating."""
+    from preheat.cli.bench import first_request as bench
+
+    bench.main(template=template, rounds=rounds, steady=steady, timeout=timeout, json_path=json_path)
+
+
+@app.command("fanout")
+def fanout_command(
+    workers: str = typer.Option("1,2,4", help="Worker counts to measure, comma-separated."),
+    rounds: int = typer.Option(3, min=1, max=20, help="Fresh fleets per count; figures are medians."),
+    template: list[str] = typer.Option(None, "--template", "-t", help="Templates to warm (default: all)."),
+    timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for workers and jobs."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/fanout.json."),
+) -> None:
+    """Warm N fresh workers with one `preheat warm` and compare the total time with the
+    slowest single worker's own time (what a perfect fan-out would take)."""
+    from preheat.cli.bench import fanout as bench
+
+    bench.main(workers=workers, rounds=rounds, template=template, timeout=timeout, json_path=json_path)
+
+
+@app.command("beat")
+def beat_command(
+    slots: int = typer.Option(12, min=2, max=16, help="Slots to fire, one per schedule."),
+    spacing: int = typer.Option(3, min=1, max=10, help="Seconds between fire times (all within a minute)."),
+    kill_after: int = typer.Option(3, min=1, help="Kill the leading beat after this many slots fired."),
+    template: str = typer.Option(None, help="Template each slot warms (default: the catalog's first)."),
+    timeout: float = typer.Option(120.0, min=10.0, help="Seconds to wait for processes and slots."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/beat.json."),
+) -> None:
+    """Scheduled warmups fired by two real beats, the leader killed midway: how late each slot
+    fired, before the kill, during the takeover and after, and how long the takeover took."""
+    from preheat.cli.bench import beat as bench
+
+    bench.main(
+        slots=slots, spacing=spacing, kill_after=kill_after, template=template, timeout=timeout, json_path=json_path
+    )
+
+
+@app.command("connect")
+def connect_command(
+    template: str = typer.Option(
+        None, help="Template of the request (default: the catalog's first, or the endpoint's)."
+    ),
+    endpoint: str = typer.Option(
+        None, help="Measure this catalog endpoint (your vLLM or API) instead of a local preheat serve."
+    ),
+    rounds: int = typer.Option(60, min=1, max=500, help="Interleaved rounds; figures are medians."),
+    http2: bool = typer.Option(False, "--http2", help="Offer HTTP/2 (preheat serve answers HTTP/1.1)."),
+    timeout: float = typer.Option(120.0, min=10.0, help="Seconds to wait for the server."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/connect.json."),
+) -> None:
+    """First request with a fresh client vs through a pre-opened pool vs steady state,
+    against `preheat serve` over TLS on loopback (a CA made for the run)."""
+    from preheat.cli.bench import connect as bench
+
+    bench.main(template=template, endpoint=endpoint, rounds=rounds, http2=http2, timeout=timeout, json_path=json_path)
+
+
+@app.command("outbox")
+def outbox_command(
+    writes: int = typer.Option(500, min=10, max=100_000, help="History writes per way."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/outbox.json."),
+) -> None:
+    """What the history outbox costs: a job's finish written directly, the same write while the
+    database is away (kept on disk), and the replay once it is back, on the configured database."""
+    from preheat.cli.bench import outbox as bench
+
+    bench.main(writes=writes, json_path=json_path)

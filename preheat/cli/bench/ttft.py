@@ -1,0 +1,105 @@
+"""`preheat bench ttft`: time to first token cold vs warm vs bare, per system prompt length."""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+from pathlib import Path
+
+from preheat.cli.bench.common import prepare, token_counts, write_report
+from preheat.errors import ConfigError
+
+SAVED_TARGET_PCT = 95.0  # at the longest system prompt
+OVERHEAD_TARGET_PCT = 2.0  # reuse (lookup + id check + clone) against the warm TTFT
+
+
+def main(model: str, lengths: str, repeats: int, user_input: str, json_path: Path) -> None:
+    """The command (its options are declared in preheat.cli.bench): measure, print, write JSON."""
+    from preheat.cli import render
+    from workers.bench import measure_ttft, system_prompt_ids
+    from workers.devmodel import _corpus
+    from workers.resident import ModelSource, ResidentModels
+
+    def known_model(settings, catalog) -> None:
+        if (model or next(iter(catalog.models), None)) is None:
+            raise ConfigError(f"catalog {settings.catalog} names no model to measure")
+        catalog.model(model or next(iter(catalog.models)))  # an unknown name is one clear error
+
+    console = render.console()
+    settings, catalog = prepare(console, database=False, validate=known_model)
+    name = model or next(iter(catalog.models))
+    spec = catalog.model(name)
+    resident, load_ms = ResidentModels(settings.device).ensure(
+        ModelSource(name, catalog.model_path(name), spec.dtype, spec.revision)
+    )
+    wanted = token_counts(lengths)
+    if resident.max_context and wanted[-1] + 64 > resident.max_context:
+        raise ConfigError(
+            f"a {wanted[-1]}-token system prompt leaves no room in {name}'s context of {resident.max_context}"
+        )
+    source_text = "".join(_corpus(40 * wanted[-1]))
+    console.print(
+        f"measuring {name} on {resident.placement.describe()} (loaded in {load_ms:,.0f} ms): "
+        f"{len(wanted)} lengths × {repeats} rounds …"
+    )
+    rows = [measure_ttft(resident, system_prompt_ids(resident, n, source_text), repeats, user_input) for n in wanted]
+
+    report = _report(name, resident, repeats, user_input, rows)
+    console.print(render.ttft_table(report))
+    for line in report["verdicts"]:
+        console.print(line, highlight=False)
+    write_report(report, json_path or settings.home / "bench" / "ttft.json", console)
+
+
+def _report(name: str, resident, repeats: int, user_input: str, rows) -> dict:
+    import torch
+    import transformers
+
+    config = resident.model.config
+    longest = rows[-1]
+    worst_overhead = max(row.reuse_overhead_pct for row in rows)
+    targets = {
+        f"saved_at_{longest.system_tokens}_pct": {
+            "target": f">= {SAVED_TARGET_PCT}",
+            "measured": longest.saved_pct,
+            "met": longest.saved_pct >= SAVED_TARGET_PCT,
+        },
+        "reuse_overhead_pct": {
+            "target": f"<= {OVERHEAD_TARGET_PCT}",
+            "measured": worst_overhead,
+            "met": worst_overhead <= OVERHEAD_TARGET_PCT,
+        },
+        "same_first_token": {"target": "all", "met": all(row.same_first_token for row in rows)},
+    }
+    verdicts = [
+        f"saved at {longest.system_tokens} tokens: {longest.saved_pct:.1f}% (target ≥ {SAVED_TARGET_PCT:.0f}%: "
+        f"{'met' if targets[f'saved_at_{longest.system_tokens}_pct']['met'] else 'NOT met'})",
+        f"reuse overhead: at most {worst_overhead:.2f}% of warm TTFT (target ≤ {OVERHEAD_TARGET_PCT:.0f}%: "
+        f"{'met' if targets['reuse_overhead_pct']['met'] else 'NOT met'})",
+        f"warm / bare at {longest.system_tokens} tokens: {longest.warm_over_bare:.2f} (1.0 = the system prompt "
+        f"costs nothing)",
+    ]
+    return {
+        "benchmark": "ttft",
+        "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "model": {
+            "name": name,
+            "path": resident.path,
+            "architecture": config.model_type,
+            "layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size,
+            "parameters": sum(p.numel() for p in resident.model.parameters()),
+        },
+        "device": resident.placement.describe(),
+        "host": {
+            "machine": platform.machine(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        "repeats": repeats,
+        "user_input": user_input,
+        "rows": [row.as_dict() for row in rows],
+        "targets": targets,
+        "verdicts": verdicts,
+    }
