@@ -150,7 +150,7 @@ def primer_for(spec: EndpointSpec, catalog: Catalog) -> dict | None:
     )
 
 
-class PoolRegistry:
+class EndpointPools:
     """The process's pools, by endpoint name; a changed catalog entry gets a new pool."""
 
     def __init__(self) -> None:
@@ -197,7 +197,7 @@ class PoolRegistry:
             self._pools.clear()
 
 
-POOLS = PoolRegistry()
+POOLS = EndpointPools()
 atexit.register(POOLS.close_all)
 
 

@@ -92,7 +92,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
             )
         health_port = self.health.port
         history_outbox = outbox.open_for(worker.hostname, settings.outbox_folder, HISTORY_WRITES)
-        runtime.metrics.registry.register(outbox.OutboxCollector(history_outbox))
+        runtime.metrics.collectors.register(outbox.OutboxCollector(history_outbox))
         self.heartbeat = Heartbeat(
             worker.hostname,
             lambda: {**runtime.describe(), "health_port": health_port, "outbox": history_outbox.counts().as_state()},

@@ -88,9 +88,9 @@ def support_request(resident, user_input: str):
 
 
 def load_resident(model_dir: Path, name: str = "tiny"):
-    from workers.models import ModelRegistry, ModelSource
+    from workers.resident import ModelSource, ResidentModels
 
-    resident, _ = ModelRegistry("cpu").ensure(ModelSource(name, str(model_dir)))
+    resident, _ = ResidentModels("cpu").ensure(ModelSource(name, str(model_dir)))
     return resident
 
 

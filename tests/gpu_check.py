@@ -22,8 +22,8 @@ from preheat.errors import DeviceOutOfMemory
 from workers.devmodel import make_model
 from workers.generate import PrefixEngine
 from workers.kvcache import CacheBudget, KVCacheManager
-from workers.models import ModelRegistry, ModelSource
 from workers.prefix import TemplatePrefix, encode
+from workers.resident import ModelSource, ResidentModels
 from workers.warmup import probe
 
 SYSTEM = (
@@ -39,7 +39,7 @@ def check(out: Path) -> dict:
         raise SystemExit("no CUDA device: this check is for a GPU host")
     report["gpu"] = torch.cuda.get_device_name(0)
     folder = make_model(Path(tempfile.mkdtemp()) / "tiny")
-    registry = ModelRegistry("auto")
+    registry = ResidentModels("auto")
     resident, _ = registry.ensure(ModelSource("tiny", str(folder)))
     report["placement"] = resident.placement.describe()
     engine = PrefixEngine(KVCacheManager(CacheBudget(16, 2**30)))

@@ -16,8 +16,8 @@ import torch
 
 from workers.generate import PrefixEngine
 from workers.kvcache import CacheBudget, CacheKey, KVCacheManager
-from workers.models import ResidentModel
 from workers.prefix import TemplatePrefix, encode
+from workers.resident import ResidentModel
 from workers.warmup import side_by_side
 
 USER_INPUT = "My parcel was due on Tuesday and it still has not arrived. What can I do?"

@@ -18,8 +18,8 @@ import torch
 
 from workers.device import synchronize
 from workers.kvcache import CacheEntry, CacheKey, KVCacheManager
-from workers.models import ResidentModel
 from workers.prefix import cache_nbytes, check_context, clone_for_request, forward
+from workers.resident import ResidentModel
 
 
 @dataclass(slots=True)
@@ -106,14 +106,21 @@ class PrefixEngine:
     # Pre-fill -----------------------------------------------------------------------
 
     def prefill(
-        self, resident: ResidentModel, token_ids: torch.Tensor, *, label: str = "", pin: bool = False
+        self,
+        resident: ResidentModel,
+        token_ids: torch.Tensor,
+        *,
+        key: CacheKey | None = None,
+        label: str = "",
+        pin: bool = False,
     ) -> tuple[CacheEntry, float]:
         """Compute and cache the KV of `token_ids` (no decoding). Returns the entry and the
-        milliseconds spent (0 when it was already cached)."""
-        key = CacheKey.of(resident.name, token_ids[0].numpy())
+        milliseconds spent (0 when it was already cached). A caller that has the ids' key
+        (a template's prefix) passes it: the ids are then hashed by nobody."""
+        key = key or CacheKey.of(resident.name, token_ids[0].numpy())
         if (existing := self.cache.peek(key)) is not None:
             return self.cache.insert(
-                resident.name, existing.token_ids, existing.payload, existing.nbytes, label=label, pin=pin
+                resident.name, existing.token_ids, existing.payload, existing.nbytes, key=key, label=label, pin=pin
             ), 0.0
         check_context(resident, token_ids.shape[-1], f"template {label!r}" if label else "prefix", new_tokens=1)
         synchronize(resident.placement.device)
@@ -121,7 +128,9 @@ class PrefixEngine:
         _, kv = forward(resident, token_ids)
         synchronize(resident.placement.device)
         prefill_ms = (time.perf_counter() - started) * 1000
-        entry = self.cache.insert(resident.name, token_ids[0].numpy(), kv, cache_nbytes(kv), label=label, pin=pin)
+        entry = self.cache.insert(
+            resident.name, token_ids[0].numpy(), kv, cache_nbytes(kv), key=key, label=label, pin=pin
+        )
         return entry, prefill_ms
 
     # Requests -----------------------------------------------------------------------

@@ -272,17 +272,22 @@ class KVCacheManager:
         payload: object,
         nbytes: int,
         *,
+        key: CacheKey | None = None,
         label: str = "",
         pin: bool = False,
     ) -> CacheEntry:
         """Add a prefix, evicting least recently used entries as needed. An existing key is
-        returned as it is (touched, and pinned if asked and allowed)."""
+        returned as it is (touched, and pinned if asked and allowed). `key`, when given, is
+        `CacheKey.of(model, token_ids)` as the caller computed it: taken, not computed again."""
         ids = as_token_array(token_ids)
         if len(ids) == 0:
             raise ValueError("a cached prefix needs at least one token")
         if nbytes < 0:
             raise ValueError(f"nbytes must not be negative (got {nbytes})")
-        key = CacheKey(model, digest_tokens(ids))
+        if key is None:
+            key = CacheKey(model, digest_tokens(ids))
+        elif key.model != model:
+            raise ValueError(f"key {key} is not of model {model!r}")
         with self._lock:
             existing = self._entries.get(key)
             if existing is not None:

@@ -2,7 +2,7 @@
 
 Cache and model figures are read from their owners at scrape time (a collector, not a
 second set of counters kept in step); only TTFT and pre-fill counts are observed as they
-happen. Each runtime has its own registry, so tests and several runtimes never share state.
+happen. Each runtime has its own collectors, so tests and several runtimes never share state.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from workers.kvcache import KVCacheManager
-from workers.models import ModelRegistry
+from workers.resident import ResidentModels
 
 # From a warm tiny model on a CPU (milliseconds) to a cold 70B prefill (tens of seconds).
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class _StateCollector:
-    def __init__(self, cache: KVCacheManager, models: ModelRegistry, is_ready: Callable[[], bool]) -> None:
+    def __init__(self, cache: KVCacheManager, models: ResidentModels, is_ready: Callable[[], bool]) -> None:
         self._cache, self._models, self._is_ready = cache, models, is_ready
 
     def collect(self):
@@ -60,22 +60,22 @@ class _StateCollector:
 
 
 class RuntimeMetrics:
-    def __init__(self, cache: KVCacheManager, models: ModelRegistry, is_ready: Callable[[], bool]) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
+    def __init__(self, cache: KVCacheManager, models: ResidentModels, is_ready: Callable[[], bool]) -> None:
+        self.collectors = CollectorRegistry(auto_describe=False)
         self.ttft = Histogram(
             "preheat_ttft_seconds",
             "Time to first token of requests.",
             ["model", "cache"],
             buckets=TTFT_BUCKETS_S,
-            registry=self.registry,
+            registry=self.collectors,
         )
         self.prefills = Counter(
-            "preheat_prefills", "System prompts pre-filled into the KV cache.", ["model"], registry=self.registry
+            "preheat_prefills", "System prompts pre-filled into the KV cache.", ["model"], registry=self.collectors
         )
-        self.registry.register(_StateCollector(cache, models, is_ready))
+        self.collectors.register(_StateCollector(cache, models, is_ready))
 
     def observe_ttft(self, model: str, cached_tokens: int, ttft_ms: float) -> None:
         self.ttft.labels(model=model, cache="hit" if cached_tokens else "miss").observe(ttft_ms / 1000)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.collectors)

@@ -17,7 +17,7 @@ import torch
 
 from workers.device import out_of_memory_as_error
 from workers.kvcache import CacheKey
-from workers.models import ResidentModel
+from workers.resident import ResidentModel
 
 # Between the system prompt and the user's text. The two are tokenized separately and
 # concatenated, so a template request's first ids are exactly the cached prefix: BPE never

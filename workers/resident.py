@@ -1,4 +1,4 @@
-"""Models kept resident in a worker process.
+"""Models kept resident in a worker process (LLMs in memory; the ORM rows are preheat.models).
 
 A worker loads each catalog model once and keeps it for the life of the process; every
 warmup and request after that reuses it. A model that fails to load is remembered as
@@ -45,8 +45,8 @@ class ModelSource:
 
 
 @dataclass
-class ModelRegistry:
-    """Per-process registry of resident models. Thread-safe: different models load in
+class ResidentModels:
+    """The models resident in this process. Thread-safe: different models load in
     parallel, a second caller for the same model waits for the first load."""
 
     device_preference: str = "auto"

@@ -16,18 +16,28 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from preheat.catalog import Catalog, load_catalog
+from preheat.catalog import Catalog, TemplateSpec, load_catalog
 from preheat.errors import PreheatError
 from workers.generate import Completion, PrefixEngine, TextStream
 from workers.kvcache import CacheBudget, CacheBudgetError, CacheFullError, CacheKey, KVCacheManager
 from workers.metrics import RuntimeMetrics
-from workers.models import ModelRegistry, ModelSource, ResidentModel
 from workers.prefix import SEPARATOR, TemplatePrefix, encode
+from workers.resident import ModelSource, ResidentModel, ResidentModels
 from workers.warmup import TemplateWarmup, probe, verdict
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET = CacheBudget(max_entries=10, max_bytes=4 * 1024**3)
+
+
+@dataclass(frozen=True)
+class ResolvedTemplate:
+    """A template as one call uses it: resolved once, passed down (see WorkerRuntime._resolve)."""
+
+    name: str
+    spec: TemplateSpec
+    resident: ResidentModel
+    prefix: TemplatePrefix
 
 
 @dataclass
@@ -40,7 +50,7 @@ class WorkerRuntime:
     # Called with a model's name once every template of it is pre-filled (the worker then
     # starts consuming that model's inference queue).
     on_model_warm: Callable[[str], None] | None = None
-    registry: ModelRegistry = field(init=False)
+    resident_models: ResidentModels = field(init=False)
     cache: KVCacheManager = field(init=False)
     engine: PrefixEngine = field(init=False)
     metrics: RuntimeMetrics = field(init=False)
@@ -76,10 +86,10 @@ class WorkerRuntime:
         )
 
     def __post_init__(self) -> None:
-        self.registry = ModelRegistry(self.device_preference)
+        self.resident_models = ResidentModels(self.device_preference)
         self.cache = KVCacheManager(self.cache_budget)
         self.engine = PrefixEngine(self.cache)
-        self.metrics = RuntimeMetrics(self.cache, self.registry, lambda: not self.readiness())
+        self.metrics = RuntimeMetrics(self.cache, self.resident_models, lambda: not self.readiness())
         self._templates = {name: "not pre-filled yet" for name in self.catalog.templates}
 
     # Start-up and readiness --------------------------------------------------------
@@ -94,9 +104,9 @@ class WorkerRuntime:
         return reasons
 
     def _preload(self, max_parallel: int) -> None:
-        self.registry.preload([self.source(name) for name in self.catalog.models], max_parallel)
+        self.resident_models.preload([self.source(name) for name in self.catalog.models], max_parallel)
         for template in self.catalog.templates:
-            if self.catalog.template(template).model in self.registry.resident:
+            if self.catalog.template(template).model in self.resident_models.resident:
                 try:
                     key, _, _, prefill_ms = self.prefill_template(template)
                     if prefill_ms:
@@ -113,9 +123,9 @@ class WorkerRuntime:
     def model_readiness(self, model: str) -> list[str]:
         """Why `model` should not take requests yet; empty when it should."""
         reasons = []
-        if model in self.registry.unavailable:
-            reasons.append(f"model {model} unavailable: {self.registry.unavailable[model]}")
-        elif self.registry.get(model) is None:
+        if model in self.resident_models.unavailable:
+            reasons.append(f"model {model} unavailable: {self.resident_models.unavailable[model]}")
+        elif self.resident_models.get(model) is None:
             reasons.append(f"model {model} not loaded yet")
         return reasons + [
             f"template {name}: {self._templates[name]}"
@@ -127,41 +137,49 @@ class WorkerRuntime:
         spec = self.catalog.model(model)
         return ModelSource(model, self.catalog.model_path(model), spec.dtype, spec.revision)
 
-    def resident(self, model: str) -> tuple[ResidentModel, float]:
-        """The model, loading it if needed; the load time is reported once, by the first
-        caller after the load (the start-up preload's time goes to the first warmup job)."""
-        resident, _ = self.registry.ensure(self.source(model))
+    def _unreported_load_ms(self, resident: ResidentModel) -> float:
+        """The model's load time, reported once, by the first caller after the load (the
+        start-up preload's time goes to the first warmup job); 0 after that."""
         with self._lock:
-            if model in self._load_reported:
-                return resident, 0.0
-            self._load_reported.add(model)
-            return resident, resident.load_ms
+            if resident.name in self._load_reported:
+                return 0.0
+            self._load_reported.add(resident.name)
+            return resident.load_ms
 
     # Pre-fill ---------------------------------------------------------------------
 
     def prefill_template(self, template: str) -> tuple[CacheKey, int, int, float]:
         """Pre-fill and pin a template's system prompt. Returns (key, tokens, bytes, ms spent)."""
-        model = self.catalog.template(template).model
         try:
-            resident, prefix = self._template_prefix(template)
-            entry, prefill_ms = self.engine.prefill(resident, prefix.ids, label=template, pin=True)
+            resolved = self._resolve(template)
         except (PreheatError, ValueError, RuntimeError, OSError) as exc:
             self._templates[template] = str(exc)
             raise
+        return self._prefill(resolved)
+
+    def _prefill(self, resolved: ResolvedTemplate) -> tuple[CacheKey, int, int, float]:
+        prefix = resolved.prefix
+        try:
+            entry, prefill_ms = self.engine.prefill(
+                resolved.resident, prefix.ids, key=prefix.key, label=resolved.name, pin=True
+            )
+        except (PreheatError, ValueError, RuntimeError, OSError) as exc:
+            self._templates[resolved.name] = str(exc)
+            raise
         if prefill_ms:
-            self.metrics.prefills.labels(model=model).inc()
-        self._templates[template] = None
+            self.metrics.prefills.labels(model=resolved.resident.name).inc()
+        self._templates[resolved.name] = None
         return entry.key, entry.num_tokens, entry.nbytes, prefill_ms
 
     def _exercise(self, template: str) -> None:
         """One short request through the cache, off the books: the first real request must
         not be the one that pays for first-call costs (allocator, kernel selection). Only
         the prefix as pre-filled: a prompt file edited since is pre-filled by a warmup."""
-        known = self._prefixes.get(template)
-        resident = self.registry.get(self.catalog.template(template).model)
+        known, spec = self._prefixes.get(template), self.catalog.template(template)
+        resident = self.resident_models.get(spec.model)
         if known is None or resident is None or self.cache.peek(known.key) is None:
             return
-        prompt_ids = known.prompt_ids(resident, self.catalog.template(template).probe)
+        prompt_ids = known.prompt_ids(resident, spec.probe)
         self.engine.generate(resident, prompt_ids, max_new_tokens=2, record=False, prefix_key=known.key).collect()
 
     def exercise(self, model: str) -> None:
@@ -217,12 +235,16 @@ class WorkerRuntime:
         return statistics.median(served) if served and len(served) >= min_samples else None
 
     def _warm(self, template: str, result: TemplateWarmup) -> None:
-        resident, result.load_ms = self.resident(result.model)
+        try:
+            resolved = self._resolve(template)
+        except (PreheatError, ValueError, RuntimeError, OSError) as exc:
+            self._templates[template] = str(exc)
+            raise
+        resident, prefix, probe_text = resolved.resident, resolved.prefix, resolved.spec.probe
+        result.load_ms = self._unreported_load_ms(resident)
         result.device = resident.placement.describe()
-        key, result.cached_tokens, result.cache_bytes, prefill_ms = self.prefill_template(template)
+        key, result.cached_tokens, result.cache_bytes, prefill_ms = self._prefill(resolved)
         result.prefill_ms = prefill_ms or self._unreported_prefill_ms.pop(key, 0.0)
-        probe_text = self.catalog.template(template).probe
-        _, prefix = self._template_prefix(template)
         measured = probe(
             self.engine,
             resident,
@@ -247,12 +269,13 @@ class WorkerRuntime:
         """A request with a template's system prompt, decoded from its cached prefix; a
         template that was evicted is pre-filled again first (and cached for the next)."""
         started = time.perf_counter()
-        resident, prefix = self._template_prefix(template)
+        resolved = self._resolve(template)
+        resident, prefix = resolved.resident, resolved.prefix
         prompt_ids = prefix.prompt_ids(resident, user_input)
         if prefix.key not in self.cache:
             log.info("template %s is not cached (evicted or never warmed): pre-filling it", template)
             try:
-                self.prefill_template(template)
+                self._prefill(resolved)
             except (CacheBudgetError, CacheFullError) as exc:
                 log.warning("answering %s without the cache: %s", template, exc)
         return self.engine.generate(
@@ -264,16 +287,18 @@ class WorkerRuntime:
             on_first_token=lambda completion: self._observe(template, completion),
         )
 
-    def _template_prefix(self, template: str) -> tuple[ResidentModel, TemplatePrefix]:
-        """The template's model (loaded if needed) and its prefix ids and cache key,
-        tokenized once per system prompt text."""
-        resident, _ = self.registry.ensure(self.source(self.catalog.template(template).model))
+    def _resolve(self, template: str) -> ResolvedTemplate:
+        """Everything one call needs of a template, looked up once: its spec, its model
+        (loaded if needed), and its prefix ids and cache key (the prompt file read once,
+        tokenized and hashed once per system prompt text)."""
+        spec = self.catalog.template(template)
+        resident, _ = self.resident_models.ensure(self.source(spec.model))
         system_prompt = self.catalog.system_prompt(template)
         known = self._prefixes.get(template)
         if known is None or known.system_prompt != system_prompt or known.model != resident.name:
             known = TemplatePrefix.of(resident, system_prompt)
             self._prefixes[template] = known
-        return resident, known
+        return ResolvedTemplate(template, spec, resident, known)
 
     # Raw prompts (`preheat serve`) ---------------------------------------------------
 
@@ -301,7 +326,7 @@ class WorkerRuntime:
         if template is not None:
             return self.generate(template, user_input, max_new_tokens)
         started = time.perf_counter()
-        resident, _ = self.registry.ensure(self.source(model))
+        resident, _ = self.resident_models.ensure(self.source(model))
         if not system_prompt:
             return self._generate_ids(resident, encode(resident, user_input, with_bos=True), max_new_tokens, started)
         prefix = TemplatePrefix.of(resident, system_prompt)
@@ -322,7 +347,7 @@ class WorkerRuntime:
             if prompt.startswith(text + SEPARATOR):
                 return self.generate(name, prompt[len(text + SEPARATOR) :], max_new_tokens)
         started = time.perf_counter()
-        resident, _ = self.registry.ensure(self.source(model))
+        resident, _ = self.resident_models.ensure(self.source(model))
         return self._generate_ids(resident, encode(resident, prompt, with_bos=True), max_new_tokens, started)
 
     def _generate_ids(
@@ -361,9 +386,9 @@ class WorkerRuntime:
             "reasons": reasons,
             "models": {
                 name: {"device": m.placement.describe(), "load_ms": round(m.load_ms, 1)}
-                for name, m in self.registry.resident.items()
+                for name, m in self.resident_models.resident.items()
             },
-            "unavailable": self.registry.unavailable,
+            "unavailable": self.resident_models.unavailable,
             "cache": {
                 "entries": stats.entries,
                 "bytes": stats.bytes,

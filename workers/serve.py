@@ -76,12 +76,12 @@ class Ask:
 
 class ServeMetrics:
     def __init__(self, runtime: WorkerRuntime) -> None:
-        registry = runtime.metrics.registry
+        collectors = runtime.metrics.collectors
         self.connections = Counter(
-            "preheat_http_connections_opened", "TCP connections accepted by preheat serve", registry=registry
+            "preheat_http_connections_opened", "TCP connections accepted by preheat serve", registry=collectors
         )
         self.requests = Counter(
-            "preheat_http_requests", "HTTP requests answered by preheat serve", ["path", "code"], registry=registry
+            "preheat_http_requests", "HTTP requests answered by preheat serve", ["path", "code"], registry=collectors
         )
 
 
@@ -330,7 +330,7 @@ class ModelsHandler(BaseHandler):
             self.require_bearer(self.server.config.api_key, None)
         except ApiError as exc:
             return self.fail(exc)
-        resident = self.server.runtime.registry.resident
+        resident = self.server.runtime.resident_models.resident
         self.reply(
             HTTPStatus.OK,
             {

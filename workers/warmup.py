@@ -10,7 +10,7 @@ import torch
 
 from workers.generate import FirstToken, PrefixEngine
 from workers.kvcache import CacheKey
-from workers.models import ResidentModel
+from workers.resident import ResidentModel
 
 
 @dataclass

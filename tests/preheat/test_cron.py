@@ -122,6 +122,8 @@ def test_a_week_across_a_change_keeps_the_local_time():
         ("0 24 * * *", "UTC", "is invalid"),
         ("0 9 * * funday", "UTC", "is invalid"),
         ("0 0 30 2 *", "UTC", "is invalid"),
+        ("\uff15 * * * *", "UTC", "is invalid"),  # a full-width 5: int() would take it, cron does not
+        ("*/0 * * * *", "UTC", "is invalid"),
         ("0 9 * * *", "Europe/Atlantis", "unknown time zone"),
         ("0 9 * * *", "../../etc/passwd", "unknown time zone"),
     ],

@@ -245,3 +245,16 @@ class CacheWorkload(RuleBasedStateMachine):
 
 TestCacheWorkload = CacheWorkload.TestCase
 TestCacheWorkload.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_insert_takes_the_key_it_is_given(monkeypatch):
+    import workers.kvcache as kvcache
+
+    cache = KVCacheManager(CacheBudget(max_entries=4, max_bytes=1_000))
+    key = CacheKey.of("m", [1, 2, 3])
+    monkeypatch.setattr(kvcache, "digest_tokens", lambda ids: pytest.fail("the key was given: nothing to hash"))
+    entry = cache.insert("m", [1, 2, 3], object(), 10, key=key)
+    assert entry.key is key and cache.peek(key) is entry
+    with pytest.raises(ValueError, match="not of model 'other'"):
+        cache.insert("other", [1, 2, 3], object(), 10, key=key)
+    assert len(cache) == 1 and cache.stats().bytes == 10

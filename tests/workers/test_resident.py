@@ -3,8 +3,8 @@
 import threading
 import time
 
-import workers.models as models
-from workers.models import ModelRegistry, ModelSource
+import workers.resident as models
+from workers.resident import ModelSource, ResidentModels
 
 
 def record_loads(monkeypatch) -> list[tuple[str, float, float]]:
@@ -24,7 +24,7 @@ def record_loads(monkeypatch) -> list[tuple[str, float, float]]:
 
 def test_preload_loads_models_in_parallel_and_keeps_the_failures(monkeypatch, tiny_model, tiny_qwen2):
     calls = record_loads(monkeypatch)
-    registry = ModelRegistry("cpu")
+    registry = ResidentModels("cpu")
     failures = registry.preload(
         [
             ModelSource("llama", str(tiny_model)),
@@ -43,7 +43,7 @@ def test_preload_loads_models_in_parallel_and_keeps_the_failures(monkeypatch, ti
 
 def test_concurrent_callers_for_one_model_load_it_once(monkeypatch, tiny_model):
     calls = record_loads(monkeypatch)
-    registry = ModelRegistry("cpu")
+    registry = ResidentModels("cpu")
     results = []
     threads = [
         threading.Thread(target=lambda: results.append(registry.ensure(ModelSource("m", str(tiny_model)))))

@@ -43,13 +43,16 @@ def test_preload_loads_what_it_can_prefills_and_pins_its_templates_and_says_why_
     assert (
         reasons
         == runtime.readiness()
-        == [f"model gone unavailable: {runtime.registry.unavailable['gone']}", "template orphan: not pre-filled yet"]
+        == [
+            f"model gone unavailable: {runtime.resident_models.unavailable['gone']}",
+            "template orphan: not pre-filled yet",
+        ]
     )
     assert "does/not/exist" in reasons[0]
     assert warm_models == ["tiny"]  # announced once, when its last template was pre-filled
     assert sorted(e.label for e in runtime.cache.entries()) == ["summarise", "support"]
     assert all(e.pinned for e in runtime.cache.entries())
-    assert runtime.registry.resident["tiny"].load_ms > 0
+    assert runtime.resident_models.resident["tiny"].load_ms > 0
 
 
 def test_a_worker_whose_models_all_load_is_ready(tmp_path, tiny_model):
@@ -61,7 +64,7 @@ def test_first_warmup_reports_the_start_up_load_then_reuses_model_and_prefix(run
     runtime.preload()
     first = runtime.warm_template("support")
     assert first.status == "warm", first.error
-    assert first.load_ms == runtime.registry.resident["tiny"].load_ms > 0  # the preload's, reported once
+    assert first.load_ms == runtime.resident_models.resident["tiny"].load_ms > 0  # the preload's, reported once
     assert first.prefill_ms > 0  # pre-filled at start, reported by the first job
     assert first.ttft_cold_ms > 0 and first.ttft_warm_ms > 0 and first.ttft_bare_ms > 0
     assert first.cached_tokens > 20 and first.cache_bytes > 0 and first.device == "cpu/float32"
@@ -112,7 +115,7 @@ def test_a_missing_model_fails_the_job_and_the_runtime_keeps_serving(runtime):
     broken = runtime.warm_template("orphan")
     assert broken.status == "failed"
     assert "model 'gone' failed to load from" in broken.error and "does/not/exist" in broken.error
-    assert runtime.registry.unavailable.keys() == {"gone"}
+    assert runtime.resident_models.unavailable.keys() == {"gone"}
     assert runtime.warm_template("support").status == "warm"
 
 
@@ -213,3 +216,30 @@ def test_raw_prompts_that_carry_a_template_prompt_use_its_pinned_prefix(runtime)
     assert as_text.token_ids == as_chat.token_ids == template.token_ids
     other = runtime.generate_text("tiny", "Once upon a time", 2).collect()
     assert other.cached_tokens == 0
+
+
+def test_a_warmup_and_a_request_resolve_their_template_once_and_hash_nothing_twice(tmp_path, tiny_model, monkeypatch):
+    import workers.kvcache as kvcache
+
+    runtime = make_runtime(tmp_path, tiny_model)
+    calls = {"system_prompt": 0, "ensure": 0, "digest": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    catalog_class = type(runtime.catalog)  # a frozen model: patched on its class
+    monkeypatch.setattr(catalog_class, "system_prompt", counted("system_prompt", catalog_class.system_prompt))
+    monkeypatch.setattr(runtime.resident_models, "ensure", counted("ensure", runtime.resident_models.ensure))
+    monkeypatch.setattr(kvcache, "digest_tokens", counted("digest", kvcache.digest_tokens))
+
+    result = runtime.warm_template("support")  # a cold miss: tokenized, hashed, pre-filled
+    assert result.status == "warm" and result.prefill_ms > 0
+    assert calls == {"system_prompt": 1, "ensure": 1, "digest": 1}
+
+    calls.update(dict.fromkeys(calls, 0))
+    assert runtime.infer("support", "Hello", max_new_tokens=2).cached_tokens == result.cached_tokens
+    assert calls == {"system_prompt": 1, "ensure": 1, "digest": 0}  # the key is known: no hashing
