@@ -149,3 +149,15 @@ def test_the_checks_see_a_circle_and_an_upward_import():
 def test_tests_mirror_the_packages():
     for package in ("preheat", "tasks", "workers", "schedules"):
         assert (REPO / "tests" / package).is_dir(), package
+
+
+def test_the_readme_is_a_users_page_and_markdown_lines_fit():
+    # The README is what a user reads first (about 200 lines at most); the rest is in docs/.
+    assert len((REPO / "README.md").read_text().splitlines()) <= 200
+    long_lines = [
+        f"{path.relative_to(REPO)}:{number}"
+        for path in sorted(REPO.glob("*.md")) + sorted((REPO / "docs").glob("*.md"))
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if len(line) > 160
+    ]
+    assert long_lines == []
