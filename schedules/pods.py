@@ -9,6 +9,19 @@ A transition is a pod's Ready condition turning True, or a pod first seen Ready.
 identified by the pod's uid and the condition's lastTransitionTime, which every later
 event of the same transition repeats: a storm of MODIFIED events, a re-list after a
 410, or a restarted watcher (the run's trigger key is unique) yield no second warmup.
+Without a lastTransitionTime the key is the latest container start (the containers'
+`state.running.startedAt`), else the pod's `startTime`, else the pod alone: never the
+resourceVersion, which every unrelated update (a label, a status tick) changes. Without
+lastTransitionTime a readiness flap with no container restart is therefore not warmed
+again; with it, each flap is a transition.
+
+What arrives from the API server is read as raw JSON, never through the client's typed
+models: an event or a listed item that is not a valid pod (a condition that is not an
+object, a Ready condition without a status, no uid) is skipped with one log line naming
+the pod and the fault, and the watch goes on from the version after it. A watch that
+fails again and again at one resourceVersion is given up for a fresh list. Reconnects
+back off (jittered, bounded), and the backoff starts over after a watch that stayed
+healthy for a while, so periodic cuts by a load balancer keep reconnects fast.
 A transition waits `settle_s` before it is sent (a new server often needs a moment after
 its probe first passes); if the pod turns unready or is deleted meanwhile it is dropped,
 and if it flaps back to Ready, the newer transition replaces it: one warmup.
@@ -20,7 +33,10 @@ queue (its nodename from a template such as "gpu0@{pod}", as the StatefulSet nam
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,7 +55,7 @@ class ReadyTransition:
     namespace: str
     pod: str
     uid: str
-    ready_since: str  # the Ready condition's lastTransitionTime (or the resourceVersion seen)
+    ready_since: str  # the Ready condition's lastTransitionTime, or ready_marker's fallback
     ip: str | None
     ports: tuple[tuple[str | None, int], ...]  # (name, containerPort) of its containers
 
@@ -57,12 +73,85 @@ class ReadyTransition:
         }
 
 
+CONDITION_STATUSES = ("True", "False", "Unknown")
+
+
+def pod_problem(pod) -> str | None:
+    """Why `pod` cannot be read as a pod, in a few words; None when it can. Only what the
+    watcher reads is checked: identity, the conditions, the declared ports."""
+    if not isinstance(pod, dict):
+        return f"the object is a {type(pod).__name__}, not a pod"
+    metadata = pod.get("metadata")
+    if not isinstance(metadata, dict):
+        return "metadata is not an object"
+    for name in ("uid", "name"):
+        if not isinstance(metadata.get(name), str) or not metadata[name]:
+            return f"metadata.{name} is missing"
+    status = pod.get("status") or {}
+    if not isinstance(status, dict):
+        return "status is not an object"
+    conditions = status.get("conditions") or []
+    if not isinstance(conditions, list):
+        return "status.conditions is not a list"
+    for index, condition in enumerate(conditions):
+        if not isinstance(condition, dict):
+            return f"status.conditions[{index}] is not an object"
+        if condition.get("type") == "Ready" and condition.get("status") not in CONDITION_STATUSES:
+            return f"status.conditions[{index}] (Ready) has no valid status: {condition.get('status')!r}"
+    return _ports_problem(pod.get("spec") or {})
+
+
+def _ports_problem(spec) -> str | None:
+    containers = spec.get("containers") or [] if isinstance(spec, dict) else None
+    if not isinstance(containers, list) or not all(isinstance(c, dict) for c in containers):
+        return "spec.containers is not a list of objects"
+    for container in containers:
+        ports = container.get("ports") or []
+        if not isinstance(ports, list) or not all(isinstance(p, dict) for p in ports):
+            return f"spec.containers[{container.get('name')!r}].ports is not a list of objects"
+        for port in ports:
+            number = port.get("containerPort")
+            if number is not None and (isinstance(number, bool) or not isinstance(number, int)):
+                return f"containerPort {number!r} is not a number"
+    return None
+
+
+def describe_pod(pod) -> str:
+    """namespace/name (uid), as far as they are known: for log lines about a bad object."""
+    metadata = pod.get("metadata") if isinstance(pod, dict) else None
+    if not isinstance(metadata, dict):
+        return "an unnamed object"
+    namespace, name, uid = (str(metadata.get(key) or "?") for key in ("namespace", "name", "uid"))
+    return f"{namespace}/{name} (uid {uid})"
+
+
 def is_ready(pod: dict) -> tuple[bool, str | None]:
-    """Whether the pod's Ready condition is True, and since when."""
+    """Whether the pod's Ready condition is True, and since when (a stable marker of this
+    transition: see ready_marker)."""
     for condition in (pod.get("status") or {}).get("conditions") or []:
         if condition.get("type") == "Ready":
             return condition.get("status") == "True", condition.get("lastTransitionTime")
     return False, None
+
+
+def ready_marker(pod: dict, last_transition: str | None) -> str:
+    """What identifies this Ready transition: lastTransitionTime, else the latest container
+    start, else the pod's start, else the pod itself. Never anything an unrelated update
+    changes (resourceVersion, labels, status ticks)."""
+    if last_transition:
+        return last_transition
+    status = pod.get("status") or {}
+    started = [
+        ((container.get("state") or {}).get("running") or {}).get("startedAt")
+        for container in status.get("containerStatuses") or []
+        if isinstance(container, dict) and isinstance(container.get("state"), dict)
+    ]
+    started = sorted(s for s in started if isinstance(s, str) and s)
+    if started:
+        return f"started:{started[-1]}"
+    if isinstance(status.get("startTime"), str) and status["startTime"]:
+        return f"pod-start:{status['startTime']}"
+    return "ready"
 
 
 def transition_of(pod: dict) -> ReadyTransition | None:
@@ -80,7 +169,7 @@ def transition_of(pod: dict) -> ReadyTransition | None:
         namespace=metadata.get("namespace", ""),
         pod=metadata.get("name", ""),
         uid=metadata["uid"],
-        ready_since=since or f"rv{metadata.get('resourceVersion')}",
+        ready_since=ready_marker(pod, since),
         ip=status.get("podIP"),
         ports=ports,
     )
@@ -206,118 +295,180 @@ SERVICES_AWAY = (BrokerError, *DATABASE_AWAY, ConnectionError, TimeoutError)
 
 
 class PodWatcher:
-    """List, then watch; re-watch on a dropped connection, re-list on 410 Gone."""
+    """List, then watch; re-watch on a dropped connection, re-list on 410 Gone or when one
+    resourceVersion keeps failing. `namespace` None watches every namespace."""
 
     def __init__(
         self,
         api,
-        namespace: str,
+        namespace: str | None,
         selector: str | None,
         target: PodTarget,
         *,
         settle_s: float = 5.0,
         watch_timeout_s: int = 300,
+        min_backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
+        healthy_after_s: float = 30.0,
+        relist_after_failures: int = 3,
         retry_for_s: float = 300.0,
         send=send_warmup,
     ) -> None:
         self.api = api  # kubernetes.client.CoreV1Api
         self.namespace, self.selector, self.target = namespace, selector, target
         self.tracker = ReadyTracker(settle_s=settle_s)
-        self.watch_timeout_s, self.max_backoff_s, self.retry_for_s = watch_timeout_s, max_backoff_s, retry_for_s
+        self.watch_timeout_s, self.retry_for_s = watch_timeout_s, retry_for_s
+        self.min_backoff_s, self.max_backoff_s, self.healthy_after_s = min_backoff_s, max_backoff_s, healthy_after_s
+        self.relist_after_failures = relist_after_failures
         self.send = send
         self.resource_version: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._watch = None
+        self._response = None
         self.relists = 0
+        self.skipped = 0  # objects that were not valid pods
+
+    @property
+    def where(self) -> str:
+        return self.namespace or "all namespaces"
 
     # The watch thread --------------------------------------------------------------
 
     def run(self) -> None:
         sender = threading.Thread(target=self._send_due, name="preheat-pod-warmups", daemon=True)
         sender.start()
-        backoff = 0.5
+        backoff, failures = self.min_backoff_s, 0
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 if self.resource_version is None:
                     self._list()
                 self._watch_once()
-                backoff = 0.5
+                backoff, failures = self.min_backoff_s, 0
             except Gone:
                 log.info("resourceVersion %s is gone (410): listing again", self.resource_version)
-                self.resource_version = None
+                self.resource_version, failures = None, 0
             except Exception as exc:  # dropped connection, API server restarting, 5xx
                 if self._stop.is_set():
                     break
+                if time.monotonic() - started >= self.healthy_after_s:
+                    backoff, failures = self.min_backoff_s, 0  # it was a healthy watch, cut: not a streak
+                failures += 1
+                if failures >= self.relist_after_failures and self.resource_version is not None:
+                    log.warning(
+                        "pod watch failed %d times in a row at resourceVersion %s (%s): listing again",
+                        failures,
+                        self.resource_version,
+                        _reason(exc),
+                    )
+                    self.resource_version, failures = None, 0
+                wait = random.uniform(backoff / 2, backoff)  # jittered: a fleet of watchers does not reconnect at once
                 log.warning(
                     "pod watch interrupted (%s); watching again from %s in %.1f s",
                     _reason(exc),
                     self.resource_version,
-                    backoff,
+                    wait,
                 )
-                self._stop.wait(backoff)
+                self._stop.wait(wait)
                 backoff = min(backoff * 2, self.max_backoff_s)
         sender.join(timeout=5)
 
+    def _pods(self, **kwargs):
+        """The list (or, with watch=True, the watch) call for this watcher's scope, raw."""
+        if self.selector:
+            kwargs["label_selector"] = self.selector
+        if self.namespace is None:
+            return self.api.list_pod_for_all_namespaces(_preload_content=False, **kwargs)
+        return self.api.list_namespaced_pod(self.namespace, _preload_content=False, **kwargs)
+
     def _list(self) -> None:
-        # Raw JSON: the same dicts the watch's raw_object gives, not the client's models.
-        body = _json(self.api.list_namespaced_pod(self.namespace, label_selector=self.selector, _preload_content=False))
-        now = time.monotonic()
+        # Raw JSON: the same dicts the watch gives, never the client's models.
+        body = _json(self._pods())
+        items = body.get("items") if isinstance(body, dict) else None
+        if not isinstance(items, list):
+            raise ValueError("the pod list has no items")
+        now, uids = time.monotonic(), set()
         with self._lock:
-            for pod in body.get("items") or []:
-                pod.setdefault("metadata", {}).setdefault("namespace", self.namespace)
+            for pod in items:
+                if isinstance(pod, dict) and isinstance(pod.get("metadata"), dict) and self.namespace:
+                    pod["metadata"].setdefault("namespace", self.namespace)
+                if self._skip_malformed(pod, "listed"):
+                    continue
+                uids.add(pod["metadata"]["uid"])
                 self.tracker.observe(pod, now)
-            self.tracker.relisted({(pod.get("metadata") or {}).get("uid") for pod in body.get("items") or []})
+            self.tracker.relisted(uids)
         self.resource_version = body["metadata"]["resourceVersion"]
         self.relists += 1
         log.info(
             "listed %d pod(s) in %s (%s) at resourceVersion %s",
-            len(body.get("items") or []),
-            self.namespace,
+            len(uids),
+            self.where,
             self.selector or "all",
             self.resource_version,
         )
 
-    def _watch_once(self) -> None:
-        from kubernetes import watch
-        from kubernetes.client.exceptions import ApiException
+    def _skip_malformed(self, pod, how: str) -> bool:
+        problem = pod_problem(pod)
+        if problem is None:
+            return False
+        self.skipped += 1
+        log.warning("skipping %s pod %s: %s", how, describe_pod(pod), problem)
+        return True
 
-        self._watch = watch.Watch()
+    def _watch_once(self) -> None:
+        from kubernetes.client.exceptions import ApiException
+        from kubernetes.watch.watch import iter_resp_lines
+
         try:
-            stream = self._watch.stream(
-                self.api.list_namespaced_pod,
-                self.namespace,
-                label_selector=self.selector,
+            self._response = self._pods(
+                watch=True,
                 resource_version=self.resource_version,
                 allow_watch_bookmarks=True,
                 timeout_seconds=self.watch_timeout_s,
             )
-            for event in stream:
-                self._on_event(event)
-                if self._stop.is_set():
-                    break
         except ApiException as exc:
             if exc.status == 410:
                 raise Gone() from exc
             raise
+        try:
+            for line in iter_resp_lines(self._response):
+                self._on_line(line)
+                if self._stop.is_set():
+                    break
         finally:
-            self._watch.stop()
+            self._response.close()
+            self._response.release_conn()
 
-    def _on_event(self, event: dict) -> None:
-        kind, pod = event.get("type"), event.get("raw_object") or {}
-        version = (pod.get("metadata") or {}).get("resourceVersion")
-        if kind == "BOOKMARK":
-            self.resource_version = version or self.resource_version
+    def _on_line(self, line) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            log.warning("skipping a watch event that is not JSON: %.80r", line)
             return
-        if kind not in ("ADDED", "MODIFIED", "DELETED"):
+        if not isinstance(event, dict):
+            log.warning("skipping a watch event that is not an object: %.80r", line)
+            return
+        self._on_event(event.get("type"), event.get("object"))
+
+    def _on_event(self, kind, pod) -> None:
+        if kind == "ERROR":
+            code = pod.get("code") if isinstance(pod, dict) else None
+            if code == 410:
+                raise Gone()
+            raise WatchError(f"the API server ended the watch: {pod.get('message') if isinstance(pod, dict) else pod}")
+        metadata = pod.get("metadata") if isinstance(pod, dict) else None
+        version = metadata.get("resourceVersion") if isinstance(metadata, dict) else None
+        # Past this event, whatever it holds: a bad object must not be replayed for ever.
+        self.resource_version = version if isinstance(version, str) and version else self.resource_version
+        if kind == "BOOKMARK" or kind not in ("ADDED", "MODIFIED", "DELETED"):
+            return
+        if self._skip_malformed(pod, kind.lower()):
             return
         with self._lock:
             if kind == "DELETED":
                 self.tracker.forget(pod)
             else:
                 self.tracker.observe(pod, time.monotonic())
-        self.resource_version = version or self.resource_version
 
     # The sending thread --------------------------------------------------------------
 
@@ -358,8 +509,37 @@ class PodWatcher:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._watch is not None:
-            self._watch.stop()
+        response = self._response
+        if response is not None:
+            # Shut the socket down, which wakes the watch thread's blocked read; close()
+            # from here would wait on the lock that read holds.
+            with contextlib.suppress(OSError, AttributeError):
+                response.shutdown()
+
+
+class WatchError(Exception):
+    """The API server ended a watch with an error event other than 410."""
+
+
+class PodWatchers:
+    """Several namespaces' watchers, run and stopped together (`--namespace` repeated)."""
+
+    def __init__(self, watchers: list[PodWatcher]) -> None:
+        self.watchers = watchers
+
+    def run(self) -> None:
+        threads = [
+            threading.Thread(target=w.run, name=f"preheat-watch-{w.where}", daemon=True) for w in self.watchers[1:]
+        ]
+        for thread in threads:
+            thread.start()
+        self.watchers[0].run()
+        for thread in threads:
+            thread.join(timeout=10)
+
+    def stop(self) -> None:
+        for watcher in self.watchers:
+            watcher.stop()
 
 
 def _json(response) -> dict:

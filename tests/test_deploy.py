@@ -147,3 +147,19 @@ def test_each_command_is_a_real_command_with_real_options(manifests, component, 
     env = {**embedded_stack.env, "FLOWER_BASIC_AUTH": "ci:ci"}
     done = subprocess.run([*full, "--help"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_cluster_wide_pod_watcher_may_only_read_pods():
+    docs = list(yaml.safe_load_all((K8S / "cluster-wide" / "pod-watcher-clusterrole.yaml").read_text()))
+    by_kind = {doc["kind"]: doc for doc in docs}
+    assert sorted(by_kind) == ["ClusterRole", "ClusterRoleBinding"]
+    assert by_kind["ClusterRole"]["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    binding = by_kind["ClusterRoleBinding"]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "preheat-pod-watcher",
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "preheat-pod-watcher", "namespace": "preheat"}]

@@ -10,6 +10,7 @@ import signal
 
 import typer
 
+from preheat.errors import ConfigError
 from preheat.settings import get_settings
 
 
@@ -21,7 +22,8 @@ def _run_until_signalled(watcher) -> None:
 
 
 def watch_pods(
-    namespace: str = typer.Option(..., "--namespace", "-n", help="Namespace of the pods."),
+    namespace: list[str] = typer.Option(None, "--namespace", "-n", help="Namespace of the pods (repeatable)."),
+    all_namespaces: bool = typer.Option(False, "--all-namespaces", "-A", help="Watch pods in every namespace."),
     selector: str = typer.Option(None, "--selector", "-l", help="Label selector, e.g. app=vllm."),
     endpoint: str = typer.Option(
         None, "--endpoint", "-e", help="Pods are replicas of this catalog endpoint: warm each at its IP and port."
@@ -39,7 +41,13 @@ def watch_pods(
     """Warm each pod once when it becomes Ready (or is first seen Ready)."""
     from preheat.catalog import load_catalog
     from preheat.dispatch import prime_dispatch
-    from schedules.pods import PodTarget, PodWatcher, kube_api
+    from schedules.pods import PodTarget, PodWatcher, PodWatchers, kube_api
+
+    namespaces = list(dict.fromkeys(namespace or []))
+    if all_namespaces == bool(namespaces):
+        raise ConfigError("give --namespace (repeatable) or --all-namespaces, not both and not neither")
+    if any(not name.strip() for name in namespaces):
+        raise ConfigError("--namespace must not be empty")
 
     target = PodTarget(
         endpoint=endpoint, worker_name=worker_name, port=port, port_name=port_name, templates=tuple(template or ())
@@ -49,13 +57,18 @@ def watch_pods(
         catalog.endpoint(endpoint)  # an unknown endpoint fails now, not at the first Ready pod
     for name in template or []:
         catalog.template(name)
-    watcher = PodWatcher(kube_api(kubeconfig, context), namespace, selector, target, settle_s=settle_s)
+    api = kube_api(kubeconfig, context)
+    scopes = namespaces or [None]  # None: every namespace, through one cluster-wide watch
+    watchers = PodWatchers([PodWatcher(api, scope, selector, target, settle_s=settle_s) for scope in scopes])
     prime_dispatch()
-    _run_until_signalled(watcher)
+    _run_until_signalled(watchers)
 
 
 def watch_workers(
     template: list[str] = typer.Option(None, "--template", "-t", help="Templates to warm (default: all)."),
+    sweep_s: float = typer.Option(
+        60.0, "--sweep-s", min=1.0, help="How often the worker registry is swept for starts no event announced."
+    ),
 ) -> None:
     """Warm each Celery worker that comes online, unless its start-up warmup made it warm."""
     from preheat.catalog import load_catalog
@@ -67,4 +80,4 @@ def watch_workers(
     for name in template or []:
         catalog.template(name)
     prime_dispatch()
-    _run_until_signalled(WorkerOnlineWatcher(app, templates=template or None))
+    _run_until_signalled(WorkerOnlineWatcher(app, templates=template or None, sweep_s=sweep_s))

@@ -174,3 +174,20 @@ def test_arguments_that_are_not_utf8_are_one_line_and_nothing_is_written(embedde
     assert raw.stderr.decode().strip() == "error: argument 3 is not UTF-8 text (byte 0xff at offset 5)"
     for listing in (("history", "--json"), ("schedule", "list", "--json")):
         assert json.loads(embedded.cli_here(*listing).stdout) == []  # nothing half-written
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--endpoint", "x"], "error: give --namespace (repeatable) or --all-namespaces, not both and not neither"),
+        (
+            ["-n", "serving", "--all-namespaces", "--endpoint", "x"],
+            "error: give --namespace (repeatable) or --all-namespaces, not both and not neither",
+        ),
+        (["-n", " ", "--endpoint", "x"], "error: --namespace must not be empty"),
+    ],
+)
+def test_watch_pods_needs_one_scope_of_namespaces(embedded, args, expected):
+    done = run("watch-pods", *args, env=embedded.env)
+    assert done.returncode == 2
+    assert one_error_line(done) == expected

@@ -76,7 +76,12 @@ class FakeKube:
             self.loop = asyncio.new_event_loop()
             asyncio.set_event_loop(self.loop)
             self.changed = asyncio.Condition()
-            app = tornado.web.Application([(r"/api/v1/namespaces/([^/]+)/pods", PodsHandler, {"kube": self})])
+            app = tornado.web.Application(
+                [
+                    (r"/api/v1/namespaces/([^/]+)/pods", PodsHandler, {"kube": self}),
+                    (r"/api/v1/pods()", PodsHandler, {"kube": self}),  # every namespace
+                ]
+            )
             sockets = tornado.netutil.bind_sockets(0, "127.0.0.1")
             self.port = sockets[0].getsockname()[1]
             self.server = tornado.httpserver.HTTPServer(app)
@@ -126,6 +131,9 @@ class FakeKube:
     def _record(self, kind: str, obj: dict) -> None:
         self.resource_version += 1
         obj = copy.deepcopy(obj)
+        if kind == "ERROR" or not isinstance(obj, dict):  # a Status, or garbage: no resourceVersion
+            self.events.append((self.resource_version, kind, obj))
+            return
         obj["metadata"]["resourceVersion"] = str(self.resource_version)
         if kind == "DELETED":
             self.pods.pop(obj["metadata"]["name"], None)
@@ -136,6 +144,10 @@ class FakeKube:
     def apply(self, obj: dict) -> None:
         """Create or update a pod (ADDED or MODIFIED)."""
         self._on_loop(lambda: self._record("MODIFIED" if obj["metadata"]["name"] in self.pods else "ADDED", obj))
+
+    def inject(self, kind: str, obj) -> None:
+        """An event as the server sends it, whatever it holds (a malformed pod, an ERROR)."""
+        self._on_loop(lambda: self._record(kind, obj))
 
     def delete(self, name: str) -> None:
         self._on_loop(lambda: self._record("DELETED", self.pods[name]))
@@ -168,6 +180,10 @@ class FakeKube:
         return [r for r in self.requests if not r["watch"]]
 
 
+def _in(obj: dict, namespace: str) -> bool:
+    return not namespace or obj["metadata"].get("namespace") == namespace
+
+
 def _matches(obj: dict, selector: str | None) -> bool:
     if not selector:
         return True
@@ -194,13 +210,13 @@ class PodsHandler(tornado.web.RequestHandler):
                 "resourceVersion": since,
                 "selector": selector,
                 "bookmarks": self.get_argument("allowWatchBookmarks", ""),
+                "namespace": namespace or None,
+                "at": time.monotonic(),
             }
         )
         self.set_header("Content-Type", "application/json")
         if not watching:
-            items = [
-                p for p in self.kube.pods.values() if _matches(p, selector) and p["metadata"]["namespace"] == namespace
-            ]
+            items = [p for p in self.kube.pods.values() if _matches(p, selector) and _in(p, namespace)]
             self.finish(
                 {
                     "kind": "PodList",
@@ -229,13 +245,14 @@ class PodsHandler(tornado.web.RequestHandler):
                 + "\n"
             )
             return
-        await self._stream(since, selector, float(self.get_argument("timeoutSeconds", "300")))
+        await self._stream(since, selector, namespace, float(self.get_argument("timeoutSeconds", "300")))
 
-    async def _stream(self, since: int, selector: str | None, timeout_s: float) -> None:
+    async def _stream(self, since: int, selector: str | None, namespace: str, timeout_s: float) -> None:
         drops, deadline = self.kube.drops, time.monotonic() + timeout_s
         while True:
             for version, kind, obj in list(self.kube.events):
-                if version > since and (kind == "BOOKMARK" or _matches(obj, selector)):
+                everyone = kind in ("BOOKMARK", "ERROR") or not isinstance(obj, dict)
+                if version > since and (everyone or (_matches(obj, selector) and _in(obj, namespace))):
                     self.write(json.dumps({"type": kind, "object": obj}) + "\n")
                     since = version
             try:

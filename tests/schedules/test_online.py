@@ -3,6 +3,8 @@ trigger worker_online; templates its start-up warmup made warm are `skipped`, no
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from sqlalchemy import select
 
@@ -58,4 +60,29 @@ def test_a_worker_coming_online_is_warmed_once_per_start_even_with_two_watchers(
         assert (job.target, job.template, job.status) == (WORKER, "support", JobStatus.skipped), job.error
     assert runs[0].trigger_detail["pid"] != runs[1].trigger_detail["pid"]
     assert "warmed already by run" in logs  # the second watcher found the first one's run
+    assert "Traceback" not in logs, logs[-3000:]
+
+
+def test_a_worker_started_while_the_watcher_is_down_is_warmed_once_when_it_comes_back(services_stack, tmp_path):
+    stack = services_stack
+    worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
+    with procs.running(worker):
+        procs.wait_for_log(worker, f"{WORKER} ready.", 90)  # its worker-online event went unheard
+        sweeping = [PREHEAT_CLI, "watch-workers", "--sweep-s", "1"]
+        watcher = procs.start("watch-workers", sweeping, stack.env, tmp_path / "logs", cwd=stack.home)
+        with procs.running(watcher):
+            [run] = procs.poll(lambda: settled_runs(1), 60, what="the swept worker's run")
+            procs.wait_for_log(watcher, "watching for workers coming online")
+            time.sleep(3)  # three more sweeps: the start has its run, nothing more is sent
+        # The watcher restarted: its first sweep finds the run of this start, and sends nothing.
+        again = procs.start("watch-workers-again", sweeping, stack.env, tmp_path / "logs/again", cwd=stack.home)
+        with procs.running(again):
+            procs.wait_for_log(again, "watching for workers coming online")
+            time.sleep(2)
+        logs = watcher.log() + again.log()
+    assert [r.id for r in online_runs()] == [run.id]
+    assert run.trigger_detail["seen_by"] == "sweep" and run.trigger_detail["worker"] == WORKER
+    assert run.trigger_key.startswith(f"worker_online:{WORKER}:")
+    [job] = run.jobs
+    assert (job.target, job.status) == (WORKER, JobStatus.skipped), job.error  # warm from its own start
     assert "Traceback" not in logs, logs[-3000:]
