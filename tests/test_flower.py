@@ -28,17 +28,28 @@ def test_flower_serves_with_basic_auth_only(services_stack, tmp_path):
     assert "correct-horse" not in flower.log()
 
 
-def test_flower_without_auth_refuses_to_start(services_stack):
+@pytest.mark.parametrize(
+    ("args", "auth_env", "message"),
+    [
+        ([], {}, "Flower needs auth: set FLOWER_BASIC_AUTH"),
+        ([], {"FLOWER_BASIC_AUTH": "admin:correct-horse,"}, "FLOWER_BASIC_AUTH: entry 2 is empty"),
+        (["--basic-auth="], {}, "--basic-auth: entry 1 is empty"),
+        (["--auth="], {}, "--auth is empty"),
+    ],
+)
+def test_flower_without_a_real_credential_refuses_to_start(services_stack, args, auth_env, message):
     env = {k: v for k, v in services_stack.env.items() if not k.startswith("FLOWER_")}
     done = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "preheat", "flower", "--port=1"],
-        env=env,
+        [sys.executable, "-m", "celery", "-A", "preheat", "flower", "--port=1", *args],
+        env={**env, **auth_env},
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert done.returncode == 2
-    assert "Flower needs auth: set FLOWER_BASIC_AUTH" in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert "correct-horse" not in done.stderr
 
 
 def _chromium(tmp_path):

@@ -1,6 +1,7 @@
 """The Celery app's configuration: the reliability and security settings the design relies on."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,10 +103,43 @@ def test_tasks_are_named_under_preheat_and_share_the_base_task(settings):
 
 def test_flower_is_refused_without_auth():
     refuse_open_flower(["celery", "-A", "preheat", "worker"], {})
-    refuse_open_flower(["celery", "-A", "preheat", "flower", "--basic-auth=a:b"], {})
-    refuse_open_flower(["celery", "-A", "preheat", "flower"], {"FLOWER_BASIC_AUTH": "a:b"})
+    refuse_open_flower(["celery", "-A", "preheat", "flower", "--basic-auth=a:correct-horse"], {})
+    refuse_open_flower(["celery", "-A", "preheat", "flower", "--basic-auth", "a:correct-horse,b:battery-staple"], {})
+    refuse_open_flower(["celery", "-A", "preheat", "flower"], {"FLOWER_BASIC_AUTH": "a:correct-horse"})
+    oauth = {"FLOWER_AUTH_PROVIDER": "flower.views.auth.GithubLoginHandler", "FLOWER_OAUTH2_KEY": "k"}
+    refuse_open_flower(
+        ["celery", "-A", "preheat", "flower", "--auth=.*@example.com"], {**oauth, "FLOWER_OAUTH2_SECRET": "s"}
+    )
     with pytest.raises(ConfigError, match="Flower needs auth"):
         refuse_open_flower(["celery", "-A", "preheat", "flower"], {})
+
+
+FLOWER = ["celery", "-A", "preheat", "flower"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        ([], {"FLOWER_BASIC_AUTH": "admin:correct-horse,"}, "FLOWER_BASIC_AUTH: entry 2 is empty"),
+        (["--basic-auth="], {}, "--basic-auth: entry 1 is empty"),
+        (["--basic-auth"], {}, "--basic-auth: entry 1 is empty"),
+        (["--basic_auth=,admin:correct-horse"], {}, "--basic-auth: entry 1 is empty"),
+        ([], {"FLOWER_BASIC_AUTH": ""}, "FLOWER_BASIC_AUTH: entry 1 is empty"),
+        ([], {"FLOWER_BASIC_AUTH": "admin:"}, "the password of 'admin' is shorter than 8"),
+        ([], {"FLOWER_BASIC_AUTH": "admin:short"}, "the password of 'admin' is shorter than 8"),
+        ([], {"FLOWER_BASIC_AUTH": "admin:        "}, "or blank"),
+        ([], {"FLOWER_BASIC_AUTH": ":correct-horse"}, "entry 1 is not user:password"),
+        ([], {"FLOWER_BASIC_AUTH": "admin"}, "entry 1 is not user:password"),
+        (["--basic-auth=admin:correct-horse"], {"FLOWER_BASIC_AUTH": "x"}, "FLOWER_BASIC_AUTH: entry 1 is not"),
+        (["--auth="], {}, "--auth is empty"),
+        ([], {"FLOWER_AUTH": ".*"}, "FLOWER_AUTH needs FLOWER_AUTH_PROVIDER"),
+        (["--auth=.*@example.com", "--auth_provider=x", "--oauth2_key=k"], {}, "needs FLOWER_OAUTH2_SECRET"),
+    ],
+)
+def test_flower_refuses_a_credential_that_is_no_credential(argv, environ, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as refused:
+        refuse_open_flower([*FLOWER, *argv], environ)
+    assert "correct-horse" not in str(refused.value)
 
 
 @pytest.mark.parametrize("command", ["worker", "beat"])
