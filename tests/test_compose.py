@@ -40,7 +40,7 @@ def test_each_command_is_a_real_command_with_real_options(compose, service, embe
     else:
         full = [PREHEAT_CLI, *argv[1:]]
     # The variables compose requires, with stand-in values.
-    env = {**embedded_stack.env, "FLOWER_BASIC_AUTH": "ci:ci"}
+    env = {**embedded_stack.env, "FLOWER_BASIC_AUTH": "ci:long-enough"}
     # --help is answered only once every other option on the line has parsed.
     done = subprocess.run([*full, "--help"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

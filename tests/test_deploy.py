@@ -144,7 +144,7 @@ def test_each_command_is_a_real_command_with_real_options(manifests, component, 
         for arg in _containers(doc)[0]["command"]
     ]
     full = [sys.executable, "-m", "celery", *argv[1:]] if argv[0] == "celery" else [PREHEAT_CLI, *argv[1:]]
-    env = {**embedded_stack.env, "FLOWER_BASIC_AUTH": "ci:ci"}
+    env = {**embedded_stack.env, "FLOWER_BASIC_AUTH": "ci:long-enough"}
     done = subprocess.run([*full, "--help"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
 
