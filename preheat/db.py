@@ -6,6 +6,10 @@ import contextlib
 import datetime as dt
 import enum
 import functools
+import os
+import socket
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import ClassVar
@@ -75,7 +79,13 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.close()
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, timeout_s: float | None = None) -> Engine:
+    """An engine for `url`. With `timeout_s` every call is bounded: connecting (libpq's
+    connect_timeout), a pool checkout, each statement on the server (statement_timeout),
+    the socket (TCP keepalives and tcp_user_timeout: a partition that drops packets), and a
+    server that accepts bytes but answers none (a frozen server, a stalled proxy: the stall
+    watchdog). A call past its bound fails as DATABASE_AWAY; a worker's write then waits in
+    its outbox. Without `timeout_s` (migrations) statements run as long as they need."""
     if url.startswith("sqlite"):
         engine = create_engine(url)
         event.listen(engine, "connect", _sqlite_pragmas)
@@ -84,8 +94,109 @@ def make_engine(url: str) -> Engine:
         url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
     # A database behind a partition answers nothing: give up on connecting after a while
     # (the worker's outbox keeps its writes) rather than hang the caller.
-    connect_args = {} if "connect_timeout=" in url else {"connect_timeout": 10}
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5, connect_args=connect_args)
+    connect_args = {} if "connect_timeout=" in url else {"connect_timeout": max(2, round(timeout_s or 10))}
+    if timeout_s is None:
+        return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5, connect_args=connect_args)
+    connect_args |= {
+        "options": f"-c statement_timeout={int(timeout_s * 1000)}",
+        "keepalives": 1,
+        "keepalives_idle": max(1, int(timeout_s)),
+        "keepalives_interval": 1,
+        "keepalives_count": 3,
+        "tcp_user_timeout": int(timeout_s * 1000),
+    }
+    # The ping on checkout is STALL_WATCHDOG's own (bounded); SQLAlchemy's would not be.
+    engine = create_engine(url, pool_size=5, max_overflow=5, pool_timeout=timeout_s, connect_args=connect_args)
+    STALL_WATCHDOG.watch(engine, timeout_s)
+    return engine
+
+
+class StallWatchdog:
+    """Ends a database call that has waited on the server past its bound, by shutting its
+    socket down: the waiting thread then gets an OperationalError and the connection is
+    discarded. This is the one bound that holds when the server's kernel still takes bytes
+    but the server answers none (no timeout on the server or in TCP fires then), and
+    psycopg waits on its socket with no deadline of its own."""
+
+    def __init__(self) -> None:
+        self._busy: dict[int, tuple[object, float]] = {}  # id(dbapi connection) -> (it, deadline)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, engine: Engine, timeout_s: float) -> None:
+        def begin(conn, *_):
+            self._arm(conn.connection.dbapi_connection, timeout_s)
+
+        def end(conn, *_):
+            self._disarm(conn.connection.dbapi_connection)
+
+        # Statements, and the transaction ends, which are round trips of their own.
+        for name, fn in (
+            ("before_cursor_execute", begin),
+            ("after_cursor_execute", end),
+            ("commit", begin),
+            ("rollback", begin),
+        ):
+            event.listen(engine, name, fn)
+        event.listen(engine.pool, "checkout", lambda dbapi_connection, *_: self._ping(dbapi_connection, timeout_s))
+        event.listen(engine.pool, "checkin", lambda dbapi_connection, *_: self._disarm(dbapi_connection))
+        event.listen(engine.pool, "reset", lambda dbapi_connection, *_: self._disarm(dbapi_connection))
+
+    def _ping(self, dbapi_connection, timeout_s: float) -> None:
+        """A pooled connection is asked `SELECT 1` before use, within the bound: a dead or
+        stalled one is replaced (DisconnectionError makes the pool connect afresh)."""
+        from sqlalchemy.exc import DisconnectionError
+
+        self._arm(dbapi_connection, timeout_s)
+        try:
+            with dbapi_connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+            dbapi_connection.rollback()
+        except Exception as exc:
+            raise DisconnectionError(f"pooled connection failed its ping: {exc}") from exc
+        finally:
+            self._disarm(dbapi_connection)
+
+    def _arm(self, dbapi_connection, timeout_s: float) -> None:
+        if dbapi_connection is None:
+            return
+        with self._lock:
+            self._busy[id(dbapi_connection)] = (dbapi_connection, time.monotonic() + timeout_s + 1.0)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="preheat-db-stall-watchdog", daemon=True)
+                self._thread.start()
+
+    def _disarm(self, dbapi_connection) -> None:
+        with self._lock:
+            self._busy.pop(id(dbapi_connection), None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.25)
+            now = time.monotonic()
+            with self._lock:
+                overdue = [conn for conn, deadline in self._busy.values() if deadline < now]
+                for conn in overdue:
+                    self._busy.pop(id(conn), None)
+            for conn in overdue:
+                self._end(conn)
+
+    @staticmethod
+    def _end(dbapi_connection) -> None:
+        """Still waiting on the server: shut its socket down (the waiting thread wakes with
+        an error). A connection that finished meanwhile is idle, and is left alone."""
+        import psycopg
+
+        pgconn = getattr(dbapi_connection, "pgconn", None)
+        if pgconn is None or pgconn.transaction_status != psycopg.pq.TransactionStatus.ACTIVE:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            sock = socket.socket(fileno=os.dup(pgconn.socket))
+            with sock:
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+STALL_WATCHDOG = StallWatchdog()
 
 
 @functools.cache
@@ -93,7 +204,7 @@ def get_engine() -> Engine:
     settings = get_settings()
     if settings.database.startswith("sqlite"):
         settings.home.mkdir(parents=True, exist_ok=True)
-    return make_engine(settings.database)
+    return make_engine(settings.database, timeout_s=settings.db_timeout_s)
 
 
 @functools.cache

@@ -46,6 +46,11 @@ class Settings(BaseSettings):
     # Every worker writes a heartbeat to the registry table; one silent for longer than
     # worker_dead_after_s is dead: not sent warmups, and its unfinished jobs become `lost`.
     heartbeat_interval_s: float = Field(10.0, gt=0)
+    # Every database call of a preheat process is bounded by this (connect, pool checkout,
+    # each statement on the server, and a watchdog for a server that answers nothing), so
+    # a stalled Postgres costs a worker this long, then its write waits in the outbox.
+    # Migrations are not bounded.
+    db_timeout_s: float = Field(5.0, gt=0, le=3600)
     worker_dead_after_s: float = Field(45.0, gt=0)
     # Off only to measure what gating prevents (`preheat bench first-request`): a worker
     # then consumes inference queues from start, cold models and all.

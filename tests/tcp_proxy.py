@@ -1,6 +1,8 @@
 """A TCP proxy in front of a real server, which a test cuts and restores: the server's
 clients see it go away (connections reset, new ones refused) while the server itself keeps
-running for everything else on the machine."""
+running for everything else on the machine. Or it stalls: connections stay open, new ones
+are accepted, and no byte moves either way (a frozen server, a partition that keeps TCP
+up), until the stall ends."""
 
 from __future__ import annotations
 
@@ -18,6 +20,22 @@ class TcpProxy:
         self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()
         self.connections = 0  # accepted since the start, across cuts
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._held: list[socket.socket] = []  # accepted during a stall, never forwarded
+
+    def stall(self) -> None:
+        """Every connection stays open and nothing is forwarded; new ones are accepted and held."""
+        self._flowing.clear()
+
+    def unstall(self) -> None:
+        """Bytes flow again; connections accepted during the stall are closed (never served)."""
+        with self._lock:
+            held, self._held = self._held, []
+        for sock in held:
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._flowing.set()
 
     def start(self) -> TcpProxy:
         listener = socket.socket()
@@ -56,6 +74,10 @@ class TcpProxy:
                 client, _ = listener.accept()
             except OSError:
                 return  # cut
+            if not self._flowing.is_set():
+                with self._lock:
+                    self._held.append(client)
+                continue
             try:
                 server = socket.create_connection(self.target, timeout=5)
             except OSError:
@@ -75,6 +97,7 @@ class TcpProxy:
     def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while data := source.recv(65536):
+                self._flowing.wait()  # a stall holds what arrived; it moves on once the stall ends
                 sink.sendall(data)
         except OSError:
             pass

@@ -477,6 +477,67 @@ def test_postgres_away_for_30_s_warmups_go_on_and_no_record_is_lost(services_sta
         assert session.scalar(select(func.sum(TrafficCount.requests))) == 5
 
 
+def test_a_stalled_postgres_never_blocks_a_worker(services_stack, tmp_path):
+    """The worker's Postgres connections stay open and no byte moves (a frozen server, a
+    partition that keeps TCP up), the same for new ones; the CLI reaches Postgres directly.
+    Before, a warmup hung on its first history write for the whole stall. Now each write is
+    bounded (PREHEAT_DB_TIMEOUT_S): it waits in the outbox and the warmup goes on."""
+    from preheat import history
+    from preheat.celery import create_app
+    from preheat.models import RunStatus
+    from preheat.settings import load_settings
+    from tests.tcp_proxy import TcpProxy
+
+    stack = services_stack
+    proxy = TcpProxy("127.0.0.1", 5432).start()
+    stack.env.update(PREHEAT_WORKER_DEAD_AFTER_S="120")  # the stall is shorter than the bound
+    worker_env = {
+        **stack.env,
+        "PREHEAT_DATABASE_URL": stack.env["PREHEAT_DATABASE_URL"].replace(":5432/", f":{proxy.port}/"),
+        "PREHEAT_DB_TIMEOUT_S": "3",
+    }
+    worker = procs.start_worker(WORKER, worker_env, tmp_path / "logs", cwd=stack.home)
+    outbox_path = stack.home / "outbox" / "gpu0_faults-test.sqlite3"
+    client = create_app(load_settings(broker_url=stack.env["PREHEAT_BROKER_URL"]))
+    try:
+        with procs.running(worker):
+            procs.wait_for_log(worker, f"{WORKER} ready.", 90)
+            procs.poll(lambda: _worker_ready(), 60, what="the worker registered ready")
+            proxy.stall()
+            dispatched = stack.cli("warm", "--json")
+            assert dispatched.returncode == 0, dispatched.stderr
+            run_id = uuid.UUID(json.loads(dispatched.stdout)["id"])
+            answer = client.send_task(
+                "preheat.infer", kwargs={"template": "support", "user_input": "parcel", "max_new_tokens": 2}
+            )
+            assert answer.get(timeout=60)["cached_tokens"] > 0  # served during the stall
+            # The whole warmup is done, its start and finish kept on disk, while Postgres still stalls.
+            procs.poll(
+                lambda: (
+                    [kind for _, kind in _outbox_entries(outbox_path) if kind.startswith("job.")]
+                    == ["job.start", "job.finish"]
+                ),
+                90,
+                what="the warmup finished and recorded in the outbox during the stall",
+            )
+            with session_scope() as session:
+                assert {job.status for job in history.get_run(session, run_id).jobs} == {JobStatus.queued}
+            proxy.unstall()
+
+            def written():
+                with session_scope() as session:
+                    run = history.get_run(session, run_id)
+                    return run if run.status == RunStatus.succeeded else None
+
+            run = procs.poll(written, 60, what="the run written once Postgres moved again")
+            procs.poll(lambda: not _outbox_entries(outbox_path), 30, what="the outbox emptied")
+        log = worker.log()
+    finally:
+        proxy.close()
+    assert {job.status for job in run.jobs} == {JobStatus.warm}
+    assert "kept in the outbox" in log
+
+
 def _worker_ready() -> bool:
     return _worker_state().get("ready", False)
 
