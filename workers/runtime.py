@@ -66,6 +66,9 @@ class WorkerRuntime:
     # this worker's steady state, against which a warmup's probe is judged.
     _served_ttft_ms: dict[str, deque[float]] = field(default_factory=dict)
     _last_warmup: dict[str, dict] = field(default_factory=dict)
+    # The fastest warm probe run each prefix had here: the reference a later warmup of it
+    # is held to (a worker throttled since then comes out degraded).
+    _best_warm_ms: dict[CacheKey, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # Held by the start-up preload and by each warmup: a warmup that arrives while the
     # worker is still starting waits, instead of racing it on the same model and device
@@ -253,11 +256,15 @@ class WorkerRuntime:
             self.probe_repeats,
             prefix.key,
         )
+        best_ms = self._best_warm_ms.get(prefix.key)
+        if measured.warm.cached_tokens and measured.warm_fastest_ms:
+            self._best_warm_ms[prefix.key] = min(best_ms or measured.warm_fastest_ms, measured.warm_fastest_ms)
         verdict(
             result,
             measured,
             result.cached_tokens,
             steady_ms=self.steady_ttft_ms(template),
+            best_ms=best_ms,
             warm_factor=self.warm_factor,
         )
         if result.status == "warm":

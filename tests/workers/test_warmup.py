@@ -9,15 +9,18 @@ from workers.warmup import Probe, TemplateWarmup, median_of, side_by_side, verdi
 PREFIX_TOKENS = 200
 
 
-def _probe(warm_ms=6.0, bare_ms=5.0, warm_token=7, cached=PREFIX_TOKENS):
+def _probe(warm_ms=6.0, bare_ms=5.0, warm_token=7, cached=PREFIX_TOKENS, fastest_ms=None):
     return Probe(
-        bare=FirstToken(7, bare_ms, 0), cold=FirstToken(7, 40.0, 0), warm=FirstToken(warm_token, warm_ms, cached)
+        bare=FirstToken(7, bare_ms, 0),
+        cold=FirstToken(7, 40.0, 0),
+        warm=FirstToken(warm_token, warm_ms, cached),
+        warm_fastest_ms=fastest_ms,
     )
 
 
-def _judge(probe, steady_ms=None, factor=1.5):
+def _judge(probe, steady_ms=None, factor=1.5, best_ms=None):
     result = TemplateWarmup(model="tiny", template="support", status="failed")
-    verdict(result, probe, PREFIX_TOKENS, steady_ms=steady_ms, warm_factor=factor)
+    verdict(result, probe, PREFIX_TOKENS, steady_ms=steady_ms, warm_factor=factor, best_ms=best_ms)
     return result
 
 
@@ -32,11 +35,30 @@ def test_degraded_over_the_factor_of_steady_state_with_the_numbers():
     assert result.error == "warm TTFT 7.6 ms is 1.52x the steady state 5.0 ms, over the warm factor 1.5"
 
 
-def test_without_served_requests_the_no_system_prompt_ttft_is_the_reference():
-    assert _judge(_probe(warm_ms=7.0, bare_ms=5.0)).status == "warm"
-    slow = _judge(_probe(warm_ms=8.0, bare_ms=5.0))
-    assert slow.status == "degraded" and "the no-system-prompt TTFT 5.0 ms" in slow.error
-    assert slow.ttft_steady_ms is None
+def test_a_long_prefix_is_warm_at_any_length_against_the_workers_own_warm_figures():
+    # A 3,000-token prefix: warm is 2.3x the no-system-prompt TTFT on a healthy worker. That
+    # is attention over the cached tokens, not coldness: held to its own warm runs, it is warm.
+    healthy = _judge(_probe(warm_ms=11.5, bare_ms=5.0, fastest_ms=10.9))
+    assert (healthy.status, healthy.error, healthy.ttft_steady_ms) == ("warm", None, None)
+    # Later, the same worker slowed several-fold: held to its best earlier warm probe.
+    throttled = _judge(_probe(warm_ms=60.0, bare_ms=26.0, fastest_ms=52.0), best_ms=10.9)
+    assert throttled.status == "degraded"
+    assert throttled.error == (
+        "warm TTFT 60.0 ms is 5.50x the best warm TTFT this worker measured 10.9 ms, over the warm factor 1.5"
+    )
+    # Throttled in turn (a CPU quota): the median run far slower than the fastest.
+    stalling = _judge(_probe(warm_ms=40.0, fastest_ms=11.0))
+    assert stalling.status == "degraded" and "the fastest warm probe run 11.0 ms" in stalling.error
+
+
+def test_the_reference_is_the_fastest_of_the_workers_own_figures():
+    from workers.warmup import reference_ttft
+
+    probe = _probe(warm_ms=12.0, fastest_ms=11.0)
+    assert reference_ttft(probe, steady_ms=None, best_ms=None) == (11.0, "fastest warm probe run")
+    assert reference_ttft(probe, steady_ms=9.0, best_ms=10.0) == (9.0, "steady state")
+    assert reference_ttft(probe, steady_ms=13.0, best_ms=10.0) == (10.0, "best warm TTFT this worker measured")
+    assert reference_ttft(_probe(warm_ms=12.0), steady_ms=None, best_ms=None) == (12.0, "warm TTFT")
 
 
 def test_a_probe_that_missed_the_cache_or_changed_the_token_is_degraded_however_fast():
