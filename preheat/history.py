@@ -93,12 +93,33 @@ def start_jobs(
     jobs = _jobs_of(session, run_id, target, templates)
     now = at or utcnow()
     for job in jobs:
-        # A re-delivered message (worker died, visibility timeout) restarts its own row.
+        # A re-delivered message (worker died, visibility timeout) restarts its own row;
+        # a final outcome it had is kept in `superseded`, not wiped.
+        _supersede(job)
         job.status, job.started_at, job.finished_at, job.error = JobStatus.running, now, None, None
         job.celery_task_id = task_id
-    if run.status == RunStatus.queued:
+    if run.status in FINAL_RUN_STATUSES:
+        _record_change(run, run.status, RunStatus.running)
+    if run.status in (RunStatus.queued, *FINAL_RUN_STATUSES):
         run.status = RunStatus.running
     return jobs
+
+
+def _supersede(job: WarmupJob) -> None:
+    if job.status.is_final:
+        earlier = {
+            "status": str(job.status),
+            "error": job.error,
+            "at": job.finished_at.isoformat() if job.finished_at else None,
+        }
+        job.superseded = [*(job.superseded or []), earlier]
+
+
+def _record_change(run: WarmupRun, before: RunStatus, after: RunStatus) -> None:
+    run.status_changes = [
+        *(run.status_changes or []),
+        {"from": str(before), "to": str(after), "at": utcnow().isoformat()},
+    ]
 
 
 def finish_job(
@@ -117,9 +138,11 @@ def finish_job(
     if not jobs:
         return None
     job = jobs[0]
+    # The worker's word is final, even over a `lost` a reaper wrote while its writes waited;
+    # what was said before is kept in `superseded`, so the record does not change silently.
+    _supersede(job)
     for column, value in measured.items():
         setattr(job, column, value)
-    # The worker's word is final, even over a `lost` a reaper wrote while its writes waited.
     job.status, job.finished_at = status, at or utcnow()
     session.flush()
     refresh_run_status(session, run_id)
@@ -158,13 +181,20 @@ def derive_run_status(statuses: Sequence[JobStatus]) -> RunStatus:
     return RunStatus.degraded
 
 
+FINAL_RUN_STATUSES = (RunStatus.succeeded, RunStatus.degraded, RunStatus.failed)
+
+
 def refresh_run_status(session: Session, run_id: uuid.UUID) -> RunStatus:
     run = session.get(WarmupRun, run_id)
     jobs = session.execute(select(WarmupJob.status, WarmupJob.finished_at).where(WarmupJob.run_id == run_id)).all()
+    before = run.status
     run.status = derive_run_status([status for status, _ in jobs])
-    if run.status in (RunStatus.succeeded, RunStatus.degraded, RunStatus.failed):
-        # When its last job finished, which a write from the outbox knows better than now.
-        run.finished_at = run.finished_at or max((at for _, at in jobs if at is not None), default=None) or utcnow()
+    if run.status in FINAL_RUN_STATUSES:
+        # When its last job finished (a write from the outbox knows it better than now),
+        # not when a reaper or a replay happened to settle it.
+        run.finished_at = max((at for _, at in jobs if at is not None), default=None) or utcnow()
+    if before in FINAL_RUN_STATUSES and run.status != before:
+        _record_change(run, before, run.status)  # a final status that changes says so
     return run.status
 
 

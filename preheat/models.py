@@ -7,7 +7,7 @@ import datetime as dt
 import enum
 import uuid
 
-from sqlalchemy import BigInteger, ForeignKey, Index, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from preheat.db import Model, utcnow
@@ -75,6 +75,8 @@ class WarmupRun(Model):
     status: Mapped[RunStatus] = mapped_column(default=RunStatus.queued)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[dt.datetime | None]
+    # Each change of a final status ({from, to, at}): a re-delivered result over `lost`.
+    status_changes: Mapped[list | None] = mapped_column(JSON)
 
     jobs: Mapped[list[WarmupJob]] = relationship(
         back_populates="run", order_by="WarmupJob.target, WarmupJob.template", cascade="all, delete-orphan"
@@ -108,6 +110,9 @@ class WarmupJob(Model):
     cache_bytes: Mapped[int | None] = mapped_column(BigInteger)  # exact KV bytes; GBs on real models
     device: Mapped[str | None] = mapped_column(String(32))
     error: Mapped[str | None] = mapped_column(Text)
+    # Final outcomes this job had before a later one replaced them ({status, error, at}): a
+    # `lost` the reaper wrote, then the re-delivered or outbox-kept result of the worker.
+    superseded: Mapped[list | None] = mapped_column(JSON)
 
     run: Mapped[WarmupRun] = relationship(back_populates="jobs")
 

@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 
 from preheat import history
 from preheat.db import aware, session_scope, utcnow
+from preheat.liveness import Pulse, read_quietly
 from preheat.models import JobStatus, TargetKind, WarmupJob, WarmupRun, WorkerRecord
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,14 @@ def why_lost(
     dead_after_s: float,
     time_limit_s: float,
     now: dt.datetime,
+    pulse: Pulse | None = None,
+    lost_message_after_s: float | None = None,
 ) -> tuple[JobStatus, str] | None:
-    """The state an unfinished job must take now, and why; None while it may still finish."""
+    """The state an unfinished job must take now, and why; None while it may still finish.
+    `pulse` is the worker's pulse through the broker: a worker whose database heartbeat is
+    stale but whose pulse is fresh is alive (its database was away), and its jobs wait for
+    its outbox. With `lost_message_after_s`, a job queued for a live worker that has sat idle
+    that long since the job was queued is `lost`: its message never reached the worker."""
     grace = dt.timedelta(seconds=dead_after_s)
     if worker is None:
         if now - aware(created_at) > grace:
@@ -96,7 +103,8 @@ def why_lost(
         if job.status == JobStatus.running or now - aware(worker.stopped_at) > grace:
             return JobStatus.lost, f"worker {job.target} stopped at {aware(worker.stopped_at):%H:%M:%S} UTC"
         return None
-    if not is_live(worker, dead_after_s, now):
+    pulsing = pulse is not None and now - aware(pulse.at) <= grace
+    if not is_live(worker, dead_after_s, now) and not pulsing:
         return JobStatus.lost, (
             f"worker {job.target} sent no heartbeat since {aware(worker.heartbeat_at):%H:%M:%S} "
             f"UTC (dead after {dead_after_s:g} s)"
@@ -107,11 +115,49 @@ def why_lost(
         and now - aware(job.started_at) > dt.timedelta(seconds=time_limit_s)
     ):
         return JobStatus.failed, f"still running after the {time_limit_s:g} s time limit"
-    return None
+    return _lost_message(job, created_at, worker, pulse if pulsing else None, lost_message_after_s, now)
 
 
-def reap(session: Session, *, dead_after_s: float, time_limit_s: float, now: dt.datetime | None = None) -> int:
-    """Settle the unfinished worker jobs that cannot finish. Returns how many changed."""
+def _lost_message(
+    job: WarmupJob,
+    created_at: dt.datetime,
+    worker: WorkerRecord,
+    pulse: Pulse | None,
+    bound_s: float | None,
+    now: dt.datetime,
+) -> tuple[JobStatus, str] | None:
+    if bound_s is None or job.status != JobStatus.queued:
+        return None
+    idle_since = pulse.idle_since if pulse is not None else _parse_time((worker.state or {}).get("idle_since"))
+    if idle_since is None:
+        return None  # busy right now: the job may be behind the task it runs
+    idle_s = (now - max(aware(idle_since), aware(created_at))).total_seconds()
+    if idle_s <= bound_s:
+        return None
+    return JobStatus.lost, (
+        f"message lost: worker {job.target} was live and idle for {idle_s:.0f} s after this job was queued "
+        f"and never took it (bound {bound_s:g} s, PREHEAT_LOST_MESSAGE_AFTER_S)"
+    )
+
+
+def _parse_time(text) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromisoformat(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+
+
+def reap(
+    session: Session,
+    *,
+    dead_after_s: float,
+    time_limit_s: float,
+    now: dt.datetime | None = None,
+    pulses=None,
+    lost_message_after_s: float | None = None,
+) -> int:
+    """Settle the unfinished worker jobs that cannot finish. Returns how many changed.
+    `pulses` (preheat.liveness) is asked before a worker is called dead."""
     now = now or utcnow()
     unfinished = WarmupJob.status.in_([JobStatus.queued, JobStatus.running])
     run_ids = session.scalars(
@@ -132,7 +178,17 @@ def reap(session: Session, *, dead_after_s: float, time_limit_s: float, now: dt.
         ).all()
         settled = 0
         for job, created_at, worker in rows:
-            outcome = why_lost(job, created_at, worker, dead_after_s=dead_after_s, time_limit_s=time_limit_s, now=now)
+            pulse = read_quietly(pulses, job.target) if worker is not None else None
+            outcome = why_lost(
+                job,
+                created_at,
+                worker,
+                dead_after_s=dead_after_s,
+                time_limit_s=time_limit_s,
+                now=now,
+                pulse=pulse,
+                lost_message_after_s=lost_message_after_s,
+            )
             if outcome is not None:
                 job.status, job.error = outcome
                 job.finished_at = now
@@ -158,6 +214,8 @@ class Heartbeat:
     dead_after_s: float
     time_limit_s: float
     on_beat: Callable[[], object] | None = None  # more bookkeeping on the same beat (traffic counts)
+    pulses: object | None = None  # preheat.liveness: the same beat through the broker
+    lost_message_after_s: float | None = None
 
     def __post_init__(self) -> None:
         self.started_at = utcnow()
@@ -173,6 +231,7 @@ class Heartbeat:
         """Write the heartbeat, then the bookkeeping (which keeps its writes in the outbox
         while the database is away), then reap. True when the heartbeat was recorded."""
         state = self.describe()
+        self._pulse(state)
         recorded = self._guarded("heartbeat", lambda: self._write_beat(state))
         if self.on_beat is not None:  # before reaping: writes that waited may finish jobs
             self._guarded("bookkeeping", self.on_beat)
@@ -184,9 +243,27 @@ class Heartbeat:
         with session_scope() as session:
             beat(session, self.nodename, started_at=self.started_at, ready=bool(state.get("ready")), state=state)
 
+    def _pulse(self, state: dict) -> None:
+        """The beat through the broker first: it needs no database (see preheat.liveness)."""
+        if self.pulses is None:
+            return
+        idle_since = state.get("idle_since")
+        try:
+            self.pulses.write(
+                self.nodename, Pulse(utcnow(), dt.datetime.fromisoformat(idle_since) if idle_since else None)
+            )
+        except Exception as exc:  # the broker away: the database row still says it
+            log.warning("pulse of %s not sent: %s", self.nodename, str(exc).splitlines()[0] if str(exc) else exc)
+
     def _reap(self) -> None:
         with session_scope() as session:
-            reap(session, dead_after_s=self.dead_after_s, time_limit_s=self.time_limit_s)
+            reap(
+                session,
+                dead_after_s=self.dead_after_s,
+                time_limit_s=self.time_limit_s,
+                pulses=self.pulses,
+                lost_message_after_s=self.lost_message_after_s,
+            )
 
     def _guarded(self, what: str, step: Callable[[], object]) -> bool:
         try:

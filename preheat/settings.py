@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     # a stalled Postgres costs a worker this long, then its write waits in the outbox.
     # Migrations are not bounded.
     db_timeout_s: float = Field(5.0, gt=0, le=3600)
+    # A job queued for a live worker that has sat idle this long since is `lost`: its
+    # message never reached the worker (a Redis restart without persistence). At least
+    # twice the heartbeat interval: idleness is seen through heartbeats.
+    lost_message_after_s: float = Field(120.0, gt=0, le=86400)
     worker_dead_after_s: float = Field(45.0, gt=0)
     # Off only to measure what gating prevents (`preheat bench first-request`): a worker
     # then consumes inference queues from start, cold models and all.
@@ -148,6 +152,12 @@ class Settings(BaseSettings):
                 f"PREHEAT_WORKER_DEAD_AFTER_S ({self.worker_dead_after_s:g}) must be at least twice "
                 f"PREHEAT_HEARTBEAT_INTERVAL_S ({self.heartbeat_interval_s:g}), or one late heartbeat "
                 f"declares a live worker dead"
+            )
+        if self.lost_message_after_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"PREHEAT_LOST_MESSAGE_AFTER_S ({self.lost_message_after_s:g}) must be at least twice "
+                f"PREHEAT_HEARTBEAT_INTERVAL_S ({self.heartbeat_interval_s:g}): a worker's idleness is seen "
+                f"through its heartbeats"
             )
         return self
 

@@ -16,10 +16,11 @@ import threading
 from typing import ClassVar
 
 from celery import bootsteps
-from celery.signals import worker_shutdown
+from celery.signals import task_postrun, task_prerun, worker_shutdown
 
-from preheat import history, outbox, traffic
+from preheat import history, liveness, outbox, traffic
 from preheat.celery import app, infer_queue
+from preheat.db import utcnow
 from preheat.endpoints import POOLS
 from preheat.errors import ConfigError, exit_with
 from preheat.registry import Heartbeat
@@ -95,11 +96,18 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         runtime.metrics.collectors.register(outbox.OutboxCollector(history_outbox))
         self.heartbeat = Heartbeat(
             worker.hostname,
-            lambda: {**runtime.describe(), "health_port": health_port, "outbox": history_outbox.counts().as_state()},
+            lambda: {
+                **runtime.describe(),
+                "health_port": health_port,
+                "outbox": history_outbox.counts().as_state(),
+                "idle_since": ACTIVITY.idle_since_iso(),
+            },
             settings.heartbeat_interval_s,
             settings.worker_dead_after_s,
             settings.task_time_limit_s,
             on_beat=_bookkeeping,
+            pulses=liveness.pulses_for(settings),
+            lost_message_after_s=settings.lost_message_after_s,
         ).start()
         threading.Thread(target=runtime.preload, name="preheat-preload", daemon=True).start()
 
@@ -112,6 +120,35 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         if self.health is not None:
             self.health.stop()
             self.health = None
+
+
+class Activity:
+    """Whether this worker runs a task, and since when it has run none: what tells a lost
+    message (a job queued while the worker sat idle) from a queue behind a long task."""
+
+    def __init__(self) -> None:
+        self._running = 0
+        self._idle_since = utcnow()
+        self._lock = threading.Lock()
+
+    def started(self, **_) -> None:
+        with self._lock:
+            self._running += 1
+
+    def finished(self, **_) -> None:
+        with self._lock:
+            self._running = max(0, self._running - 1)
+            if not self._running:
+                self._idle_since = utcnow()
+
+    def idle_since_iso(self) -> str | None:
+        with self._lock:
+            return None if self._running else self._idle_since.isoformat()
+
+
+ACTIVITY = Activity()
+task_prerun.connect(ACTIVITY.started, weak=False)
+task_postrun.connect(ACTIVITY.finished, weak=False)
 
 
 def _bookkeeping() -> None:

@@ -541,6 +541,77 @@ def test_a_stalled_postgres_never_blocks_a_worker(services_stack, tmp_path):
     assert "kept in the outbox" in log
 
 
+def test_a_postgres_cut_longer_than_dead_after_gives_no_verdict(services_stack, tmp_path):
+    """The worker's database is cut for three times the dead-after bound while `preheat warm
+    --wait` (which reaches Postgres directly) waits and reaps. The worker's heartbeat row goes
+    stale, but its pulse through Redis does not: nothing is called lost, and the command
+    reports what the worker measured once its outbox is written (before: 9 finished jobs
+    `lost`, exit 1, the runs' finished_at the reaper's time)."""
+    from tests.tcp_proxy import TcpProxy
+
+    stack = services_stack
+    proxy = TcpProxy("127.0.0.1", 5432).start()
+    worker_env = {
+        **stack.env,
+        "PREHEAT_DATABASE_URL": stack.env["PREHEAT_DATABASE_URL"].replace(":5432/", f":{proxy.port}/"),
+    }
+    worker = procs.start_worker(WORKER, worker_env, tmp_path / "logs", cwd=stack.home)
+    try:
+        with procs.running(worker):
+            procs.wait_for_log(worker, f"{WORKER} ready.", 90)
+            procs.poll(lambda: _worker_ready(), 60, what="the worker registered ready")
+            proxy.cut()
+            waiting = subprocess.Popen(
+                [PREHEAT_CLI, "warm", "--wait", "--json", "--timeout", "180"],
+                env=stack.env,
+                cwd=stack.home,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            time.sleep(3 * 5.0)  # three times PREHEAT_WORKER_DEAD_AFTER_S: its row is stale by then
+            assert waiting.poll() is None, "the wait ended while the worker's writes were still away"
+            proxy.restore()
+            out, err = waiting.communicate(timeout=180)
+    finally:
+        proxy.close()
+    assert waiting.returncode == 0, out + err
+    run = json.loads(out)
+    assert run["status"] == "succeeded" and run["status_changes"] == []
+    assert all(job["status"] == "warm" and job["superseded"] == [] for job in run["jobs"]), run["jobs"]
+    assert run["finished_at"] == max(job["finished_at"] for job in run["jobs"])  # its last job's, not a reaper's
+
+
+def test_a_job_whose_message_was_lost_is_settled_within_the_bound(services_stack, tmp_path):
+    """A run recorded whose message never reaches the worker (lost in a Redis restart
+    without persistence): the worker is live, beating and idle, so the job is `lost`, with
+    the reason, within PREHEAT_LOST_MESSAGE_AFTER_S, and `preheat warm --wait` would not wait
+    for ever."""
+    from preheat import history
+    from preheat.models import RunStatus, TriggerKind
+
+    stack = services_stack
+    env = {**stack.env, "PREHEAT_LOST_MESSAGE_AFTER_S": "3"}
+    worker = procs.start_worker(WORKER, env, tmp_path / "logs", cwd=stack.home)
+    with procs.running(worker):
+        procs.wait_for_log(worker, f"{WORKER} ready.", 90)
+        procs.poll(lambda: _worker_ready(), 60, what="the worker registered ready")
+        with session_scope() as session:  # what dispatch records; its message is the one lost
+            run = history.create_run(session, trigger=TriggerKind.manual, requested_by="test")
+            history.add_jobs(session, run, target=WORKER, model_templates=[("tiny", "support")], task_id="lost-msg")
+            run_id = run.id
+
+        def settled():
+            with session_scope() as session:
+                found = history.get_run(session, run_id)
+                return found if found.status != RunStatus.queued else None
+
+        run = procs.poll(settled, 60, what="the job with the lost message settled")
+    [job] = run.jobs
+    assert (run.status, job.status) == (RunStatus.failed, JobStatus.lost)
+    assert job.error.startswith(f"message lost: worker {WORKER} was live and idle for ")
+
+
 def _worker_ready() -> bool:
     return _worker_state().get("ready", False)
 

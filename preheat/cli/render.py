@@ -127,6 +127,7 @@ def run_json(run: WarmupRun) -> dict:
         "status": str(run.status),
         "created_at": _iso(run.created_at),
         "finished_at": _iso(run.finished_at),
+        "status_changes": run.status_changes or [],
         "jobs": [
             {
                 "target": job.target,
@@ -149,6 +150,7 @@ def run_json(run: WarmupRun) -> dict:
                 "cached_tokens": job.cached_tokens,
                 "cache_bytes": job.cache_bytes,
                 "error": job.error,
+                "superseded": job.superseded or [],
             }
             for job in run.jobs
         ],

@@ -36,10 +36,20 @@ def _load(run_id: uuid.UUID) -> WarmupRun:
 
 
 def _reap() -> None:
-    """Settle jobs of dead workers now, so a wait never outlasts the reaper's bound."""
+    """Settle jobs of dead workers now, so a wait never outlasts the reaper's bound. A worker
+    whose heartbeat row is stale but whose pulse through the broker is fresh is alive (its
+    database was away): its jobs wait for its outbox, never called lost."""
+    from preheat.liveness import pulses_for
+
     settings = get_settings()
     with session_scope() as session:
-        registry.reap(session, dead_after_s=settings.worker_dead_after_s, time_limit_s=settings.task_time_limit_s)
+        registry.reap(
+            session,
+            dead_after_s=settings.worker_dead_after_s,
+            time_limit_s=settings.task_time_limit_s,
+            pulses=pulses_for(settings),
+            lost_message_after_s=settings.lost_message_after_s,
+        )
 
 
 def wait_for_run(run_id: uuid.UUID, timeout_s: float, show_progress: bool, poll_s: float = 0.25) -> WarmupRun:

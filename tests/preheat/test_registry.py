@@ -147,3 +147,101 @@ def test_finished_and_endpoint_jobs_are_never_reaped(db):
         history.start_jobs(session, run_id, target="ghost@h", templates=["support"], task_id="t")
         history.finish_job(session, run_id, target="ghost@h", template="support", status=JobStatus.warm, measured={})
     assert _reap(T0 + dt.timedelta(days=1)) == 0
+
+
+class Pulses:
+    """Pulses as the broker holds them (the Redis and file kinds are tested in test_liveness)."""
+
+    def __init__(self, **pulses) -> None:
+        self.pulses = pulses
+
+    def read(self, nodename):
+        return self.pulses.get(nodename)
+
+
+def _reap_with(now, pulses, lost_message_after_s=None):
+    with session_scope() as session:
+        return registry.reap(
+            session,
+            dead_after_s=DEAD_AFTER,
+            time_limit_s=TIME_LIMIT,
+            now=now,
+            pulses=pulses,
+            lost_message_after_s=lost_message_after_s,
+        )
+
+
+def test_a_worker_whose_database_heartbeat_is_stale_but_whose_pulse_is_fresh_is_alive(db):
+    from preheat.liveness import Pulse
+
+    _beat("a@h", at=T0)
+    run_id = _run_on("a@h")
+    _start(run_id, "a@h", T0)
+    later = T0 + dt.timedelta(seconds=DEAD_AFTER + 10)  # its database was away: the row is stale
+    assert _reap_with(later, Pulses(**{"a@h": Pulse(later - dt.timedelta(seconds=1), None)})) == 0
+    assert _jobs(run_id)[1]["a@h"][0] == JobStatus.running
+    stale = Pulses(**{"a@h": Pulse(T0, None)})  # silent on the broker too: dead
+    assert _reap_with(later, stale) == 1 and _jobs(run_id)[1]["a@h"][0] == JobStatus.lost
+
+
+def test_a_job_queued_for_a_live_idle_worker_is_lost_after_the_bound_a_busy_ones_waits(db):
+    from preheat.liveness import Pulse
+
+    _beat("idle@h", at=T0)
+    _beat("busy@h", at=T0)
+    run_id = _run_on("idle@h", "busy@h")
+    now = T0 + dt.timedelta(seconds=25)
+    pulses = Pulses(**{"idle@h": Pulse(now, T0 - dt.timedelta(seconds=5)), "busy@h": Pulse(now, None)})
+    with session_scope() as session:  # both still beat
+        for name in ("idle@h", "busy@h"):
+            registry.beat(session, name, started_at=T0, ready=True, state={}, now=now)
+    assert _reap_with(now, pulses, lost_message_after_s=30) == 0  # idle 25 s since queued: within the bound
+    later = T0 + dt.timedelta(seconds=31)
+    pulses.pulses = {"idle@h": Pulse(later, T0 - dt.timedelta(seconds=5)), "busy@h": Pulse(later, None)}
+    with session_scope() as session:
+        for name in ("idle@h", "busy@h"):
+            registry.beat(session, name, started_at=T0, ready=True, state={}, now=later)
+    assert _reap_with(later, pulses, lost_message_after_s=30) == 1
+    _status, jobs = _jobs(run_id)
+    assert jobs["idle@h"][0] == JobStatus.lost
+    assert jobs["idle@h"][1] == (
+        "message lost: worker idle@h was live and idle for 31 s after this job was queued and never took it "
+        "(bound 30 s, PREHEAT_LOST_MESSAGE_AFTER_S)"
+    )
+    assert jobs["busy@h"][0] == JobStatus.queued  # behind the task it runs
+
+
+def test_a_result_that_arrives_after_lost_replaces_it_and_the_record_says_so(db):
+    _beat("a@h", at=T0)
+    run_id = _run_on("a@h")
+    _start(run_id, "a@h", T0)
+    reaped_at = T0 + dt.timedelta(seconds=DEAD_AFTER + 1)
+    _reap(reaped_at)
+    assert _jobs(run_id)[0] == RunStatus.failed
+    finished_at = T0 + dt.timedelta(seconds=5)  # the worker had finished; its write waited in its outbox
+    with session_scope() as session:
+        history.finish_job(
+            session, run_id, target="a@h", template="support", status=JobStatus.warm, measured={}, at=finished_at
+        )
+    with session_scope() as session:
+        run = history.get_run(session, run_id)
+        [job] = run.jobs
+        assert (run.status, aware(run.finished_at)) == (RunStatus.succeeded, finished_at)  # its last job's time
+        assert [(c["from"], c["to"]) for c in run.status_changes] == [("failed", "succeeded")]
+        assert job.status == JobStatus.warm
+        [earlier] = job.superseded
+        assert earlier["status"] == "lost" and "sent no heartbeat since 12:00:00 UTC" in earlier["error"]
+        assert dt.datetime.fromisoformat(earlier["at"]).replace(tzinfo=dt.UTC) == reaped_at
+
+
+def test_a_redelivery_over_a_final_run_is_recorded(db):
+    _beat("a@h", at=T0)
+    run_id = _run_on("a@h")
+    _start(run_id, "a@h", T0)
+    _reap(T0 + dt.timedelta(seconds=DEAD_AFTER + 1))
+    _start(run_id, "a@h", T0 + dt.timedelta(seconds=60))  # the message re-delivered
+    with session_scope() as session:
+        run = history.get_run(session, run_id)
+        assert run.status == RunStatus.running
+        assert [(c["from"], c["to"]) for c in run.status_changes] == [("failed", "running")]
+        assert run.jobs[0].superseded[0]["status"] == "lost"

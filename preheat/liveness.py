@@ -1,0 +1,113 @@
+"""A worker's pulse through the broker: evidence of life that survives a database outage.
+
+A worker writes its heartbeat row to the database; while the database is away from it (a
+partition, a restart) the row goes stale, and a reaper that reads only the row would call
+a live worker dead and its finished jobs `lost`. So the heartbeat thread also writes a
+pulse to the broker, which every worker needs anyway: a Redis key with a time to live
+(`preheat:pulse:<nodename>`), or a file beside the embedded broker's folders. The reaper
+asks for it before it calls a worker dead. The pulse also says since when the worker has
+been idle, which tells a lost message (a job queued for a worker that sat idle) from a
+worker busy with other work. A broker with no pulse here (AMQP) leaves the database row
+as the only evidence.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PREFIX = "preheat:pulse:"
+
+
+@dataclass(frozen=True)
+class Pulse:
+    at: dt.datetime
+    idle_since: dt.datetime | None  # None: busy with a task right now
+
+    def as_json(self) -> str:
+        return json.dumps({"at": self.at.isoformat(), "idle_since": _iso(self.idle_since)})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Pulse | None:
+        try:
+            raw = json.loads(text)
+            return cls(dt.datetime.fromisoformat(raw["at"]), _parse(raw.get("idle_since")))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def _iso(moment: dt.datetime | None) -> str | None:
+    return moment.isoformat() if moment else None
+
+
+def _parse(text: str | None) -> dt.datetime | None:
+    return dt.datetime.fromisoformat(text) if text else None
+
+
+class RedisPulses:
+    def __init__(self, url: str, ttl_s: float) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        self.ttl_s = max(1, math.ceil(ttl_s))
+
+    def write(self, nodename: str, pulse: Pulse) -> None:
+        self.client.set(PREFIX + nodename, pulse.as_json(), ex=self.ttl_s)
+
+    def read(self, nodename: str) -> Pulse | None:
+        raw = self.client.get(PREFIX + nodename)
+        return Pulse.from_json(raw) if raw else None
+
+
+class FilePulses:
+    """The embedded default: one file per worker beside the filesystem broker's folders."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def _path(self, nodename: str) -> Path:
+        return self.folder / (re.sub(r"[^A-Za-z0-9._-]", "_", nodename) + ".json")
+
+    def write(self, nodename: str, pulse: Pulse) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=self.folder, prefix=".pulse-")
+        with os.fdopen(fd, "w") as file:
+            file.write(pulse.as_json())
+        os.replace(temporary, self._path(nodename))  # whole or not at all
+
+    def read(self, nodename: str) -> Pulse | None:
+        try:
+            return Pulse.from_json(self._path(nodename).read_text())
+        except OSError:
+            return None
+
+
+def pulses_for(settings) -> RedisPulses | FilePulses | None:
+    """Where this deployment's pulses live, or None for a broker that has none here."""
+    broker = settings.broker
+    if broker.startswith(("redis://", "rediss://")):
+        return RedisPulses(broker, 2 * settings.worker_dead_after_s)
+    if settings.is_embedded:
+        return FilePulses(settings.broker_folder / "pulse")
+    return None
+
+
+def read_quietly(pulses, nodename: str) -> Pulse | None:
+    """A pulse, or None when there is none or the broker cannot be asked right now (then the
+    database row is the only evidence, as before)."""
+    if pulses is None:
+        return None
+    try:
+        return pulses.read(nodename)
+    except Exception as exc:  # the broker away: no evidence either way
+        log.info("no pulse of %s from the broker: %s", nodename, exc)
+        return None
