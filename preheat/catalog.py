@@ -39,6 +39,10 @@ from preheat.errors import ConfigError, UnknownNameError
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
+# A system prompt is text a model reads before every request: a file over this is a mistake.
+MAX_PROMPT_BYTES = 4 * 1024**2
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -204,14 +208,31 @@ class Catalog(_Strict):
         return str((self.folder / Path(spec.path).expanduser()).resolve())
 
     def system_prompt(self, name: str) -> str:
+        """The template's system prompt; a prompt file that can only fail (missing, not a
+        file, not UTF-8, empty or blank, over MAX_PROMPT_BYTES) is a ConfigError naming it."""
         spec = self.template(name)
         if spec.system_prompt is not None:
             return spec.system_prompt
         path = (self.folder / spec.system_prompt_file).resolve()
+        where = f"template {name!r}: system_prompt_file {path}"
         try:
-            return path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"template {name!r}: cannot read system_prompt_file {path}: {exc}") from None
+            if not path.is_file():
+                raise ConfigError(f"{where} {'is not a file' if path.exists() else 'does not exist'}")
+            if path.stat().st_size > MAX_PROMPT_BYTES:
+                raise ConfigError(f"{where} is larger than {MAX_PROMPT_BYTES // 1024**2} MiB")
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"{where} is not UTF-8 text") from None
+        except OSError as exc:
+            raise ConfigError(f"{where} cannot be read: {exc.strerror}") from None
+        if not text.strip():
+            raise ConfigError(f"{where} is {'empty' if not text else 'blank'}: a template needs a system prompt")
+        return text
+
+    def check_prompts(self, names: list[str] | None = None) -> None:
+        """Every template's system prompt can be read (see system_prompt)."""
+        for name in names if names is not None else list(self.templates):
+            self.system_prompt(name)
 
     def check_model_paths(self, names: list[str] | None = None) -> None:
         """Fail early, with the path, on a local model directory that is missing or incomplete."""
@@ -219,6 +240,8 @@ class Catalog(_Strict):
             if not self.model(name).is_local():
                 continue
             path = Path(self.model_path(name))
+            if path.exists() and not path.is_dir():
+                raise ConfigError(f"model {name!r}: {path} is a file, not a model directory")
             if not path.is_dir():
                 raise ConfigError(f"model {name!r}: directory {path} does not exist")
             if not (path / "config.json").is_file():
@@ -239,6 +262,10 @@ def load_catalog(path: Path) -> Catalog:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"catalog {path} does not exist (set PREHEAT_CATALOG)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"catalog {path} is a directory, not a TOML file (set PREHEAT_CATALOG)") from None
+    except OSError as exc:
+        raise ConfigError(f"catalog {path} cannot be read: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"catalog {path}: not valid TOML: {exc}") from None
     try:

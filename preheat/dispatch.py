@@ -71,6 +71,8 @@ def dispatch_warmup(
     if not templates:
         raise ConfigError(f"catalog {settings.catalog} has no templates to warm")
     model_templates = [(catalog.template(name).model, name) for name in templates]
+    catalog.check_prompts(templates)  # a prompt file that can only fail is refused before anything is recorded
+    _check_requested_by(requested_by)
     _ensure_broker()  # before anything is recorded: a run whose jobs cannot be sent is half-written
     targets = _choose_targets(workers, live_workers())
 
@@ -90,6 +92,16 @@ def dispatch_warmup(
             f"templates={','.join(templates)}{' only_if_cold' if only_if_cold else ''}",
         )
     return Dispatched(run_id, targets, templates)
+
+
+MAX_REQUESTED_BY = 200  # warmup_runs.requested_by
+
+
+def _check_requested_by(requested_by: str) -> None:
+    if not requested_by.strip():
+        raise ConfigError("--requested-by must not be empty")
+    if len(requested_by) > MAX_REQUESTED_BY:
+        raise ConfigError(f"--requested-by is {len(requested_by)} characters; at most {MAX_REQUESTED_BY}")
 
 
 def _record_run(
@@ -176,6 +188,7 @@ def dispatch_endpoint_warmup(
     `replica` ("host:port") warms one replica of each endpoint (a pod that just became
     ready): the job's target is then "endpoint@host:port"."""
     catalog = load_catalog(get_settings().catalog)
+    _check_requested_by(requested_by)
     plan, calls = {}, {}
     for name in dict.fromkeys(endpoints):
         spec = catalog.endpoint(name)

@@ -25,7 +25,9 @@ DATABASE_DRIVERS = {"sqlite", "postgresql", "postgresql+psycopg"}
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PREHEAT_", env_file=".env", extra="ignore")
+    # Durations are finite and bounded (at most a year): inf or 1e300 would overflow later,
+    # half-way through a command, instead of here with the variable named.
+    model_config = SettingsConfigDict(env_prefix="PREHEAT_", env_file=".env", extra="ignore", allow_inf_nan=False)
 
     home: Path = Field(Path(".preheat"), description="State of the embedded default: broker folders, SQLite DB.")
     catalog: Path = Field(Path("preheat.toml"), description="TOML file naming models, templates and endpoints.")
@@ -35,17 +37,17 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # The longest warmup we expect; Redis redelivers unacked messages after the visibility
     # timeout, so it must be larger or a slow warmup runs twice.
-    warmup_time_limit_s: int = Field(1800, gt=0)
-    visibility_timeout_s: int = Field(7200, gt=0)
+    warmup_time_limit_s: int = Field(1800, gt=0, le=31_536_000)
+    visibility_timeout_s: int = Field(7200, gt=0, le=31_536_000)
     probe_repeats: int = Field(3, ge=1, le=50, description="Probe runs per TTFT figure; the median is kept.")
     # A job is `warm` when the probe's TTFT is within this factor of the worker's steady
     # state: what its served cache-hit requests took, or (before it served any) the TTFT
     # of the same input with no system prompt, the floor a cached prefix approaches.
-    warm_factor: float = Field(1.5, gt=1.0)
+    warm_factor: float = Field(1.5, gt=1.0, le=1000)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # Every worker writes a heartbeat to the registry table; one silent for longer than
     # worker_dead_after_s is dead: not sent warmups, and its unfinished jobs become `lost`.
-    heartbeat_interval_s: float = Field(10.0, gt=0)
+    heartbeat_interval_s: float = Field(10.0, gt=0, le=31_536_000)
     # Every database call of a preheat process is bounded by this (connect, pool checkout,
     # each statement on the server, and a watchdog for a server that answers nothing), so
     # a stalled Postgres costs a worker this long, then its write waits in the outbox.
@@ -55,7 +57,7 @@ class Settings(BaseSettings):
     # message never reached the worker (a Redis restart without persistence). At least
     # twice the heartbeat interval: idleness is seen through heartbeats.
     lost_message_after_s: float = Field(120.0, gt=0, le=86400)
-    worker_dead_after_s: float = Field(45.0, gt=0)
+    worker_dead_after_s: float = Field(45.0, gt=0, le=31_536_000)
     # Off only to measure what gating prevents (`preheat bench first-request`): a worker
     # then consumes inference queues from start, cold models and all.
     gate_inference: bool = True
@@ -87,9 +89,9 @@ class Settings(BaseSettings):
     # Beat (schedules/beat.py): it reads the schedules table every tick; the leader holds a
     # lease it renews each tick, and a standby takes over once the lease has expired.
     beat_tick_s: float = Field(1.0, gt=0, le=60)
-    beat_lease_s: float = Field(15.0, gt=0)
+    beat_lease_s: float = Field(15.0, gt=0, le=31_536_000)
     # A slot whose fire time passed longer ago than this (no beat ran) is `missed`, not fired.
-    schedule_grace_s: float = Field(300.0, ge=0)
+    schedule_grace_s: float = Field(300.0, ge=0, le=31_536_000)
 
     @field_validator("broker_url")
     @classmethod

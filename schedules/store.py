@@ -36,8 +36,9 @@ def targets_of(
     for endpoint in endpoints or []:
         catalog.endpoint(endpoint)
     for worker in workers or []:
-        if not worker or len(worker) > 255:
-            raise ConfigError(f"worker name {worker!r} is not a Celery nodename")
+        # A Celery nodename (name@host): printable, no spaces, as its own queue's name is made from it.
+        if not worker or len(worker) > 255 or not worker.isprintable() or any(c.isspace() for c in worker):
+            raise ConfigError(f"worker name {worker!r} is not a Celery nodename (no spaces, at most 255)")
     targets = {"templates": list(dict.fromkeys(templates or []))}
     if endpoints:
         targets["endpoints"] = list(dict.fromkeys(endpoints))
@@ -46,9 +47,16 @@ def targets_of(
     return targets
 
 
+MAX_CRON_LENGTH = 120  # schedules.cron
+
+
 def check(name: str, cron: str, timezone: str, lead_time_s: int) -> Cron:
     if not re.match(NAME_PATTERN, name):
         raise ConfigError(f"schedule name {name!r}: letters, digits, '.', '_' or '-', at most 64")
+    if len(cron) > MAX_CRON_LENGTH:
+        raise ConfigError(f"cron is {len(cron)} characters; at most {MAX_CRON_LENGTH}")
+    if not timezone.strip():
+        raise ConfigError("time zone must not be empty (an IANA name such as Europe/Berlin)")
     if not 0 <= lead_time_s <= MAX_LEAD_TIME_S:
         raise ConfigError(f"lead time {lead_time_s} s must be between 0 and {MAX_LEAD_TIME_S} (a day)")
     try:

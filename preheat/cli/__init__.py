@@ -92,13 +92,45 @@ def check_arguments_are_text(argv: list[str]) -> None:
             raise ConfigError(f"argument {position} is not UTF-8 text (byte 0x{byte:02x} at offset {offset})") from None
 
 
+def _click_exceptions():
+    try:
+        from typer._click import exceptions  # typer vendors click from 0.2x on
+    except ImportError:  # pragma: no cover - older typer, on click itself
+        from click import exceptions
+    return exceptions
+
+
 def main() -> None:
+    clicks = _click_exceptions()
     try:
         check_arguments_are_text(sys.argv[1:])
-        app()
+        # Not standalone: usage errors come here, to be one line like every other bad input.
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and not isinstance(code, bool) and code:
+            sys.exit(code)  # a command's typer.Exit(code)
+    except clicks.NoArgsIsHelpError as exc:
+        # A group asked with no command: its help, as before.
+        print(exc.ctx.get_help() if exc.ctx else exc.format_message())
+        sys.exit(2)
+    except clicks.UsageError as exc:
+        # An option out of range, a choice not offered, a missing argument, an unknown
+        # command: one line naming the option and what it takes.
+        message = " ".join(exc.format_message().split())
+        err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True, markup=True)
+        sys.exit(2)
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(130)
     except PreheatError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
+    except OSError as exc:
+        # A path preheat cannot use (an unwritable PREHEAT_HOME, a folder where a file
+        # belongs): the path and why, on one line.
+        if exc.filename is None:
+            raise
+        err.print(f"[bold red]error:[/] cannot use {exc.filename}: {exc.strerror}", highlight=False, soft_wrap=True)
+        sys.exit(2)
     except Exception as exc:
         message = service_error(exc)
         if message is None:

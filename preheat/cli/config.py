@@ -14,6 +14,7 @@ def check() -> None:
     settings = get_settings()
     catalog = load_catalog(settings.catalog)
     catalog.check_model_paths()
+    catalog.check_prompts()
     typer.echo(
         f"settings ok; broker {'embedded filesystem' if settings.is_embedded else 'configured'}; "
         f"catalog {settings.catalog}: {len(catalog.models)} model(s), {len(catalog.templates)} template(s), "

@@ -20,6 +20,8 @@ def make_model(
 
     if arch not in ("llama", "qwen2"):
         raise ConfigError(f"unknown architecture {arch!r} (expected llama or qwen2)")
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{folder} is a file; make-model writes a folder")
     try:
         build(folder, arch=arch, seed=seed)
     except FileExistsError as exc:

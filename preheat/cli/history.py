@@ -23,7 +23,10 @@ def parse_since(value: str) -> dt.datetime:
     """'30m', '6h', '7d', or an ISO date/time (UTC when no zone is given)."""
     match = _SPAN.match(value)
     if match:
-        return utcnow() - dt.timedelta(**{_UNITS[match[2]]: int(match[1])})
+        try:
+            return utcnow() - dt.timedelta(**{_UNITS[match[2]]: int(match[1])})
+        except OverflowError:
+            raise ConfigError(f"--since {value!r} reaches back before year 1") from None
     try:
         parsed = dt.datetime.fromisoformat(value)
     except ValueError:

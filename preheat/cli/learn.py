@@ -63,7 +63,7 @@ def suggest(
     from schedules import peaks
 
     settings = get_settings()
-    timezone = timezone or settings.timezone
+    timezone = settings.timezone if timezone is None else timezone
     try:
         Cron.parse("0 0 * * *", timezone)
     except CronError as exc:

@@ -41,7 +41,7 @@ def add(
             session,
             name=name,
             cron=cron,
-            timezone=timezone or settings.timezone,
+            timezone=settings.timezone if timezone is None else timezone,
             targets=targets,
             lead_time_s=lead,
             enabled=not paused,

@@ -48,7 +48,9 @@ def serve(
         max_body_bytes=int(settings.serve_max_body_bytes),
     )
     server = Server(runtime, config)
-    host, port = host or settings.serve_host, settings.serve_port if port is None else port
+    host, port = settings.serve_host if host is None else host, settings.serve_port if port is None else port
+    if not host.strip():
+        raise ConfigError("--host must not be empty (0.0.0.0 listens on every interface)")
     try:
         http, bound = listen(server, host, port, context)
     except OSError as exc:

@@ -101,13 +101,13 @@ def warm(
         raise ConfigError("give --worker or --endpoint, not both: a run warms workers or endpoints")
     if endpoint:
         dispatched = dispatch_endpoint_warmup(
-            endpoint, templates=template or None, requested_by=requested_by or _requester()
+            endpoint, templates=template or None, requested_by=_requester() if requested_by is None else requested_by
         )
     else:
         dispatched = dispatch_warmup(
             templates=template or None,
             workers=worker or None,
-            requested_by=requested_by or _requester(),
+            requested_by=_requester() if requested_by is None else requested_by,
             only_if_cold=if_cold,
         )
     if not as_json:

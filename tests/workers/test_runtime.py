@@ -243,3 +243,16 @@ def test_a_warmup_and_a_request_resolve_their_template_once_and_hash_nothing_twi
     calls.update(dict.fromkeys(calls, 0))
     assert runtime.infer("support", "Hello", max_new_tokens=2).cached_tokens == result.cached_tokens
     assert calls == {"system_prompt": 1, "ensure": 1, "digest": 0}  # the key is known: no hashing
+
+
+def test_a_prompt_file_emptied_since_the_start_is_not_warm(tmp_path, tiny_model):
+    prompt = tmp_path / "filed.txt"
+    prompt.write_text("You answer questions about parcels.")
+    runtime = make_runtime(
+        tmp_path, tiny_model, '\n[templates.filed]\nmodel = "tiny"\nsystem_prompt_file = "filed.txt"\n'
+    )
+    assert runtime.warm_template("filed").status == "warm"
+    prompt.write_text("")
+    result = runtime.warm_template("filed")
+    assert result.status == "failed" and "is empty: a template needs a system prompt" in result.error
+    assert any("filed" in reason and "is empty" in reason for reason in runtime.readiness())
