@@ -221,17 +221,26 @@ class Heartbeat:
         self.started_at = utcnow()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="preheat-heartbeat", daemon=True)
+        # The pulse has a thread of its own: a database that stalls each write for its whole
+        # bound (PREHEAT_DB_TIMEOUT_S) slows the heartbeat loop, and must not slow the pulse.
+        self._pulser = threading.Thread(target=self._pulse_loop, name="preheat-pulse", daemon=True)
 
     def start(self) -> Heartbeat:
+        self._pulse(self.describe())
         self.beat_once()  # registered before the worker says it is ready
         self._thread.start()
+        if self.pulses is not None:
+            self._pulser.start()
         return self
+
+    def _pulse_loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._pulse(self.describe())
 
     def beat_once(self) -> bool:
         """Write the heartbeat, then the bookkeeping (which keeps its writes in the outbox
         while the database is away), then reap. True when the heartbeat was recorded."""
         state = self.describe()
-        self._pulse(state)
         recorded = self._guarded("heartbeat", lambda: self._write_beat(state))
         if self.on_beat is not None:  # before reaping: writes that waited may finish jobs
             self._guarded("bookkeeping", self.on_beat)

@@ -493,7 +493,6 @@ def test_a_stalled_postgres_never_blocks_a_worker(services_stack, tmp_path):
 
     stack = services_stack
     proxy = TcpProxy("127.0.0.1", 5432).start()
-    stack.env.update(PREHEAT_WORKER_DEAD_AFTER_S="120")  # the stall is shorter than the bound
     worker_env = {
         **stack.env,
         "PREHEAT_DATABASE_URL": stack.env["PREHEAT_DATABASE_URL"].replace(":5432/", f":{proxy.port}/"),
@@ -507,9 +506,18 @@ def test_a_stalled_postgres_never_blocks_a_worker(services_stack, tmp_path):
             procs.wait_for_log(worker, f"{WORKER} ready.", 90)
             procs.poll(lambda: _worker_ready(), 60, what="the worker registered ready")
             proxy.stall()
-            dispatched = stack.cli("warm", "--json")
-            assert dispatched.returncode == 0, dispatched.stderr
-            run_id = uuid.UUID(json.loads(dispatched.stdout)["id"])
+            stalled_at = time.monotonic()
+            # Waits and reaps while the worker's database stalls for longer than the dead-after
+            # bound (5 s here): the worker's pulse through Redis keeps its jobs from being lost.
+            waiting = subprocess.Popen(
+                [PREHEAT_CLI, "warm", "--wait", "--json", "--timeout", "180"],
+                env=stack.env,
+                cwd=stack.home,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            run_id = procs.poll(lambda: _latest_run_id(), 30, what="the run recorded")
             answer = client.send_task(
                 "preheat.infer", kwargs={"template": "support", "user_input": "parcel", "max_new_tokens": 2}
             )
@@ -525,7 +533,13 @@ def test_a_stalled_postgres_never_blocks_a_worker(services_stack, tmp_path):
             )
             with session_scope() as session:
                 assert {job.status for job in history.get_run(session, run_id).jobs} == {JobStatus.queued}
+            time.sleep(max(0.0, 15.0 - (time.monotonic() - stalled_at)))  # 3x the dead-after bound
+            assert waiting.poll() is None, "the wait ended while the worker's writes were still away"
             proxy.unstall()
+            out, err = waiting.communicate(timeout=180)
+            assert waiting.returncode == 0, out + err
+            reported = json.loads(out)
+            assert [job["status"] for job in reported["jobs"]] == ["warm"] and reported["status_changes"] == []
 
             def written():
                 with session_scope() as session:
@@ -610,6 +624,11 @@ def test_a_job_whose_message_was_lost_is_settled_within_the_bound(services_stack
     [job] = run.jobs
     assert (run.status, job.status) == (RunStatus.failed, JobStatus.lost)
     assert job.error.startswith(f"message lost: worker {WORKER} was live and idle for ")
+
+
+def _latest_run_id():
+    with session_scope() as session:
+        return session.scalar(select(WarmupRun.id).order_by(WarmupRun.created_at.desc()).limit(1))
 
 
 def _worker_ready() -> bool:
