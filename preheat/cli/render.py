@@ -87,6 +87,14 @@ def print_reasons(out: Console, run: WarmupRun) -> None:
         if job.error:
             style = "red" if job.status in (JobStatus.failed, JobStatus.lost) else "yellow"
             out.print(f"[{style}]{job.target} · {job.template} · {job.status}: {job.error}[/]", highlight=False)
+        for earlier in job.superseded or []:  # what it was before its final word arrived
+            out.print(
+                f"[dim]{job.target} · {job.template} · was {earlier['status']} at {earlier.get('at') or '?'}"
+                f"{': ' + earlier['error'] if earlier.get('error') else ''}[/]",
+                highlight=False,
+            )
+    for change in run.status_changes or []:
+        out.print(f"[dim]run status {change['from']} → {change['to']} at {change['at']}[/]", highlight=False)
 
 
 def runs_table(runs: list[WarmupRun]) -> Table:

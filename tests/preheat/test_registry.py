@@ -232,6 +232,16 @@ def test_a_result_that_arrives_after_lost_replaces_it_and_the_record_says_so(db)
         [earlier] = job.superseded
         assert earlier["status"] == "lost" and "sent no heartbeat since 12:00:00 UTC" in earlier["error"]
         assert dt.datetime.fromisoformat(earlier["at"]).replace(tzinfo=dt.UTC) == reaped_at
+        # `preheat history RUN` says it too, under the table.
+        from rich.console import Console
+
+        from preheat.cli import render
+
+        shown = Console(record=True, width=300)
+        render.print_reasons(shown, run)
+        text = shown.export_text()
+        assert "a@h · support · was lost at " in text and "sent no heartbeat since 12:00:00 UTC" in text
+        assert "run status failed → succeeded at " in text
 
 
 def test_a_redelivery_over_a_final_run_is_recorded(db):
