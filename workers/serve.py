@@ -129,6 +129,88 @@ def _int_field(body: dict, name: str, default: int, low: int, high: int) -> int:
     return value
 
 
+# Honour or refuse, never ignore: the request fields each route reads, and what each may hold
+# while decoding is greedy. A field of the OpenAI API not honoured here is a 400 naming it,
+# and so is a field the API does not have (a typo would otherwise change nothing, silently).
+COMMON_FIELDS = {
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "stream_options",
+    "n",
+    "temperature",
+    "top_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "logprobs",
+}
+ROUTE_FIELDS = {
+    "chat": COMMON_FIELDS | {"messages", "top_logprobs", "response_format"},
+    "completions": COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"},
+}
+# Fields of the API preheat does not serve yet: refused by name, with why.
+NOT_SERVED = {
+    "tools": "tool calls are not served",
+    "tool_choice": "tool calls are not served",
+    "parallel_tool_calls": "tool calls are not served",
+    "functions": "function calls are not served",
+    "function_call": "function calls are not served",
+    "logit_bias": "logit_bias is not served",
+    "user": "per-user attribution is not recorded",
+    "metadata": "stored completions are not served",
+    "store": "stored completions are not served",
+    "service_tier": "service tiers are not served",
+    "modalities": "only text is served",
+    "audio": "only text is served",
+    "prediction": "predicted outputs are not served",
+    "reasoning_effort": "reasoning effort is not served",
+    "web_search_options": "web search is not served",
+}
+STREAM_OPTIONS = {"include_usage"}
+
+
+def _refuse(name: str, why: str) -> ApiError:
+    return ApiError(HTTPStatus.BAD_REQUEST, f"{name}: {why}", "unsupported_parameter")
+
+
+def check_fields(body: dict, route: str) -> None:
+    """Every field is one this route honours, with a value it can honour; else a 400 naming it."""
+    for name in body:
+        if name in NOT_SERVED:
+            raise _refuse(name, NOT_SERVED[name])
+        if name not in ROUTE_FIELDS[route]:
+            raise _refuse(name, f"not a parameter of /v1/{'chat/completions' if route == 'chat' else 'completions'}")
+    # Under greedy decoding these hold exactly as asked: the argmax is inside any nucleus, and
+    # the answer is the same for every seed. Anything else changes the answer: refused.
+    if (top_p := body.get("top_p")) is not None and not (_number(top_p) and 0 < top_p <= 1):
+        raise _refuse("top_p", f"must be a number in (0, 1] (got {top_p!r})")
+    if (seed := body.get("seed")) is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise _refuse("seed", f"must be an integer (got {seed!r})")
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        if body.get(penalty) not in (None, 0, 0.0):
+            raise _refuse(penalty, "penalties are not served yet: only 0 (greedy decoding)")
+    if body.get("stop") not in (None, [], ""):
+        raise _refuse("stop", "stop sequences are not served yet; the answer ends at end-of-sequence or max_tokens")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise _refuse("logprobs", "log probabilities are not served yet")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise _refuse("response_format", 'only {"type": "text"} is served')
+    for name, default in (("echo", False), ("best_of", 1), ("suffix", None)):
+        if name in body and body[name] not in (default, None):
+            raise _refuse(name, f"only {default!r} is served")
+    options = body.get("stream_options") or {}
+    if isinstance(options, dict) and (extra := set(options) - STREAM_OPTIONS):
+        raise _refuse(f"stream_options.{sorted(extra)[0]}", "only include_usage is served")
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _common(body: dict) -> dict:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -189,6 +271,7 @@ def parse_chat(body: dict) -> Ask:
     user_input = (
         turns[0][1] if len(turns) == 1 else "\n\n".join(f"{r.title()}: {t}" for r, t in turns) + "\n\nAssistant:"
     )
+    check_fields(body, "chat")
     return Ask(system_prompt="\n".join(system) or None, user_input=user_input, **_common(body))
 
 
@@ -198,6 +281,7 @@ def parse_completion(body: dict) -> Ask:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(HTTPStatus.BAD_REQUEST, "prompt must be a non-empty string", "invalid_value")
+    check_fields(body, "completions")
     return Ask(prompt=prompt, **_common(body))
 
 

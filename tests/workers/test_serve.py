@@ -115,6 +115,9 @@ def test_bad_input_is_a_4xx_with_a_reason(server):
     cases = [
         ({"model": "nope", "messages": user}, 404, "model 'nope' does not exist here"),
         ({"model": "tiny", "messages": user, "temperature": 0.7}, 400, "only greedy decoding"),
+        ({"model": "tiny", "messages": user, "stop": ["\n"]}, 400, "stop: stop sequences are not served yet"),
+        ({"model": "tiny", "messages": user, "tools": []}, 400, "tools: tool calls are not served"),
+        ({"model": "tiny", "messages": user, "temprature": 0}, 400, "temprature: not a parameter"),
         ({"model": "tiny", "messages": []}, 400, "messages must be a non-empty list"),
         ({"model": "tiny", "messages": user, "max_tokens": 0}, 400, "max_tokens must be an integer from 1"),
         ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "role must be one of"),
