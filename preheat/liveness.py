@@ -32,15 +32,16 @@ PREFIX = "preheat:pulse:"
 class Pulse:
     at: dt.datetime
     idle_since: dt.datetime | None  # None: busy with a task right now
+    pending: int = 0  # history writes waiting in its outbox: its record is behind its work
 
     def as_json(self) -> str:
-        return json.dumps({"at": self.at.isoformat(), "idle_since": _iso(self.idle_since)})
+        return json.dumps({"at": self.at.isoformat(), "idle_since": _iso(self.idle_since), "pending": self.pending})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Pulse | None:
         try:
             raw = json.loads(text)
-            return cls(dt.datetime.fromisoformat(raw["at"]), _parse(raw.get("idle_since")))
+            return cls(dt.datetime.fromisoformat(raw["at"]), _parse(raw.get("idle_since")), int(raw.get("pending", 0)))
         except (ValueError, KeyError, TypeError):
             return None
 

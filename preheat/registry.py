@@ -128,9 +128,13 @@ def _lost_message(
 ) -> tuple[JobStatus, str] | None:
     if bound_s is None or job.status != JobStatus.queued:
         return None
-    idle_since = pulse.idle_since if pulse is not None else _parse_time((worker.state or {}).get("idle_since"))
+    state = worker.state or {}
+    idle_since = pulse.idle_since if pulse is not None else _parse_time(state.get("idle_since"))
+    pending = pulse.pending if pulse is not None else int((state.get("outbox") or {}).get("pending") or 0)
     if idle_since is None:
         return None  # busy right now: the job may be behind the task it runs
+    if pending:
+        return None  # its record waits in its outbox: it may have run this job already
     idle_s = (now - max(aware(idle_since), aware(created_at))).total_seconds()
     if idle_s <= bound_s:
         return None
@@ -256,11 +260,9 @@ class Heartbeat:
         """The beat through the broker first: it needs no database (see preheat.liveness)."""
         if self.pulses is None:
             return
-        idle_since = state.get("idle_since")
+        pending = int((state.get("outbox") or {}).get("pending") or 0)
         try:
-            self.pulses.write(
-                self.nodename, Pulse(utcnow(), dt.datetime.fromisoformat(idle_since) if idle_since else None)
-            )
+            self.pulses.write(self.nodename, Pulse(utcnow(), _parse_time(state.get("idle_since")), pending))
         except Exception as exc:  # the broker away: the database row still says it
             log.warning("pulse of %s not sent: %s", self.nodename, str(exc).splitlines()[0] if str(exc) else exc)
 

@@ -15,9 +15,9 @@ AT = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.UTC)
 
 def test_a_redis_pulse_is_read_back_and_expires(redis_client):
     pulses = RedisPulses(REDIS_URL, ttl_s=30)
-    pulses.write("gpu0@node-1", Pulse(AT, AT - dt.timedelta(seconds=7)))
+    pulses.write("gpu0@node-1", Pulse(AT, AT - dt.timedelta(seconds=7), pending=3))
     pulses.write("gpu1@node-1", Pulse(AT, None))
-    assert pulses.read("gpu0@node-1") == Pulse(AT, AT - dt.timedelta(seconds=7))
+    assert pulses.read("gpu0@node-1") == Pulse(AT, AT - dt.timedelta(seconds=7), pending=3)
     assert pulses.read("gpu1@node-1") == Pulse(AT, None)
     assert pulses.read("never@node-1") is None
     assert 0 < redis_client.ttl("preheat:pulse:gpu0@node-1") <= 30  # a dead worker's pulse goes away

@@ -255,3 +255,20 @@ def test_a_redelivery_over_a_final_run_is_recorded(db):
         assert run.status == RunStatus.running
         assert [(c["from"], c["to"]) for c in run.status_changes] == [("failed", "running")]
         assert run.jobs[0].superseded[0]["status"] == "lost"
+
+
+def test_a_queued_job_is_not_called_lost_while_the_workers_outbox_holds_writes(db):
+    # The worker ran the job while its database was away: start and finish wait in its outbox,
+    # the row still says queued, and the worker sits idle. Not a lost message.
+    from preheat.liveness import Pulse
+
+    _beat("a@h", at=T0)
+    run_id = _run_on("a@h")
+    later = T0 + dt.timedelta(seconds=300)
+    with session_scope() as session:
+        registry.beat(session, "a@h", started_at=T0, ready=True, state={}, now=later)
+    waiting = Pulses(**{"a@h": Pulse(later, T0, pending=2)})
+    assert _reap_with(later, waiting, lost_message_after_s=30) == 0
+    assert _jobs(run_id)[1]["a@h"][0] == JobStatus.queued
+    drained = Pulses(**{"a@h": Pulse(later, T0, pending=0)})
+    assert _reap_with(later, drained, lost_message_after_s=30) == 1
