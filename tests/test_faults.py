@@ -506,14 +506,7 @@ def test_a_stalled_postgres_never_blocks_a_worker(services_stack, tmp_path):
             stalled_at = time.monotonic()
             # Waits and reaps while the worker's database stalls for longer than the dead-after
             # bound (5 s here): the worker's pulse through Redis keeps its jobs from being lost.
-            waiting = subprocess.Popen(
-                [PREHEAT_CLI, "warm", "--wait", "--json", "--timeout", "180"],
-                env=stack.env,
-                cwd=stack.home,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+            waiting = _warm_and_wait(stack)
             run_id = procs.poll(lambda: _latest_run_id(), 30, what="the run recorded")
             answer = client.send_task(
                 "preheat.infer", kwargs={"template": "support", "user_input": "parcel", "max_new_tokens": 2}
@@ -572,14 +565,7 @@ def test_a_postgres_cut_longer_than_dead_after_gives_no_verdict(services_stack, 
             procs.wait_for_log(worker, f"{WORKER} ready.", 90)
             procs.poll(lambda: _worker_ready(), 60, what="the worker registered ready")
             proxy.cut()
-            waiting = subprocess.Popen(
-                [PREHEAT_CLI, "warm", "--wait", "--json", "--timeout", "180"],
-                env=stack.env,
-                cwd=stack.home,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+            waiting = _warm_and_wait(stack)
             time.sleep(3 * 5.0)  # three times PREHEAT_WORKER_DEAD_AFTER_S: its row is stale by then
             assert waiting.poll() is None, "the wait ended while the worker's writes were still away"
             proxy.restore()
@@ -621,6 +607,18 @@ def test_a_job_whose_message_was_lost_is_settled_within_the_bound(services_stack
     [job] = run.jobs
     assert (run.status, job.status) == (RunStatus.failed, JobStatus.lost)
     assert job.error.startswith(f"message lost: worker {WORKER} was live and idle for ")
+
+
+def _warm_and_wait(stack) -> subprocess.Popen:
+    """`preheat warm --wait --json` in the background: it dispatches, then waits and reaps."""
+    return subprocess.Popen(
+        [PREHEAT_CLI, "warm", "--wait", "--json", "--timeout", "180"],
+        env=stack.env,
+        cwd=stack.home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _latest_run_id():
