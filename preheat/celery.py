@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 import time
 
@@ -18,6 +17,7 @@ from sqlalchemy.exc import OperationalError
 from preheat import fstransport, history
 from preheat.errors import ConfigError, PreheatError, exit_with
 from preheat.settings import Settings, get_settings
+from preheat.text import safe_name
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ DEFAULT_QUEUE = "preheat"
 def _queue_name(prefix: str, name: str) -> str:
     # The filesystem transport allows only [A-Za-z0-9._-] in names, so '@' and the like
     # become '_' on every transport.
-    return prefix + re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    return prefix + safe_name(name)
 
 
 def worker_queue(nodename: str) -> str:

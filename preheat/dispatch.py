@@ -19,7 +19,7 @@ from preheat.catalog import load_catalog
 from preheat.celery import app
 from preheat.db import session_scope
 from preheat.errors import ConfigError, NoWorkersError, UnknownNameError
-from preheat.models import TargetKind, TriggerKind
+from preheat.models import TargetKind, TriggerKind, WarmupRun
 from preheat.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def dispatch_warmup(
     return Dispatched(run_id, targets, templates)
 
 
-MAX_REQUESTED_BY = 200  # warmup_runs.requested_by
+MAX_REQUESTED_BY = WarmupRun.__table__.c.requested_by.type.length
 
 
 def _check_requested_by(requested_by: str) -> None:

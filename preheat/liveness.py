@@ -18,10 +18,11 @@ import json
 import logging
 import math
 import os
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from preheat.text import safe_name
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +46,25 @@ class Pulse:
         except (ValueError, KeyError, TypeError):
             return None
 
+    @classmethod
+    def from_state(cls, state: dict | None, at: dt.datetime) -> Pulse:
+        """The pulse a worker's heartbeat state describes (`idle_since`, the outbox's
+        `pending`): what the worker sends, and what the reaper reads off the database row
+        when the broker has no pulse."""
+        state = state or {}
+        pending = int((state.get("outbox") or {}).get("pending") or 0)
+        return cls(at, _parse(state.get("idle_since")), pending)
+
 
 def _iso(moment: dt.datetime | None) -> str | None:
     return moment.isoformat() if moment else None
 
 
-def _parse(text: str | None) -> dt.datetime | None:
-    return dt.datetime.fromisoformat(text) if text else None
+def _parse(text) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromisoformat(text) if isinstance(text, str) and text else None
+    except ValueError:
+        return None
 
 
 class RedisPulses:
@@ -76,7 +89,7 @@ class FilePulses:
         self.folder = folder
 
     def _path(self, nodename: str) -> Path:
-        return self.folder / (re.sub(r"[^A-Za-z0-9._-]", "_", nodename) + ".json")
+        return self.folder / (safe_name(nodename) + ".json")
 
     def write(self, nodename: str, pulse: Pulse) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import re
 import sqlite3
 import threading
 import uuid
@@ -32,6 +31,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from preheat.db import DATABASE_AWAY, session_scope, utcnow
+from preheat.text import safe_name
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ def _first_line(exc: BaseException) -> str:
 
 def path_for(folder: Path, nodename: str) -> Path:
     """One file per worker name: a worker restarted under its name replays what it left."""
-    return folder / (re.sub(r"[^A-Za-z0-9._-]", "_", nodename) + ".sqlite3")
+    return folder / (safe_name(nodename) + ".sqlite3")
 
 
 # This process's outbox ------------------------------------------------------------------

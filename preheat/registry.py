@@ -128,27 +128,18 @@ def _lost_message(
 ) -> tuple[JobStatus, str] | None:
     if bound_s is None or job.status != JobStatus.queued:
         return None
-    state = worker.state or {}
-    idle_since = pulse.idle_since if pulse is not None else _parse_time(state.get("idle_since"))
-    pending = pulse.pending if pulse is not None else int((state.get("outbox") or {}).get("pending") or 0)
-    if idle_since is None:
+    seen = pulse if pulse is not None else Pulse.from_state(worker.state, aware(worker.heartbeat_at))
+    if seen.idle_since is None:
         return None  # busy right now: the job may be behind the task it runs
-    if pending:
+    if seen.pending:
         return None  # its record waits in its outbox: it may have run this job already
-    idle_s = (now - max(aware(idle_since), aware(created_at))).total_seconds()
+    idle_s = (now - max(aware(seen.idle_since), aware(created_at))).total_seconds()
     if idle_s <= bound_s:
         return None
     return JobStatus.lost, (
         f"message lost: worker {job.target} was live and idle for {idle_s:.0f} s after this job was queued "
         f"and never took it (bound {bound_s:g} s, PREHEAT_LOST_MESSAGE_AFTER_S)"
     )
-
-
-def _parse_time(text) -> dt.datetime | None:
-    try:
-        return dt.datetime.fromisoformat(text) if isinstance(text, str) else None
-    except ValueError:
-        return None
 
 
 def reap(
@@ -260,9 +251,8 @@ class Heartbeat:
         """The beat through the broker first: it needs no database (see preheat.liveness)."""
         if self.pulses is None:
             return
-        pending = int((state.get("outbox") or {}).get("pending") or 0)
         try:
-            self.pulses.write(self.nodename, Pulse(utcnow(), _parse_time(state.get("idle_since")), pending))
+            self.pulses.write(self.nodename, Pulse.from_state(state, utcnow()))
         except Exception as exc:  # the broker away: the database row still says it
             log.warning("pulse of %s not sent: %s", self.nodename, str(exc).splitlines()[0] if str(exc) else exc)
 

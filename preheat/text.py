@@ -8,6 +8,8 @@ row. Callers check at the door instead.
 
 from __future__ import annotations
 
+import re
+
 
 def not_text_at(value, where: str = "") -> str | None:
     """The path ("messages.0.content") of the first string in a decoded JSON value that is
@@ -26,3 +28,9 @@ def not_text_at(value, where: str = "") -> str | None:
         if found is not None:
             return found
     return None
+
+
+def safe_name(name: str) -> str:
+    """`name` (a worker's nodename, say "gpu0@node-3") with every character but
+    [A-Za-z0-9._-] as '_': what a queue name, a file name and the filesystem broker allow."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)

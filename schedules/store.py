@@ -47,7 +47,7 @@ def targets_of(
     return targets
 
 
-MAX_CRON_LENGTH = 120  # schedules.cron
+MAX_CRON_LENGTH = Schedule.__table__.c.cron.type.length
 
 
 def check(name: str, cron: str, timezone: str, lead_time_s: int) -> Cron:

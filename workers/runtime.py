@@ -153,12 +153,15 @@ class WorkerRuntime:
 
     def prefill_template(self, template: str) -> tuple[CacheKey, int, int, float]:
         """Pre-fill and pin a template's system prompt. Returns (key, tokens, bytes, ms spent)."""
+        return self._prefill(self._resolve_noting(template))
+
+    def _resolve_noting(self, template: str) -> ResolvedTemplate:
+        """_resolve, with a failure kept as the reason the template is not ready."""
         try:
-            resolved = self._resolve(template)
+            return self._resolve(template)
         except (PreheatError, ValueError, RuntimeError, OSError) as exc:
             self._templates[template] = str(exc)
             raise
-        return self._prefill(resolved)
 
     def _prefill(self, resolved: ResolvedTemplate) -> tuple[CacheKey, int, int, float]:
         prefix = resolved.prefix
@@ -238,11 +241,7 @@ class WorkerRuntime:
         return statistics.median(served) if served and len(served) >= min_samples else None
 
     def _warm(self, template: str, result: TemplateWarmup) -> None:
-        try:
-            resolved = self._resolve(template)
-        except (PreheatError, ValueError, RuntimeError, OSError) as exc:
-            self._templates[template] = str(exc)
-            raise
+        resolved = self._resolve_noting(template)
         resident, prefix, probe_text = resolved.resident, resolved.prefix, resolved.spec.probe
         result.load_ms = self._unreported_load_ms(resident)
         result.device = resident.placement.describe()
