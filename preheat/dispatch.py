@@ -197,6 +197,7 @@ def dispatch_endpoint_warmup(
             raise ConfigError(f"endpoint {name!r} names no templates to prime; give --template")
         target = f"{name}@{replica}" if replica else name
         plan[target] = [(spec.model or catalog.template(t).model, t) for t in chosen]
+        catalog.check_prompts(chosen)  # as for workers: a prompt that can only fail records nothing
         calls[target] = {"endpoint": name, "templates": chosen}
         if replica:
             calls[target].update(base_url=replica_url(spec.base_url, replica), target=target)

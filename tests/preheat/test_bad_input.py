@@ -70,6 +70,7 @@ ROWS = [
     ("prompt too large", ["config", "check"], {}, b"x" * (4 * 1024**2 + 1), 2, "larger than 4 MiB"),
     ("warm, prompt empty", ["warm", "-t", "filed"], {}, b"", 2, "is empty"),
     ("warm, prompt not utf-8", ["warm", "-t", "filed"], {}, b"\xff\xfe", 2, "is not UTF-8"),
+    ("warm endpoint, prompt blank", ["warm", "--endpoint", "ep"], {}, b" \n", 2, "is blank"),
     ("model path a file", ["config", "check"], {}, "<model-file>", 2, "is a file, not a model directory"),
 ]
 
@@ -93,7 +94,10 @@ def _catalog_for(tmp_path, tiny_model, prompt) -> dict[str, str]:
         return {}
     folder = tmp_path / "bad-catalog"
     folder.mkdir()
-    extra = '\n[templates.filed]\nmodel = "tiny"\nsystem_prompt_file = "filed.txt"\n'
+    extra = (
+        '\n[templates.filed]\nmodel = "tiny"\nsystem_prompt_file = "filed.txt"\n'
+        '\n[endpoints.ep]\nbase_url = "http://127.0.0.1:9/v1"\ntemplates = ["filed"]\n'
+    )
     if prompt == "<directory>":
         (folder / "filed.txt").mkdir()
     elif prompt == "<model-file>":
