@@ -28,6 +28,7 @@ so the same file works from any working directory.
 from __future__ import annotations
 
 import functools
+import json
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -55,11 +56,18 @@ class ModelSpec(_Strict):
     hub_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
     revision: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Replaces the model's own chat template (a Jinja text, inline or in a file).
+    chat_template: str | None = Field(None, min_length=1)
+    chat_template_file: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
         if (self.path is None) == (self.hub_id is None):
             raise ValueError("give exactly one of path (a local folder) or hub_id")
+        if self.chat_template is not None and self.chat_template_file is not None:
+            raise ValueError("give at most one of chat_template or chat_template_file")
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ValueError("chat_template is blank")
         return self
 
     def is_local(self) -> bool:
@@ -213,8 +221,40 @@ class Catalog(_Strict):
         spec = self.template(name)
         if spec.system_prompt is not None:
             return spec.system_prompt
-        path = (self.folder / spec.system_prompt_file).resolve()
-        where = f"template {name!r}: system_prompt_file {path}"
+        return self._text_file(spec.system_prompt_file, f"template {name!r}: system_prompt_file", "a system prompt")
+
+    def chat_template(self, model: str) -> tuple[str | None, str | None]:
+        """The catalog's chat template for `model` and where it is written; (None, None)
+        when the catalog leaves the model its own."""
+        spec = self.model(model)
+        if spec.chat_template is not None:
+            return spec.chat_template, f"the catalog (models.{model}.chat_template)"
+        if spec.chat_template_file is None:
+            return None, None
+        where = f"model {model!r}: chat_template_file"
+        text = self._text_file(spec.chat_template_file, where, "a chat template")
+        return text, f"the catalog ({(self.folder / spec.chat_template_file).resolve()})"
+
+    def chat_template_source(self, model: str) -> str:
+        """Which chat template `model` is rendered with, told from the files alone."""
+        _, source = self.chat_template(model)
+        if source is not None:
+            return source
+        if not self.model(model).is_local():
+            return "the model's own (from the hub), else preheat's default (ChatML)"
+        folder = Path(self.model_path(model))
+        if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+            return f"the model's own ({folder / 'chat_template.jinja'})"
+        try:
+            if json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"):
+                return f"the model's own ({folder / 'tokenizer_config.json'})"
+        except (OSError, ValueError):
+            pass
+        return "preheat's default (ChatML): the model has none"
+
+    def _text_file(self, relative: str, where_of: str, what: str) -> str:
+        path = (self.folder / relative).resolve()
+        where = f"{where_of} {path}"
         try:
             if not path.is_file():
                 raise ConfigError(f"{where} {'is not a file' if path.exists() else 'does not exist'}")
@@ -226,13 +266,14 @@ class Catalog(_Strict):
         except OSError as exc:
             raise ConfigError(f"{where} cannot be read: {exc.strerror}") from None
         if not text.strip():
-            raise ConfigError(f"{where} is {'empty' if not text else 'blank'}: a template needs a system prompt")
+            raise ConfigError(f"{where} is {'empty' if not text else 'blank'}: it must hold {what}")
         return text
 
     def check_prompts(self, names: list[str] | None = None) -> None:
-        """Every template's system prompt can be read (see system_prompt)."""
+        """Every template's system prompt, and its model's chat template, can be read."""
         for name in names if names is not None else list(self.templates):
             self.system_prompt(name)
+            self.chat_template(self.template(name).model)
 
     def check_model_paths(self, names: list[str] | None = None) -> None:
         """Fail early, with the path, on a local model directory that is missing or incomplete."""

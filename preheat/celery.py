@@ -141,12 +141,17 @@ class PreheatTask(Task):
 
         from pydantic import ValidationError
 
+        signature = inspect.signature(self.run)
         try:
-            bound = inspect.signature(self.run).bind(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise BadTaskArguments(f"{self.name}: {exc}") from None
+        values = dict(bound.arguments)
+        for name, parameter in signature.parameters.items():
+            if parameter.kind is parameter.VAR_KEYWORD:  # **options: checked by their own names
+                values.update(values.pop(name, {}))
         try:
-            self.arguments.model_validate(bound.arguments)
+            self.arguments.model_validate(values)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(part) for part in first["loc"]) or "arguments"

@@ -50,9 +50,32 @@ class KeepAliveArguments(_Arguments):
 
 
 class InferArguments(_Arguments):
+    """A template request; the decoding fields mean what the OpenAI parameters of the same
+    names mean (workers.sampling checks their values, naming the one that is wrong)."""
+
     template: Name
     user_input: str = Field(max_length=200_000)
     max_new_tokens: int = Field(64, ge=1, le=4096)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=4)
+
+    @model_validator(mode="after")
+    def _decodable(self) -> InferArguments:
+        self.sampling()  # a value out of range is refused here, before the task runs
+        return self
+
+    def sampling(self):
+        from workers.sampling import SamplingParams
+
+        fields = self.model_dump(exclude={"template", "user_input", "max_new_tokens", "stop"})
+        return SamplingParams(max_tokens=self.max_new_tokens, stop=tuple(self.stop), **fields)
 
 
 class WarmFleetArguments(_Arguments):

@@ -79,9 +79,25 @@ def tiny_qwen2(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", arch="qwen2")
 
 
+@pytest.fixture(scope="session")
+def dev_model(tmp_path_factory, tiny_model, tiny_qwen2):
+    """dev_model(arch): a small model of `arch` (workers.devmodel.ARCHITECTURES), built once."""
+    from workers.devmodel import make_model
+
+    built = {"llama": tiny_model, "qwen2": tiny_qwen2}
+
+    def build(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = make_model(tmp_path_factory.mktemp("models") / f"tiny-{arch}", arch=arch)
+        return built[arch]
+
+    return build
+
+
 def support_request(resident, user_input: str):
-    """(prefix ids, prompt ids) of a request with the `support` system prompt."""
-    from workers.prefix import TemplatePrefix
+    """(prefix ids, prompt ids) of a request with the `support` system prompt, rendered
+    with the model's chat template."""
+    from workers.chat import TemplatePrefix
 
     prefix = TemplatePrefix.of(resident, SUPPORT_PROMPT)
     return prefix.ids, prefix.prompt_ids(resident, user_input)

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from preheat.errors import DeviceOutOfMemory
+from workers.chat import TemplatePrefix, conversation, render
 from workers.devmodel import make_model
 from workers.generate import PrefixEngine
 from workers.kvcache import CacheBudget, KVCacheManager
-from workers.prefix import TemplatePrefix, encode
 from workers.resident import ModelSource, ResidentModels
 from workers.warmup import probe
 
@@ -50,9 +50,8 @@ def check(out: Path) -> dict:
         engine,
         resident,
         prefix.prompt_ids(resident, "Where is my parcel?"),
-        encode(resident, "Where is my parcel?", with_bos=True),
+        render(resident, conversation(None, "Where is my parcel?")),
         5,
-        prefix.key,
     )
     report["prefix"] = {
         "tokens": entry.num_tokens,

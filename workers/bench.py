@@ -1,5 +1,7 @@
 """Side-by-side TTFT measurements: cold (full prefill), warm (cached prefix), bare (no
-system prompt at all), for system prompts of chosen lengths, in one run.
+system prompt at all), for system prompts of chosen lengths, in one run; and a
+conversation's second turn with and without its first turn cached. Every prompt is
+rendered with the model's chat template, as a real request is.
 
 The three are measured side by side (`workers.warmup.side_by_side`: interleaved, each
 timed call after an untimed one of its kind), as a warmup job probes. Each figure is a
@@ -12,12 +14,12 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass
 
-import torch
-
+from workers.chat import TemplatePrefix, conversation, render
 from workers.generate import PrefixEngine
-from workers.kvcache import CacheBudget, CacheKey, KVCacheManager
-from workers.prefix import TemplatePrefix, encode
+from workers.kvcache import CacheBudget, KVCacheManager
+from workers.prefix import encode
 from workers.resident import ResidentModel
+from workers.sampling import SamplingParams
 from workers.warmup import side_by_side
 
 USER_INPUT = "My parcel was due on Tuesday and it still has not arrived. What can I do?"
@@ -25,7 +27,8 @@ USER_INPUT = "My parcel was due on Tuesday and it still has not arrived. What ca
 
 @dataclass(frozen=True)
 class TTFTRow:
-    system_tokens: int
+    system_tokens: int  # the system prompt's own
+    prefix_tokens: int  # as the chat template renders it: what is cached
     user_tokens: int
     prefill_ms: float
     ttft_cold_ms: float
@@ -57,26 +60,30 @@ class TTFTRow:
         }
 
 
-def system_prompt_ids(resident: ResidentModel, num_tokens: int, text: str) -> torch.Tensor:
-    """Exactly `num_tokens` ids: BOS and the start of `text` (which must be long enough)."""
-    ids = encode(resident, text, with_bos=True)
+def system_prompt_text(resident: ResidentModel, num_tokens: int, text: str) -> str:
+    """The start of `text` that is `num_tokens` tokens long (the template adds its own)."""
+    ids = encode(resident, text, with_bos=False)
     if ids.shape[-1] < num_tokens:
         raise ValueError(f"the source text has {ids.shape[-1]} tokens; {num_tokens} were asked for")
-    return ids[:, :num_tokens]
+    return resident.tokenizer.decode(ids[0, :num_tokens])
+
+
+def _engine() -> PrefixEngine:
+    return PrefixEngine(KVCacheManager(CacheBudget(max_entries=4, max_bytes=2**62)))
 
 
 def measure_ttft(
-    resident: ResidentModel, system_ids: torch.Tensor, repeats: int, user_input: str = USER_INPUT
+    resident: ResidentModel, system_prompt: str, repeats: int, user_input: str = USER_INPUT, system_tokens: int = 0
 ) -> TTFTRow:
-    engine = PrefixEngine(KVCacheManager(CacheBudget(max_entries=1, max_bytes=2**62)))
-    prefix = TemplatePrefix(resident.name, "", system_ids, CacheKey.of(resident.name, system_ids[0].numpy()))
+    engine = _engine()
+    prefix = TemplatePrefix.of(resident, system_prompt)
     prompt_ids = prefix.prompt_ids(resident, user_input)
-    bare_ids = encode(resident, user_input, with_bos=True)
-    entry, prefill_ms = engine.prefill(resident, system_ids, label=f"{system_ids.shape[-1]} tokens")
+    bare_ids = render(resident, conversation(None, user_input))
+    entry, prefill_ms = engine.prefill(resident, prefix.ids, key=prefix.key, label=f"{prefix.ids.shape[-1]} tokens")
 
     ways = {
         "cold": lambda: engine.first_token(resident, prompt_ids, use_cache=False),
-        "warm": lambda: engine.first_token(resident, prompt_ids, prefix_key=entry.key),
+        "warm": lambda: engine.first_token(resident, prompt_ids),
         "bare": lambda: engine.first_token(resident, bare_ids, use_cache=False),
     }
     runs = side_by_side(ways, repeats)
@@ -87,8 +94,9 @@ def measure_ttft(
     if any(run.cached_tokens != entry.num_tokens for run in runs["warm"]):
         raise RuntimeError("the warm path did not start from the cached prefix")
     return TTFTRow(
-        system_tokens=int(system_ids.shape[-1]),
-        user_tokens=int(prompt_ids.shape[-1] - system_ids.shape[-1]),
+        system_tokens=system_tokens or len(encode(resident, system_prompt, with_bos=False)[0]),
+        prefix_tokens=int(prefix.ids.shape[-1]),
+        user_tokens=int(prompt_ids.shape[-1] - prefix.ids.shape[-1]),
         prefill_ms=prefill_ms,
         ttft_cold_ms=median_ms("cold"),
         ttft_warm_ms=median_ms("warm"),
@@ -96,4 +104,59 @@ def measure_ttft(
         reuse_ms=statistics.median(run.reuse_ms for run in runs["warm"]),
         cache_bytes=entry.nbytes,
         same_first_token={run.token_id for run in runs["warm"]} == {run.token_id for run in runs["cold"]},
+    )
+
+
+@dataclass(frozen=True)
+class TurnTwoRow:
+    """A conversation's second turn: TTFT with turn one remembered, and with only the
+    system prompt's prefix cached (what a cache of system prompts alone gives)."""
+
+    system_tokens: int
+    turn_two_tokens: int
+    cached_with_turn_one: int
+    cached_prefix_only: int
+    ttft_with_turn_one_ms: float
+    ttft_prefix_only_ms: float
+    same_first_token: bool
+
+    @property
+    def speedup(self) -> float:
+        return self.ttft_prefix_only_ms / self.ttft_with_turn_one_ms
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "speedup": self.speedup}
+
+
+TURN_TWO = "I still have not got it. Can you open an investigation? The tracking number is AB123456789."
+
+
+def measure_turn_two(
+    resident: ResidentModel, system_prompt: str, repeats: int, user_input: str = USER_INPUT, answer_tokens: int = 64
+) -> TurnTwoRow:
+    prefix = TemplatePrefix.of(resident, system_prompt)
+    remembered, prefix_only = _engine(), _engine()
+    for engine in (remembered, prefix_only):
+        engine.prefill(resident, prefix.ids, key=prefix.key, pin=True)
+    turn_one = conversation(system_prompt, user_input)
+    answer = remembered.generate(
+        resident, render(resident, turn_one), SamplingParams(max_tokens=answer_tokens, temperature=0.0), remember=True
+    ).collect()
+    turn_two = [*turn_one, {"role": "assistant", "content": answer.text}, {"role": "user", "content": TURN_TWO}]
+    ids = render(resident, turn_two)
+    runs = side_by_side(
+        {
+            "remembered": lambda: remembered.first_token(resident, ids),
+            "prefix_only": lambda: prefix_only.first_token(resident, ids),
+        },
+        repeats,
+    )
+    return TurnTwoRow(
+        system_tokens=int(prefix.ids.shape[-1]),
+        turn_two_tokens=int(ids.shape[-1]),
+        cached_with_turn_one=min(run.cached_tokens for run in runs["remembered"]),
+        cached_prefix_only=min(run.cached_tokens for run in runs["prefix_only"]),
+        ttft_with_turn_one_ms=statistics.median(run.ms for run in runs["remembered"]),
+        ttft_prefix_only_ms=statistics.median(run.ms for run in runs["prefix_only"]),
+        same_first_token={r.token_id for r in runs["remembered"]} == {r.token_id for r in runs["prefix_only"]},
     )

@@ -1,14 +1,17 @@
-"""Requests that start from a cached prefix: pre-fill, first token, greedy generation.
+"""Requests that start from a cached prefix: pre-fill, first token, decoding.
 
-The engine joins the KV cache manager (which prefix to use, held while in use) and the
-tensor pieces in ``workers.prefix`` (clone, forward). A request looks up the longest cached
-prefix of its token ids (the ids are compared, not just hashed), computes only the rest,
-and decodes from there; with no match it pre-fills the whole prompt. Greedy output is the
-same either way, token for token.
+The engine joins the KV cache manager (which prefix to use, held while in use), the
+tensor pieces in ``workers.prefix`` (clone, cut, forward) and the sampler in
+``workers.sampling``. A request looks up the cached entry sharing the most leading ids
+with its prompt (the ids are compared, not hashed), computes only the rest, and decodes
+from there; with no match it pre-fills the whole prompt. Greedy output is the same either
+way, token for token. A request may leave its own prompt and answer cached (``remember``:
+unpinned, LRU), so a conversation's next turn computes only its new tokens.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,9 +20,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from workers.device import synchronize
-from workers.kvcache import CacheEntry, CacheKey, KVCacheManager
-from workers.prefix import cache_nbytes, check_context, clone_for_request, forward
+from workers.kvcache import CacheBudgetError, CacheEntry, CacheFullError, CacheKey, KVCacheManager, Match
+from workers.prefix import Prefix, check_context, clone_for_request, compact, forward, truncatable
 from workers.resident import ResidentModel
+from workers.sampling import ModelDefaults, SamplingParams, TokenLogprob, sampler_for
+
+log = logging.getLogger(__name__)
+
+GREEDY_PROBE = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 @dataclass(slots=True)
@@ -27,7 +35,8 @@ class Start:
     """Where a request begins: the cache it extends and the ids it still has to compute."""
 
     cache: object | None
-    feed_ids: torch.Tensor
+    feed_ids: torch.Tensor  # [1, 0] when `logits` already answers the prompt
+    logits: torch.Tensor | None  # the next-token logits, when the prompt is a cached entry
     cached_tokens: int
     reuse_ms: float  # lookup + id check + clone: the price of using the cache
 
@@ -47,44 +56,63 @@ class Completion:
     cached_tokens: int
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str = "length"  # stop (an end-of-sequence token) | length (max_new_tokens)
+    finish_reason: str = "length"  # stop (end of sequence or a stop string) | length (max_tokens)
     ttft_ms: float = 0.0
     total_ms: float = 0.0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 @dataclass(frozen=True)
-class _Request:
-    prompt_ids: torch.Tensor
-    max_new_tokens: int
-    use_cache: bool
-    record: bool
-    prefix_key: CacheKey | None
-    started: float
+class Piece:
+    """A part of the answer as it is released: its text and the tokens' log probabilities."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class TextStream:
-    """Iterates over text deltas as tokens are decoded; `.completion` is final once exhausted."""
+    """Iterates over the answer's pieces as tokens are decoded; `.completion` is final once
+    exhausted. Stop strings are matched on the decoded text, across token boundaries: text
+    that may be the start of one is held back, and a stop string is never released."""
 
-    def __init__(self, resident: ResidentModel, completion: Completion, tokens: Iterator[int]) -> None:
+    def __init__(
+        self,
+        resident: ResidentModel,
+        completion: Completion,
+        tokens: Iterator[tuple[int, TokenLogprob | None]],
+        stop: tuple[str, ...] = (),
+    ) -> None:
         self.completion = completion
         self._resident = resident
         self._tokens = tokens
+        self._stop = stop
 
-    def __iter__(self) -> Iterator[str]:
-        emitted = ""
-        for token_id in self._tokens:
+    def __iter__(self) -> Iterator[Piece]:
+        text, released, pending = "", 0, []
+        for token_id, logprob in self._tokens:
             self.completion.token_ids.append(token_id)
+            if logprob is not None:
+                pending.append(logprob)
+                self.completion.logprobs.append(logprob)
             text = self._resident.tokenizer.decode(self.completion.token_ids, skip_special_tokens=True)
             # A multi-byte character split across tokens decodes to U+FFFD until complete.
             if text.endswith("\ufffd"):
                 continue
-            delta, emitted = text[len(emitted) :], text
-            if delta:
-                yield delta
-        self.completion.text = self._resident.tokenizer.decode(self.completion.token_ids, skip_special_tokens=True)
+            if (cut := find_stop(text, self._stop, released)) is not None:
+                text = text[:cut]
+                self.completion.finish_reason = "stop"
+                self._tokens.close()  # ends decoding now; the prefix it held is released
+                break
+            safe = len(text) - held_back(text, self._stop)
+            if safe > released:
+                yield Piece(text[released:safe], tuple(pending))
+                released, pending = safe, []
+        if len(text) > released or pending:
+            yield Piece(text[released:], tuple(pending))
+        self.completion.text = text
 
     def collect(self) -> Completion:
         for _ in self:
@@ -92,11 +120,40 @@ class TextStream:
         return self.completion
 
 
+def find_stop(text: str, stops: tuple[str, ...], released: int) -> int | None:
+    """Where the first stop string in `text` starts; only text not yet released can hold one."""
+    start = max(0, released - max((len(s) for s in stops), default=0))
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters of `text` could begin a stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
 def stop_token_ids(resident: ResidentModel) -> frozenset[int]:
+    """Every end-of-sequence id: the tokenizer's and all of generation_config.json's."""
     ids = {resident.tokenizer.eos_token_id}
     generation_eos = getattr(getattr(resident.model, "generation_config", None), "eos_token_id", None)
     ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
     return frozenset(i for i in ids if i is not None)
+
+
+@dataclass(frozen=True)
+class _Request:
+    prompt_ids: torch.Tensor
+    sampling: SamplingParams
+    use_cache: bool
+    record: bool
+    remember: bool
+    started: float
 
 
 class PrefixEngine:
@@ -125,69 +182,62 @@ class PrefixEngine:
         check_context(resident, token_ids.shape[-1], f"template {label!r}" if label else "prefix", new_tokens=1)
         synchronize(resident.placement.device)
         started = time.perf_counter()
-        _, kv = forward(resident, token_ids)
+        logits, kv = forward(resident, token_ids)
+        compact(kv)
         synchronize(resident.placement.device)
         prefill_ms = (time.perf_counter() - started) * 1000
-        entry = self.cache.insert(
-            resident.name, token_ids[0].numpy(), kv, cache_nbytes(kv), key=key, label=label, pin=pin
-        )
+        entry = self._insert(resident, token_ids[0].numpy(), Prefix(kv, logits), key=key, label=label, pin=pin)
         return entry, prefill_ms
+
+    def _insert(self, resident: ResidentModel, ids, prefix: Prefix, **how) -> CacheEntry:
+        return self.cache.insert(
+            resident.name, ids, prefix, prefix.nbytes, truncatable=truncatable(prefix.cache), **how
+        )
 
     # Requests -----------------------------------------------------------------------
 
     @contextmanager
     def start(
-        self,
-        resident: ResidentModel,
-        prompt_ids: torch.Tensor,
-        *,
-        use_cache: bool = True,
-        record: bool = True,
-        prefix_key: CacheKey | None = None,
+        self, resident: ResidentModel, prompt_ids: torch.Tensor, *, use_cache: bool = True, record: bool = True
     ) -> Iterator[Start]:
-        """The request's starting point; the cached prefix it uses is held until exit. With
-        `prefix_key` (a template request) the lookup is by key, else the longest match."""
+        """The request's starting point; the cached entry it uses is held until exit."""
         started = time.perf_counter()
-        entry = kv = None
-        if use_cache and prefix_key is not None:
-            entry = self.cache.acquire(prefix_key, prompt_ids[0].numpy(), record=record)
-        elif use_cache:
-            entry = self.cache.acquire_longest(resident.name, prompt_ids[0].numpy(), record=record)
+        match = self.cache.acquire_longest(resident.name, prompt_ids[0].numpy(), record=record) if use_cache else None
         try:
-            if entry is not None:
-                kv = clone_for_request(entry.payload)
-            reuse_ms = (time.perf_counter() - started) * 1000
-            yield self._start_from(entry, kv, prompt_ids, reuse_ms)
+            yield self._start_from(match, prompt_ids, started)
         finally:
-            if entry is not None:
-                self.cache.release(entry)
+            if match is not None:
+                self.cache.release(match.entry)
 
     @staticmethod
-    def _start_from(entry: CacheEntry | None, kv, prompt_ids: torch.Tensor, reuse_ms: float) -> Start:
+    def _start_from(match: Match | None, prompt_ids: torch.Tensor, started: float) -> Start:
         num_tokens = prompt_ids.shape[-1]
-        if entry is None or (entry.num_tokens == num_tokens == 1):
-            return Start(None, prompt_ids, 0, reuse_ms)
-        cached = entry.num_tokens
-        if cached == num_tokens:
-            # The prompt is the prefix: recompute its last token, which yields the logits we need.
-            kv.crop(-1)
-            cached -= 1
-        return Start(kv, prompt_ids[:, cached:], cached, reuse_ms)
+        if match is None:
+            return Start(None, prompt_ids, None, 0, (time.perf_counter() - started) * 1000)
+        entry, prefix = match.entry, match.entry.payload
+        if match.tokens == entry.num_tokens == num_tokens:
+            # The prompt is the entry: its stored logits answer, nothing is computed or cut.
+            kv = clone_for_request(prefix.cache)
+            return Start(kv, prompt_ids[:, num_tokens:], prefix.logits, num_tokens, _since(started))
+        # At least the prompt's last id is computed: it yields the logits to decode from.
+        use = min(match.tokens, num_tokens - 1)
+        if use < 1:
+            return Start(None, prompt_ids, None, 0, _since(started))
+        kv = clone_for_request(prefix.cache)
+        if use < entry.num_tokens:
+            kv.crop(use - entry.num_tokens)  # a truncatable entry (see KVCacheManager)
+        return Start(kv, prompt_ids[:, use:], None, use, _since(started))
 
     def first_token(
-        self,
-        resident: ResidentModel,
-        prompt_ids: torch.Tensor,
-        *,
-        use_cache: bool = True,
-        record: bool = False,
-        prefix_key: CacheKey | None = None,
+        self, resident: ResidentModel, prompt_ids: torch.Tensor, *, use_cache: bool = True, record: bool = False
     ) -> FirstToken:
-        """Time to the first greedy token, from the cached prefix or (use_cache=False) cold."""
+        """Time to the first greedy token, from the longest cached prefix or (use_cache=False) cold."""
         check_context(resident, prompt_ids.shape[-1], "prompt")
         started = time.perf_counter()
-        with self.start(resident, prompt_ids, use_cache=use_cache, record=record, prefix_key=prefix_key) as start:
-            logits, _ = forward(resident, start.feed_ids, start.cache)
+        with self.start(resident, prompt_ids, use_cache=use_cache, record=record) as start:
+            logits = start.logits
+            if logits is None:
+                logits, _ = forward(resident, start.feed_ids, start.cache)
             token = int(logits.argmax())  # int() waits for the device
         return FirstToken(token, (time.perf_counter() - started) * 1000, start.cached_tokens, start.reuse_ms)
 
@@ -195,30 +245,30 @@ class PrefixEngine:
         self,
         resident: ResidentModel,
         prompt_ids: torch.Tensor,
-        max_new_tokens: int,
+        sampling: SamplingParams,
         *,
         use_cache: bool = True,
         record: bool = True,
-        prefix_key: CacheKey | None = None,
+        remember: bool = False,
         started: float | None = None,
         on_first_token: Callable[[Completion], None] | None = None,
     ) -> TextStream:
-        """Greedy decoding from the cached prefix (by key, else the longest match); iterate the
-        stream for text deltas. `started` (perf_counter) is when the request arrived, so TTFT
-        includes what the caller did first (tokenizing)."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
-        check_context(resident, prompt_ids.shape[-1], "prompt", new_tokens=max_new_tokens)
+        """Decoding from the longest cached prefix; iterate the stream for the answer's
+        pieces. `started` (perf_counter) is when the request arrived, so TTFT includes what
+        the caller did first (rendering, tokenizing). With `remember`, the prompt and the
+        answer stay cached for a follow-up (a conversation's next turn, another choice)."""
+        check_context(resident, prompt_ids.shape[-1], "prompt", new_tokens=sampling.max_tokens)
         completion = Completion(resident.name, int(prompt_ids.shape[-1]), 0)
         request = _Request(
             prompt_ids,
-            max_new_tokens,
+            sampling,
             use_cache,
             record,
-            prefix_key,
+            remember,
             started if started is not None else time.perf_counter(),
         )
-        return TextStream(resident, completion, self._decode(resident, request, completion, on_first_token))
+        tokens = self._decode(resident, request, completion, on_first_token)
+        return TextStream(resident, completion, tokens, sampling.stop)
 
     def _decode(
         self,
@@ -226,27 +276,54 @@ class PrefixEngine:
         request: _Request,
         completion: Completion,
         on_first_token: Callable[[Completion], None] | None,
-    ) -> Iterator[int]:
-        started, stops = request.started, stop_token_ids(resident)
-        with self.start(
-            resident,
-            request.prompt_ids,
-            use_cache=request.use_cache,
-            record=request.record,
-            prefix_key=request.prefix_key,
-        ) as start:
-            completion.cached_tokens = start.cached_tokens
-            feed, kv = start.feed_ids, start.cache
-            for step in range(request.max_new_tokens):
-                logits, kv = forward(resident, feed, kv)
-                token = int(logits.argmax())
-                if step == 0:
-                    completion.ttft_ms = (time.perf_counter() - started) * 1000
-                    if on_first_token is not None:
-                        on_first_token(completion)
-                yield token
-                if token in stops:
-                    completion.finish_reason = "stop"
-                    break
-                feed = torch.tensor([[token]])
-        completion.total_ms = (time.perf_counter() - started) * 1000
+    ) -> Iterator[tuple[int, TokenLogprob | None]]:
+        ids = request.prompt_ids[0].tolist()
+        sampler = sampler_for(request.sampling, ModelDefaults.of(resident.model), len(ids), resident.placement.device)
+        stops, kv, last_logits, prompt_only = stop_token_ids(resident), None, None, None
+        try:
+            with self.start(resident, request.prompt_ids, use_cache=request.use_cache, record=request.record) as start:
+                completion.cached_tokens = start.cached_tokens
+                feed, kv, logits = start.feed_ids, start.cache, start.logits
+                for step in range(request.sampling.max_tokens):
+                    if logits is None:
+                        logits, kv = forward(resident, feed, kv)
+                        if step == 0 and request.remember and not truncatable(kv):
+                            # Its answer's KV could not be cut back to the prompt: keep the
+                            # prompt's own (a shallow clone; decoding replaces, never writes).
+                            prompt_only = Prefix(clone_for_request(kv), logits)
+                    token, logprob = sampler.choose(logits, ids)
+                    last_logits, logits = logits, None
+                    ids.append(token)
+                    if step == 0:
+                        completion.ttft_ms = _since(request.started)
+                        if on_first_token is not None:
+                            on_first_token(completion)
+                    yield token, logprob
+                    if token in stops:
+                        completion.finish_reason = "stop"
+                        break
+                    feed = torch.tensor([[token]])
+        except GeneratorExit:
+            pass  # the stream stopped early (a stop string, a client gone): what ran is kept
+        finally:
+            completion.total_ms = _since(request.started)
+        if prompt_only is not None:
+            self._remember(resident, request.prompt_ids[0].tolist(), prompt_only)
+        elif request.remember and kv is not None:
+            self._remember(resident, ids[:-1], Prefix(kv, last_logits))
+
+    def _remember(self, resident: ResidentModel, ids: list[int], prefix: Prefix) -> None:
+        """Keep a finished request's KV for the next turn: its prompt and all but the last
+        answer token (the one never fed), or its prompt alone where the cache cannot be cut
+        (see _decode). Best effort, never at a pinned prefix's expense."""
+        if prefix.cache.get_seq_length() != len(ids):
+            return
+        compact(prefix.cache)
+        try:
+            self._insert(resident, ids, prefix, label="conversation")
+        except (CacheBudgetError, CacheFullError) as exc:
+            log.debug("conversation not cached: %s", exc)
+
+
+def _since(started: float) -> float:
+    return (time.perf_counter() - started) * 1000

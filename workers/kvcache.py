@@ -5,6 +5,13 @@ prefix token ids, bounded by an entry count *and* exact bytes, LRU among entries
 neither in use (ref count > 0) nor pinned, pins capped at a share of both budgets. The
 payload (a transformers cache) is opaque here, so every rule is testable without a model.
 
+A lookup finds the entry sharing the most leading ids with the prompt, as automatic prefix
+caching does: a whole entry, or the head of a *truncatable* one (a conversation's earlier
+turn, whose answer the next turn's ids re-tokenize differently). An entry whose payload
+cannot be cut (a sliding-window layer past its window) is used whole or not at all, and a
+head shorter than ``MIN_PARTIAL_TOKENS`` (one vLLM block) is not worth the cut: sharing a
+BOS or a chat template's opening with every entry is not a hit.
+
 Every operation either completes or raises before changing anything: an insert that cannot
 fit evicts nothing.
 """
@@ -23,6 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from preheat.errors import PreheatError
+
+MIN_PARTIAL_TOKENS = 16
 
 
 class CacheBudgetError(PreheatError):
@@ -43,9 +52,11 @@ def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def _starts_with(prompt: np.ndarray, prefix: np.ndarray) -> bool:
-    n = len(prefix)
-    return n <= len(prompt) and bool((prompt[:n] == prefix).all())
+def shared_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading ids `a` and `b` have in common."""
+    n = min(len(a), len(b))
+    same = a[:n] == b[:n]
+    return n if same.all() else int(np.argmin(same))
 
 
 def digest_tokens(token_ids: np.ndarray) -> str:
@@ -98,6 +109,8 @@ class CacheEntry:
     nbytes: int
     payload: object
     label: str = ""  # what it is for people: a template name
+    # Its head may serve a prompt that shares only part of its ids (see the module doc).
+    truncatable: bool = True
     ref_count: int = 0
     pinned: bool = False
     access_count: int = 0
@@ -122,6 +135,14 @@ class CacheEntry:
             "in_use": self.ref_count,
             "accesses": self.access_count,
         }
+
+
+@dataclass(frozen=True)
+class Match:
+    """A lookup's hit: the entry, and how many leading ids of the prompt it holds."""
+
+    entry: CacheEntry
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -159,7 +180,6 @@ class KVCacheManager:
         self._clock = clock
         self._lock = threading.RLock()
         self._entries: OrderedDict[CacheKey, CacheEntry] = OrderedDict()  # least recently used first
-        self._lengths: dict[str, dict[int, int]] = {}  # model -> prefix length -> how many entries
         self._counts = dict.fromkeys(
             ("queries", "hits", "misses", "tokens_queried", "tokens_hit", "inserts", "evictions"), 0
         )
@@ -197,33 +217,18 @@ class KVCacheManager:
 
     def acquire_longest(
         self, model: str, prompt_ids: Sequence[int] | np.ndarray, *, record: bool = True
-    ) -> CacheEntry | None:
-        """The longest cached prefix of `prompt_ids` for `model`, held (ref count + 1) until
-        `release`. A hash match is confirmed by comparing the ids themselves."""
+    ) -> Match | None:
+        """The cached entry of `model` sharing the most leading ids with `prompt_ids`, held
+        (ref count + 1) until `release`. The ids themselves are compared, not their hashes."""
         prompt = as_token_array(prompt_ids)
         with self._lock:
-            return self._hold(self._longest_match(model, prompt), len(prompt), record)
-
-    def acquire(
-        self, key: CacheKey, prompt_ids: Sequence[int] | np.ndarray, *, record: bool = True
-    ) -> CacheEntry | None:
-        """The entry `key` when `prompt_ids` starts with its ids, held until `release`. For a
-        caller that knows which prefix it wants (a template request): no hashing of the prompt."""
-        prompt = as_token_array(prompt_ids)
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and not _starts_with(prompt, entry.token_ids):
-                entry = None
-            return self._hold(entry, len(prompt), record)
-
-    def _hold(self, entry: CacheEntry | None, tokens_queried: int, record: bool) -> CacheEntry | None:
-        """A lookup's outcome: counted (unless a warmup's), and a hit touched and held."""
-        if record:
-            self._record_query(tokens_queried, entry.num_tokens if entry else 0)
-        if entry is not None:
-            self._touch(entry)
-            entry.ref_count += 1
-        return entry
+            match = self._longest_match(model, prompt)
+            if record:
+                self._record_query(len(prompt), match.tokens if match else 0)
+            if match is not None:
+                self._touch(match.entry)
+                match.entry.ref_count += 1
+            return match
 
     def release(self, entry: CacheEntry) -> None:
         with self._lock:
@@ -234,23 +239,27 @@ class KVCacheManager:
     @contextmanager
     def using(
         self, model: str, prompt_ids: Sequence[int] | np.ndarray, *, record: bool = True
-    ) -> Iterator[CacheEntry | None]:
-        entry = self.acquire_longest(model, prompt_ids, record=record)
+    ) -> Iterator[Match | None]:
+        match = self.acquire_longest(model, prompt_ids, record=record)
         try:
-            yield entry
+            yield match
         finally:
-            if entry is not None:
-                self.release(entry)
+            if match is not None:
+                self.release(match.entry)
 
-    def _longest_match(self, model: str, prompt: np.ndarray) -> CacheEntry | None:
-        for length in sorted(self._lengths.get(model, {}), reverse=True):
-            if length > len(prompt):
+    def _longest_match(self, model: str, prompt: np.ndarray) -> Match | None:
+        """Most shared ids wins; on a tie a whole entry (nothing to cut), then the most recent."""
+        best, best_rank = None, (0, False)
+        for entry in reversed(self._entries.values()):
+            if entry.key.model != model:
                 continue
-            head = prompt[:length]
-            entry = self._entries.get(CacheKey(model, digest_tokens(head)))
-            if entry is not None and _starts_with(head, entry.token_ids):
-                return entry
-        return None
+            tokens = shared_length(prompt, entry.token_ids)
+            whole = tokens == entry.num_tokens
+            if not whole and (not entry.truncatable or tokens < MIN_PARTIAL_TOKENS):
+                continue
+            if tokens and (tokens, whole) > best_rank:
+                best, best_rank = Match(entry, tokens), (tokens, whole)
+        return best
 
     def _record_query(self, tokens_queried: int, tokens_hit: int) -> None:
         self._counts["queries"] += 1
@@ -275,6 +284,7 @@ class KVCacheManager:
         key: CacheKey | None = None,
         label: str = "",
         pin: bool = False,
+        truncatable: bool = True,
     ) -> CacheEntry:
         """Add a prefix, evicting least recently used entries as needed. An existing key is
         returned as it is (touched, and pinned if asked and allowed). `key`, when given, is
@@ -299,10 +309,8 @@ class KVCacheManager:
             for victim in self._victims_for(nbytes, key, label):
                 self._drop(victim, evicted=True)
             now = self._clock()
-            entry = CacheEntry(key, ids, nbytes, payload, label, created_at=now, last_access=now)
+            entry = CacheEntry(key, ids, nbytes, payload, label, truncatable, created_at=now, last_access=now)
             self._entries[key] = entry
-            lengths = self._lengths.setdefault(model, {})
-            lengths[entry.num_tokens] = lengths.get(entry.num_tokens, 0) + 1
             self._bytes += nbytes
             self._counts["inserts"] += 1
             if pin:
@@ -381,10 +389,6 @@ class KVCacheManager:
 
     def _drop(self, entry: CacheEntry, *, evicted: bool) -> None:
         del self._entries[entry.key]
-        lengths = self._lengths[entry.key.model]
-        lengths[entry.num_tokens] -= 1
-        if not lengths[entry.num_tokens]:
-            del lengths[entry.num_tokens]
         self._bytes -= entry.nbytes
         if evicted:
             self._counts["evictions"] += 1

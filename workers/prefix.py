@@ -1,10 +1,16 @@
 """Tensor-level pieces of prefix reuse: token ids, forward passes, cache bytes and clones.
 
-A prefix is the KV cache of a system prompt, computed once with no decoding. A request
-starts from a *clone* of it. For a transformers ``DynamicCache`` the clone is shallow (new
-layer objects pointing at the same key/value tensors): its layers grow by ``torch.cat``, a
-new tensor per step, so the shared prefix tensors are never written. Layer types that
-write in place (``StaticCache`` and friends) get a deep copy instead.
+A prefix is the KV cache of some leading ids (a system prompt, a conversation so far) and
+the logits at its last position, so a prompt that *is* the prefix needs no forward pass
+(and no cut: a sliding-window layer past its window cannot be cut). A request starts from
+a *clone* of it. For a transformers ``DynamicCache`` the clone is shallow (new layer
+objects pointing at the same key/value tensors): its layers grow by ``torch.cat``, a new
+tensor per step, so the shared prefix tensors are never written. Layer types that write in
+place (``StaticCache`` and friends) get a deep copy instead.
+
+A sliding-window layer keeps only its last ``window - 1`` positions, as a view into the
+whole pre-fill's tensor; ``compact`` copies that window out so the entry holds (and is
+charged) only what the window needs.
 """
 
 from __future__ import annotations
@@ -16,13 +22,19 @@ from dataclasses import dataclass
 import torch
 
 from workers.device import out_of_memory_as_error
-from workers.kvcache import CacheKey
 from workers.resident import ResidentModel
 
-# Between the system prompt and the user's text. The two are tokenized separately and
-# concatenated, so a template request's first ids are exactly the cached prefix: BPE never
-# merges across the boundary (tokenizing the joined text can, and would miss the cache).
-SEPARATOR = "\n\n"
+
+@dataclass
+class Prefix:
+    """A cache entry's payload: the KV of its ids and the logits after the last of them."""
+
+    cache: object  # a transformers Cache
+    logits: torch.Tensor  # [vocab]
+
+    @property
+    def nbytes(self) -> int:
+        return cache_nbytes(self.cache) + self.logits.untyped_storage().nbytes()
 
 
 def cache_nbytes(cache) -> int:
@@ -41,6 +53,29 @@ def _layers_that_grow_by_concatenation() -> tuple[type, ...]:
 
     # Exact types: subclasses (quantized, linear-attention) keep state they update in place.
     return DynamicLayer, DynamicSlidingWindowLayer
+
+
+def compact(cache) -> None:
+    """Give every key/value tensor storage of its own size (a window sliced out of a long
+    pre-fill otherwise keeps the whole pre-fill alive)."""
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if tensor is not None and tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+                setattr(layer, name, tensor.clone())
+
+
+def truncatable(cache) -> bool:
+    """Whether the cache can be cut back to fewer positions (its head reused alone)."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    for layer in cache.layers:
+        if type(layer) is DynamicSlidingWindowLayer:
+            if layer.get_seq_length() >= layer.sliding_window:
+                return False  # it has dropped positions before its window
+        elif type(layer) is not DynamicLayer:
+            return False
+    return True
 
 
 def _shallow(obj):
@@ -65,27 +100,6 @@ def encode(resident: ResidentModel, text: str, *, with_bos: bool) -> torch.Tenso
     """Token ids of `text`, shape [1, n], on the CPU: ids are hashed and compared there, and
     `forward` moves what it feeds to the model's device."""
     return resident.tokenizer(text, add_special_tokens=with_bos, return_tensors="pt")["input_ids"]
-
-
-@dataclass(frozen=True)
-class TemplatePrefix:
-    """A system prompt tokenized once: its ids and its cache key."""
-
-    model: str
-    system_prompt: str
-    ids: torch.Tensor  # [1, n], CPU
-    key: CacheKey
-
-    @classmethod
-    def of(cls, resident: ResidentModel, system_prompt: str) -> TemplatePrefix:
-        ids = encode(resident, system_prompt, with_bos=True)
-        return cls(resident.name, system_prompt, ids, CacheKey.of(resident.name, ids[0].numpy()))
-
-    def prompt_ids(self, resident: ResidentModel, user_input: str) -> torch.Tensor:
-        """The request's ids: the prefix, then the user's turn. Empty input is the prefix alone."""
-        if not user_input:
-            return self.ids
-        return torch.cat([self.ids, encode(resident, SEPARATOR + user_input, with_bos=False)], dim=-1)
 
 
 def check_context(resident: ResidentModel, num_tokens: int, what: str, new_tokens: int = 1) -> None:

@@ -20,6 +20,16 @@ from workers.device import Placement, pick_placement
 
 log = logging.getLogger(__name__)
 
+# The chat template of a model that has none (and none set in the catalog): ChatML, as
+# text, so it needs no special tokens and works with any tokenizer.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+DEFAULT_CHAT_TEMPLATE_NAME = "preheat's default (ChatML)"
+
 
 @dataclass
 class ResidentModel:
@@ -32,6 +42,7 @@ class ResidentModel:
     # transformers 5.24 renamed the forward kwarg `past_key_values` to `cache`.
     cache_kwarg: str = "past_key_values"
     max_context: int = 0
+    chat_template_source: str = "the model's own"
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,10 @@ class ModelSource:
     path: str
     dtype: str = "auto"
     revision: str | None = None
+    # The catalog's chat template for this model (it replaces the model's own), and where
+    # it came from; None: the model's own, else DEFAULT_CHAT_TEMPLATE.
+    chat_template: str | None = None
+    chat_template_source: str | None = None
 
 
 @dataclass
@@ -104,13 +119,25 @@ class ResidentModels:
         return dict(self._errors)
 
 
+# transformers resolves its top-level names lazily, and two threads doing so at once can
+# fail ("cannot import name 'AutoModelForCausalLM'"): a catalog of several models loads in
+# parallel (preload), so the first resolution is done by one thread at a time.
+_IMPORT_LOCK = threading.Lock()
+
+
 def _load(source: ModelSource, placement: Placement) -> ResidentModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    with _IMPORT_LOCK:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     pinned = {"revision": source.revision} if source.revision else {}
     tokenizer = AutoTokenizer.from_pretrained(source.path, **pinned)
+    template_source = source.chat_template_source or "the model's own"
+    if source.chat_template is not None:
+        tokenizer.chat_template = source.chat_template
+    elif not tokenizer.chat_template:
+        tokenizer.chat_template, template_source = DEFAULT_CHAT_TEMPLATE, DEFAULT_CHAT_TEMPLATE_NAME
     model = AutoModelForCausalLM.from_pretrained(source.path, dtype=placement.dtype, **pinned)
     if placement.device.type == "cpu" and model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(attention.register())
@@ -125,5 +152,11 @@ def _load(source: ModelSource, placement: Placement) -> ResidentModel:
         placement=placement,
         load_ms=0.0,
         cache_kwarg="cache" if "cache" in forward_params else "past_key_values",
-        max_context=int(getattr(model.config, "max_position_embeddings", 0) or 0),
+        max_context=_max_context(model.config),
+        chat_template_source=template_source,
     )
+
+
+def _max_context(config) -> int:
+    # GPT-2's configs name it n_positions.
+    return int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 0)

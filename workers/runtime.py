@@ -18,16 +18,22 @@ from dataclasses import dataclass, field
 
 from preheat.catalog import Catalog, TemplateSpec, load_catalog
 from preheat.errors import PreheatError
+from workers.chat import Messages, TemplatePrefix, conversation, render
 from workers.generate import Completion, PrefixEngine, TextStream
 from workers.kvcache import CacheBudget, CacheBudgetError, CacheFullError, CacheKey, KVCacheManager
 from workers.metrics import RuntimeMetrics
-from workers.prefix import SEPARATOR, TemplatePrefix, encode
+from workers.prefix import encode
 from workers.resident import ModelSource, ResidentModel, ResidentModels
+from workers.sampling import SamplingParams
 from workers.warmup import TemplateWarmup, probe, verdict
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET = CacheBudget(max_entries=10, max_bytes=4 * 1024**3)
+# What a first-call exercise asks: two greedy tokens, off the books.
+EXERCISE = SamplingParams(max_tokens=2, temperature=0.0)
+# Ad hoc system prompts whose rendered prefix this worker remembers (each costs a few renders).
+AD_HOC_PREFIXES = 64
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class WorkerRuntime:
     # first job that uses them, like the start-up load time.
     _unreported_prefill_ms: dict[CacheKey, float] = field(default_factory=dict)
     _prefixes: dict[str, TemplatePrefix] = field(default_factory=dict)
+    _ad_hoc: dict[tuple[str, str], TemplatePrefix] = field(default_factory=dict)
     # TTFT of the latest served requests that started from their template's cached prefix:
     # this worker's steady state, against which a warmup's probe is judged.
     _served_ttft_ms: dict[str, deque[float]] = field(default_factory=dict)
@@ -138,7 +145,8 @@ class WorkerRuntime:
 
     def source(self, model: str) -> ModelSource:
         spec = self.catalog.model(model)
-        return ModelSource(model, self.catalog.model_path(model), spec.dtype, spec.revision)
+        template, where = self.catalog.chat_template(model)
+        return ModelSource(model, self.catalog.model_path(model), spec.dtype, spec.revision, template, where)
 
     def _unreported_load_ms(self, resident: ResidentModel) -> float:
         """The model's load time, reported once, by the first caller after the load (the
@@ -186,7 +194,7 @@ class WorkerRuntime:
         if known is None or resident is None or self.cache.peek(known.key) is None:
             return
         prompt_ids = known.prompt_ids(resident, spec.probe)
-        self.engine.generate(resident, prompt_ids, max_new_tokens=2, record=False, prefix_key=known.key).collect()
+        self.engine.generate(resident, prompt_ids, EXERCISE, record=False).collect()
 
     def exercise(self, model: str) -> None:
         """One off-the-books request per template of `model`, on the calling thread: the
@@ -251,9 +259,8 @@ class WorkerRuntime:
             self.engine,
             resident,
             prefix.prompt_ids(resident, probe_text),
-            encode(resident, probe_text, with_bos=True),
+            render(resident, conversation(None, probe_text)),
             self.probe_repeats,
-            prefix.key,
         )
         best_ms = self._best_warm_ms.get(prefix.key)
         if measured.warm.cached_tokens and measured.warm_fastest_ms:
@@ -271,34 +278,38 @@ class WorkerRuntime:
 
     # Requests ---------------------------------------------------------------------
 
-    def generate(self, template: str, user_input: str, max_new_tokens: int = 64) -> TextStream:
-        """A request with a template's system prompt, decoded from its cached prefix; a
-        template that was evicted is pre-filled again first (and cached for the next)."""
+    def generate(self, template: str, user_input: str, sampling: SamplingParams = SamplingParams()) -> TextStream:
+        """A request with a template's system prompt, rendered with the model's chat
+        template and decoded from the cached prefix; a template that was evicted is
+        pre-filled again first (and cached for the next)."""
         started = time.perf_counter()
         resolved = self._resolve(template)
-        resident, prefix = resolved.resident, resolved.prefix
-        prompt_ids = prefix.prompt_ids(resident, user_input)
-        if prefix.key not in self.cache:
-            log.info("template %s is not cached (evicted or never warmed): pre-filling it", template)
-            try:
-                self._prefill(resolved)
-            except (CacheBudgetError, CacheFullError) as exc:
-                log.warning("answering %s without the cache: %s", template, exc)
-        return self.engine.generate(
-            resident,
-            prompt_ids,
-            max_new_tokens,
-            prefix_key=prefix.key,
-            started=started,
-            on_first_token=lambda completion: self._observe(template, completion),
-        )
+        prompt_ids = resolved.prefix.prompt_ids(resolved.resident, user_input)
+        self._ensure_prefix(resolved)
+        return self._generate_ids(resolved.resident, prompt_ids, sampling, started, template)
+
+    def _resident(self, model: str) -> ResidentModel:
+        """The model, loaded if it is not resident (its source, files included, read only then)."""
+        resident = self.resident_models.get(model)
+        if resident is None:
+            resident, _ = self.resident_models.ensure(self.source(model))
+        return resident
+
+    def _ensure_prefix(self, resolved: ResolvedTemplate) -> None:
+        if resolved.prefix.key in self.cache:
+            return
+        log.info("template %s is not cached (evicted or never warmed): pre-filling it", resolved.name)
+        try:
+            self._prefill(resolved)
+        except (CacheBudgetError, CacheFullError) as exc:
+            log.warning("answering %s without the cache: %s", resolved.name, exc)
 
     def _resolve(self, template: str) -> ResolvedTemplate:
         """Everything one call needs of a template, looked up once: its spec, its model
         (loaded if needed), and its prefix ids and cache key (the prompt file read once,
-        tokenized and hashed once per system prompt text)."""
+        rendered and hashed once per system prompt text)."""
         spec = self.catalog.template(template)
-        resident, _ = self.resident_models.ensure(self.source(spec.model))
+        resident = self._resident(spec.model)
         system_prompt = self.catalog.system_prompt(template)
         known = self._prefixes.get(template)
         if known is None or known.system_prompt != system_prompt or known.model != resident.name:
@@ -306,10 +317,10 @@ class WorkerRuntime:
             self._prefixes[template] = known
         return ResolvedTemplate(template, spec, resident, known)
 
-    # Raw prompts (`preheat serve`) ---------------------------------------------------
+    # Chat and raw prompts (`preheat serve`) -----------------------------------------
 
     def _system_prompts(self, model: str) -> list[tuple[str, str]]:
-        """(template, system prompt) of `model`'s templates; the texts already tokenized are
+        """(template, system prompt) of `model`'s templates; the texts already rendered are
         taken from memory, so a request does not read prompt files per template."""
         return [
             (name, self._prefixes[name].system_prompt if name in self._prefixes else self.catalog.system_prompt(name))
@@ -323,58 +334,64 @@ class WorkerRuntime:
         )
 
     def generate_chat(
-        self, model: str, system_prompt: str | None, user_input: str, max_new_tokens: int = 64
+        self, model: str, messages: Messages, sampling: SamplingParams = SamplingParams(), *, remember: bool = True
     ) -> TextStream:
-        """A chat request. A template's system prompt answers from its pinned prefix; any
-        other is pre-filled and cached unpinned (LRU), so the next request with it hits,
-        as a server with automatic prefix caching does."""
+        """A chat request, rendered with the model's chat template, from the longest cached
+        prefix of its ids. Its system prompt's prefix is cached first: a template's pinned,
+        any other unpinned (LRU), so the next conversation with it hits. With `remember`, the
+        prompt and answer stay cached for the conversation's next turn."""
+        started = time.perf_counter()
+        resident = self._resident(model)
+        prompt_ids = render(resident, messages)
+        system_prompt = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
         template = self.template_for(model, system_prompt)
         if template is not None:
-            return self.generate(template, user_input, max_new_tokens)
-        started = time.perf_counter()
-        resident, _ = self.resident_models.ensure(self.source(model))
-        if not system_prompt:
-            return self._generate_ids(resident, encode(resident, user_input, with_bos=True), max_new_tokens, started)
-        prefix = TemplatePrefix.of(resident, system_prompt)
+            self._ensure_prefix(self._resolve(template))
+        elif system_prompt:
+            self._ensure_ad_hoc_prefix(resident, system_prompt)
+        return self._generate_ids(resident, prompt_ids, sampling, started, template, remember=remember)
+
+    def _ensure_ad_hoc_prefix(self, resident: ResidentModel, system_prompt: str) -> None:
+        key = (resident.name, system_prompt)
+        prefix = self._ad_hoc.pop(key, None) or TemplatePrefix.of(resident, system_prompt)
+        self._ad_hoc[key] = prefix  # most recent last
+        while len(self._ad_hoc) > AD_HOC_PREFIXES:
+            self._ad_hoc.pop(next(iter(self._ad_hoc)))
         if prefix.key not in self.cache:
             try:
-                self.engine.prefill(resident, prefix.ids, label="ad hoc system prompt")
+                self.engine.prefill(resident, prefix.ids, key=prefix.key, label="ad hoc system prompt")
             except (CacheBudgetError, CacheFullError) as exc:
                 log.info("ad hoc system prompt not cached: %s", exc)
-        return self._generate_ids(
-            resident, prefix.prompt_ids(resident, user_input), max_new_tokens, started, prefix_key=prefix.key
-        )
 
-    def generate_text(self, model: str, prompt: str, max_new_tokens: int = 64) -> TextStream:
-        """A plain completion. A prompt made of a template's system prompt, the separator and
-        the user's text is answered as that template's request; any other from the longest
-        cached prefix of its ids."""
-        for name, text in self._system_prompts(model):
-            if prompt.startswith(text + SEPARATOR):
-                return self.generate(name, prompt[len(text + SEPARATOR) :], max_new_tokens)
+    def generate_text(self, model: str, prompt: str, sampling: SamplingParams = SamplingParams()) -> TextStream:
+        """A plain completion: the prompt's ids as the tokenizer gives them (no chat
+        template), from the longest cached prefix."""
         started = time.perf_counter()
-        resident, _ = self.resident_models.ensure(self.source(model))
-        return self._generate_ids(resident, encode(resident, prompt, with_bos=True), max_new_tokens, started)
+        resident = self._resident(model)
+        prompt_ids = encode(resident, prompt, with_bos=True)
+        return self._generate_ids(resident, prompt_ids, sampling, started, None, remember=sampling.n > 1)
 
     def _generate_ids(
         self,
         resident: ResidentModel,
         prompt_ids,
-        max_new_tokens: int,
+        sampling: SamplingParams,
         started: float,
-        prefix_key: CacheKey | None = None,
+        template: str | None,
+        *,
+        remember: bool = False,
     ) -> TextStream:
         return self.engine.generate(
             resident,
             prompt_ids,
-            max_new_tokens,
-            prefix_key=prefix_key,
+            sampling,
+            remember=remember,
             started=started,
-            on_first_token=lambda completion: self._observe(None, completion),
+            on_first_token=lambda completion: self._observe(template, completion),
         )
 
-    def infer(self, template: str, user_input: str, max_new_tokens: int = 64) -> Completion:
-        return self.generate(template, user_input, max_new_tokens).collect()
+    def infer(self, template: str, user_input: str, sampling: SamplingParams = SamplingParams()) -> Completion:
+        return self.generate(template, user_input, sampling).collect()
 
     def _observe(self, template: str | None, completion: Completion) -> None:
         self.metrics.observe_ttft(completion.model, completion.cached_tokens, completion.ttft_ms)

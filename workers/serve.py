@@ -1,7 +1,9 @@
 """`preheat serve`: an OpenAI-compatible HTTP model server on the worker runtime.
 
-- ``POST /v1/completions`` and ``POST /v1/chat/completions``: greedy decoding from the
-  cached prefix, streamed as server-sent events with ``"stream": true``; usage reports
+- ``POST /v1/chat/completions`` (rendered with the model's chat template) and
+  ``POST /v1/completions`` (raw prompts): decoding from the longest cached prefix with the
+  request's sampling parameters (``workers.sampling``), stop strings, n choices and log
+  probabilities, streamed as server-sent events with ``"stream": true``; usage reports
   ``prompt_tokens_details.cached_tokens``. ``GET /v1/models`` lists the catalog's models.
 - ``GET /health/live``, ``GET /health/ready`` (200 only after preload and prefill),
   ``GET /metrics``: the same answers as a Celery worker's health server.
@@ -36,14 +38,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
 from preheat.errors import DeviceOutOfMemory, PreheatError, UnknownNameError
 from preheat.text import not_text_at
+from workers.chat import ChatTemplateError
 from workers.generate import Completion, TextStream
 from workers.health import readiness_answer
 from workers.runtime import WorkerRuntime
+from workers.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
 MAX_TOKENS_LIMIT = 4096
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -56,9 +60,11 @@ class ServeConfig:
 class ApiError(Exception):
     """An answer in OpenAI's error shape: {"error": {"message", "type", "code"}}."""
 
-    def __init__(self, status: HTTPStatus, message: str, code: str | None = None) -> None:
+    def __init__(
+        self, status: HTTPStatus, message: str, code: str | None = None, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+        self.status, self.message, self.code, self.retry_after_s = status, message, code, retry_after_s
 
 
 @dataclass(frozen=True)
@@ -66,11 +72,10 @@ class Ask:
     """One generation request, parsed and checked."""
 
     model: str
-    max_tokens: int
+    sampling: SamplingParams
     stream: bool
     include_usage: bool
-    system_prompt: str | None = None
-    user_input: str = ""
+    messages: tuple[dict, ...] = ()  # /v1/chat/completions
     prompt: str | None = None  # /v1/completions
 
 
@@ -129,36 +134,39 @@ def _int_field(body: dict, name: str, default: int, low: int, high: int) -> int:
     return value
 
 
-# Honour or refuse, never ignore: the request fields each route reads, and what each may hold
-# while decoding is greedy. A field of the OpenAI API not honoured here is a 400 naming it,
-# and so is a field the API does not have (a typo would otherwise change nothing, silently).
+# Honour or refuse, never ignore: the request fields each route reads. A field of the OpenAI
+# API not honoured here is a 400 naming it, and so is a field the API does not have (a typo
+# would otherwise change nothing, silently). top_k, min_p and repetition_penalty are the
+# extras vLLM serves.
 COMMON_FIELDS = {
     "model",
     "max_tokens",
-    "max_completion_tokens",
     "stream",
     "stream_options",
     "n",
     "temperature",
     "top_p",
+    "top_k",
+    "min_p",
     "seed",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
     "stop",
     "logprobs",
+    "logit_bias",
 }
 ROUTE_FIELDS = {
-    "chat": COMMON_FIELDS | {"messages", "top_logprobs", "response_format"},
+    "chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format"},
     "completions": COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"},
 }
-# Fields of the API preheat does not serve yet: refused by name, with why.
+# Fields of the API preheat does not serve: refused by name, with why.
 NOT_SERVED = {
     "tools": "tool calls are not served",
     "tool_choice": "tool calls are not served",
     "parallel_tool_calls": "tool calls are not served",
     "functions": "function calls are not served",
     "function_call": "function calls are not served",
-    "logit_bias": "logit_bias is not served",
     "user": "per-user attribution is not recorded",
     "metadata": "stored completions are not served",
     "store": "stored completions are not served",
@@ -170,69 +178,125 @@ NOT_SERVED = {
     "web_search_options": "web search is not served",
 }
 STREAM_OPTIONS = {"include_usage"}
+MAX_COMPLETION_LOGPROBS = 5  # the completions API's own limit
 
 
 def _refuse(name: str, why: str) -> ApiError:
     return ApiError(HTTPStatus.BAD_REQUEST, f"{name}: {why}", "unsupported_parameter")
 
 
+def _invalid(name: str, why: str) -> ApiError:
+    return ApiError(HTTPStatus.BAD_REQUEST, f"{name}: {why}", "invalid_value")
+
+
 def check_fields(body: dict, route: str) -> None:
-    """Every field is one this route honours, with a value it can honour; else a 400 naming it."""
+    """Every field is one this route reads, and one it can honour; else a 400 naming it."""
     for name in body:
         if name in NOT_SERVED:
             raise _refuse(name, NOT_SERVED[name])
         if name not in ROUTE_FIELDS[route]:
             raise _refuse(name, f"not a parameter of /v1/{'chat/completions' if route == 'chat' else 'completions'}")
-    # Under greedy decoding these hold exactly as asked: the argmax is inside any nucleus, and
-    # the answer is the same for every seed. Anything else changes the answer: refused.
-    if (top_p := body.get("top_p")) is not None and not (_number(top_p) and 0 < top_p <= 1):
-        raise _refuse("top_p", f"must be a number in (0, 1] (got {top_p!r})")
-    if (seed := body.get("seed")) is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise _refuse("seed", f"must be an integer (got {seed!r})")
-    for penalty in ("presence_penalty", "frequency_penalty"):
-        if body.get(penalty) not in (None, 0, 0.0):
-            raise _refuse(penalty, "penalties are not served yet: only 0 (greedy decoding)")
-    if body.get("stop") not in (None, [], ""):
-        raise _refuse("stop", "stop sequences are not served yet; the answer ends at end-of-sequence or max_tokens")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise _refuse("logprobs", "log probabilities are not served yet")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise _refuse("response_format", 'only {"type": "text"} is served')
-    for name, default in (("echo", False), ("best_of", 1), ("suffix", None)):
+    for name, default in (("echo", False), ("suffix", None)):
         if name in body and body[name] not in (default, None):
             raise _refuse(name, f"only {default!r} is served")
-    options = body.get("stream_options") or {}
-    if isinstance(options, dict) and (extra := set(options) - STREAM_OPTIONS):
+    if body.get("best_of") not in (None, 1, body.get("n") or 1):
+        raise _refuse("best_of", "only best_of equal to n is served (no ranking of extra candidates)")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _invalid("stream_options", "must be an object")
+    if options and (extra := set(options) - STREAM_OPTIONS):
         raise _refuse(f"stream_options.{sorted(extra)[0]}", "only include_usage is served")
 
 
-def _number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+def _stop_of(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise _invalid("stop", "must be a string or a list of strings")
+    return tuple(s for s in stop if s)
 
 
-def _common(body: dict) -> dict:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "model is required (a catalog model name)", "invalid_value")
-    temperature = body.get("temperature")
-    if temperature not in (None, 0, 0.0):
-        raise ApiError(
-            HTTPStatus.BAD_REQUEST,
-            "only greedy decoding is served: temperature must be 0 or absent",
-            "unsupported_value",
-        )
-    if body.get("n") not in (None, 1):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "n must be 1", "unsupported_value")
+def _logit_bias_of(body: dict) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() for k in bias):
+        raise _invalid("logit_bias", "must map token ids (as strings) to numbers")
+    return tuple((int(token), value) for token, value in bias.items())
+
+
+def _logprobs_of(body: dict, route: str) -> int | None:
+    logprobs = body.get("logprobs")
+    if route == "completions":  # an integer: how many alternatives per token
+        if logprobs is None:
+            return None
+        if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise _invalid("logprobs", f"must be an integer from 0 to {MAX_COMPLETION_LOGPROBS} (got {logprobs!r})")
+        return logprobs
+    top = body.get("top_logprobs")
+    if logprobs not in (None, True, False):
+        raise _invalid("logprobs", f"must be true or false (got {logprobs!r})")
+    if top is not None and not logprobs:
+        raise _invalid("top_logprobs", "needs logprobs: true")
+    if not logprobs:
+        return None
+    if top is None:
+        return 0
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise _invalid("top_logprobs", f"must be an integer from 0 to {MAX_TOP_LOGPROBS} (got {top!r})")
+    return top
+
+
+def sampling_of(body: dict, route: str) -> SamplingParams:
+    """The request's decoding, every value checked (a SamplingError names its parameter)."""
     max_tokens = _int_field(body, "max_completion_tokens", 0, 0, MAX_TOKENS_LIMIT) or _int_field(
         body, "max_tokens", 64, 1, MAX_TOKENS_LIMIT
     )
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.get("temperature"),
+            top_p=body.get("top_p"),
+            top_k=_top_k_of(body),
+            min_p=body.get("min_p"),
+            repetition_penalty=body.get("repetition_penalty"),
+            presence_penalty=_or_zero(body, "presence_penalty"),
+            frequency_penalty=_or_zero(body, "frequency_penalty"),
+            seed=body.get("seed"),
+            stop=_stop_of(body),
+            n=body.get("n") if body.get("n") is not None else 1,
+            logprobs=_logprobs_of(body, route),
+            logit_bias=_logit_bias_of(body),
+        )
+    except SamplingError as exc:
+        raise _invalid(exc.parameter, str(exc).removeprefix(f"{exc.parameter}: ")) from None
+
+
+def _top_k_of(body: dict):
+    top_k = body.get("top_k")
+    return None if top_k == -1 else top_k  # -1: vLLM's "off"
+
+
+def _or_zero(body: dict, name: str):
+    value = body.get(name)
+    return 0.0 if value is None else value
+
+
+def _common(body: dict, route: str) -> dict:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "model is required (a catalog model name)", "invalid_value")
+    check_fields(body, route)
     options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "stream_options must be an object", "invalid_value")
     return {
         "model": model,
-        "max_tokens": max_tokens,
+        "sampling": sampling_of(body, route),
         "stream": bool(body.get("stream", False)),
         "include_usage": bool(options.get("include_usage", False)),
     }
@@ -257,22 +321,20 @@ def parse_chat(body: dict) -> Ask:
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
             raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].role must be one of {list(ROLES)}", "invalid_value")
+        if extra := sorted(set(message) - {"role", "content", "name"}):
+            raise _refuse(f"messages[{i}].{extra[0]}", "not served (text messages only)")
         text = _text_of(message.get("content"), f"messages[{i}]")
-        if role == "system":
+        if role in ("system", "developer"):
             if turns:
                 raise ApiError(HTTPStatus.BAD_REQUEST, "system messages must come first", "invalid_value")
             system.append(text)
         else:
-            turns.append((role, text))
-    if not turns or turns[-1][0] != "user":
+            turns.append({"role": role, "content": text})
+    if not turns or turns[-1]["role"] != "user":
         raise ApiError(HTTPStatus.BAD_REQUEST, "the last message must be the user's", "invalid_value")
-    # One user turn is the user's text as a template request has it; a conversation is
-    # rendered turn by turn after the system prompt.
-    user_input = (
-        turns[0][1] if len(turns) == 1 else "\n\n".join(f"{r.title()}: {t}" for r, t in turns) + "\n\nAssistant:"
-    )
-    check_fields(body, "chat")
-    return Ask(system_prompt="\n".join(system) or None, user_input=user_input, **_common(body))
+    # Leading system (and developer) messages are one system turn: every template knows that.
+    head = [{"role": "system", "content": "\n".join(system)}] if system else []
+    return Ask(messages=(*head, *turns), **_common(body, "chat"))
 
 
 def parse_completion(body: dict) -> Ask:
@@ -281,40 +343,78 @@ def parse_completion(body: dict) -> Ask:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(HTTPStatus.BAD_REQUEST, "prompt must be a non-empty string", "invalid_value")
-    check_fields(body, "completions")
-    return Ask(prompt=prompt, **_common(body))
+    return Ask(prompt=prompt, **_common(body, "completions"))
 
 
 # Responses ----------------------------------------------------------------------------
 
 
-def usage_of(completion: Completion) -> dict:
-    generated = len(completion.token_ids)
+def usage_of(completions: list[Completion]) -> dict:
+    """One prompt, n answers: the prompt and its reuse counted once, the answers summed."""
+    first, generated = completions[0], sum(len(c.token_ids) for c in completions)
     return {
-        "prompt_tokens": completion.prompt_tokens,
+        "prompt_tokens": first.prompt_tokens,
         "completion_tokens": generated,
-        "total_tokens": completion.prompt_tokens + generated,
-        "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
+        "total_tokens": first.prompt_tokens + generated,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
 
 
-def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None = None) -> dict:
+class LogprobShapes:
+    """Log probabilities in the two shapes of the API, token texts decoded one by one."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def _text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        text = self._text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def chat(self, logprobs: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict:
+        return {
+            "content": [
+                {
+                    **self._chat_entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [self._chat_entry(t, v) for t, v in lp.top],
+                }
+                for lp in logprobs
+            ]
+        }
+
+    def completion(self, logprobs: tuple[TokenLogprob, ...] | list[TokenLogprob], offset: int = 0) -> dict:
+        tokens = [self._text(lp.token_id) for lp in logprobs]
+        offsets, at = [], offset
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self._text(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+
+def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None = None, **choice) -> dict:
     return {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, **choice}],
     }
 
 
-def text_chunk(request_id: str, model: str, text: str, finish_reason: str | None = None) -> dict:
+def text_chunk(request_id: str, model: str, text: str, finish_reason: str | None = None, **choice) -> dict:
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, **choice}],
     }
 
 
@@ -339,6 +439,8 @@ class BaseHandler(tornado.web.RequestHandler):
         self.finish(json.dumps(body) + "\n")
 
     def fail(self, error: ApiError) -> None:
+        if error.retry_after_s is not None:
+            self.set_header("Retry-After", str(error.retry_after_s))
         self.reply(
             error.status,
             {
@@ -428,7 +530,7 @@ class ModelsHandler(BaseHandler):
 
 
 class GenerateHandler(BaseHandler):
-    """What /v1/completions and /v1/chat/completions share: auth, gating, streaming."""
+    """What /v1/completions and /v1/chat/completions share: auth, gating, n choices, streaming."""
 
     chat = True
 
@@ -444,15 +546,19 @@ class GenerateHandler(BaseHandler):
             self.require_bearer(self.server.config.api_key, None)
             ask = parse_chat(self.json_body()) if self.chat else parse_completion(self.json_body())
             self._check_model_ready(ask.model)
-            stream = await self.server.run(lambda: self._open(ask))
+            first = await self.server.run(lambda: self._open(ask, 0))
         except ApiError as exc:
             return self.fail(exc)
         request_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        shapes = LogprobShapes(self.server.runtime.resident_models.get(ask.model).tokenizer)
         if ask.stream:
-            await self._stream(ask, request_id, stream)
-        else:
-            completion = await self.server.run(stream.collect)
-            self.reply(HTTPStatus.OK, self._whole(ask, request_id, completion))
+            await self._stream(ask, request_id, first, shapes)
+            return
+        try:
+            completions = await self.server.run(lambda: self._collect(ask, first))
+        except ApiError as exc:
+            return self.fail(exc)
+        self.reply(HTTPStatus.OK, self._whole(ask, request_id, completions, shapes))
 
     def _check_model_ready(self, model: str) -> None:
         runtime = self.server.runtime
@@ -464,63 +570,114 @@ class GenerateHandler(BaseHandler):
             )
         reasons = self.server.model_readiness(model)
         if reasons:
-            self.set_header("Retry-After", "5")
             raise ApiError(
-                HTTPStatus.SERVICE_UNAVAILABLE, f"model {model!r} is not warm yet: {'; '.join(reasons)}", "warming_up"
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                f"model {model!r} is not warm yet: {'; '.join(reasons)}",
+                "warming_up",
+                retry_after_s=5,
             )
 
-    def _open(self, ask: Ask) -> TextStream:
-        runtime = self.server.runtime
+    def _open(self, ask: Ask, index: int) -> TextStream:
+        """Choice `index`'s stream; on the forward thread, after the choices before it (each
+        later choice starts from what the ones before left cached)."""
+        runtime, sampling = self.server.runtime, ask.sampling.for_choice(index)
         try:
             if ask.prompt is not None:
-                return runtime.generate_text(ask.model, ask.prompt, ask.max_tokens)
-            return runtime.generate_chat(ask.model, ask.system_prompt, ask.user_input, ask.max_tokens)
-        except UnknownNameError as exc:
-            raise ApiError(HTTPStatus.NOT_FOUND, str(exc), "model_not_found") from None
-        except ValueError as exc:  # longer than the context, …
-            raise ApiError(HTTPStatus.BAD_REQUEST, str(exc), "context_length_exceeded") from None
-        except DeviceOutOfMemory as exc:
-            self.set_header("Retry-After", "5")
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "out_of_memory") from None
-        except PreheatError as exc:
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "model_unavailable") from None
+                return runtime.generate_text(ask.model, ask.prompt, sampling)
+            return runtime.generate_chat(ask.model, ask.messages, sampling)
+        except Exception as exc:
+            raise self._api_error(exc) from None
 
-    async def _stream(self, ask: Ask, request_id: str, stream: TextStream) -> None:
+    def _api_error(self, exc: Exception) -> ApiError:
+        if isinstance(exc, ApiError):
+            return exc
+        if isinstance(exc, UnknownNameError):
+            return ApiError(HTTPStatus.NOT_FOUND, str(exc), "model_not_found")
+        if isinstance(exc, ChatTemplateError):
+            return ApiError(HTTPStatus.BAD_REQUEST, str(exc), "invalid_value")
+        if isinstance(exc, ValueError):  # longer than the context, …
+            return ApiError(HTTPStatus.BAD_REQUEST, str(exc), "context_length_exceeded")
+        if isinstance(exc, DeviceOutOfMemory):
+            return ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "out_of_memory", retry_after_s=5)
+        if isinstance(exc, PreheatError):
+            return ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "model_unavailable")
+        log.exception("request failed")
+        return ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}", "internal_error")
+
+    def _collect(self, ask: Ask, first: TextStream) -> list[Completion]:
+        completions = []
+        for index in range(ask.sampling.n):
+            stream = first if index == 0 else self._open(ask, index)
+            try:
+                completions.append(stream.collect())
+            except Exception as exc:
+                raise self._api_error(exc) from None
+        return completions
+
+    async def _stream(self, ask: Ask, request_id: str, first: TextStream, shapes: LogprobShapes) -> None:
+        """Server-sent events, choice after choice. A failure after the first byte ends the
+        stream with an error event and [DONE], never a silent cut."""
         self.set_header("Content-Type", "text/event-stream")
         self.set_header("Cache-Control", "no-cache")
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def produce() -> None:
             try:
-                for delta in stream:
-                    loop.call_soon_threadsafe(events.put_nowait, delta)
-                    if self.cancelled.is_set():
-                        break
+                for index in range(ask.sampling.n):
+                    stream = first if index == 0 else self._open(ask, index)
+                    loop.call_soon_threadsafe(events.put_nowait, ("start", index, None))
+                    for piece in stream:
+                        loop.call_soon_threadsafe(events.put_nowait, ("piece", index, piece))
+                        if self.cancelled.is_set():
+                            return
+                    loop.call_soon_threadsafe(events.put_nowait, ("end", index, stream.completion))
+            except Exception as exc:
+                loop.call_soon_threadsafe(events.put_nowait, ("error", None, self._api_error(exc)))
             finally:
                 loop.call_soon_threadsafe(events.put_nowait, None)
 
         producing = loop.run_in_executor(self.server.executor, produce)
-        if self.chat:
-            await self._send(chat_chunk(request_id, ask.model, {"role": "assistant", "content": ""}))
-        while (delta := await events.get()) is not None:
-            piece = (
-                chat_chunk(request_id, ask.model, {"content": delta})
-                if self.chat
-                else text_chunk(request_id, ask.model, delta)
-            )
-            await self._send(piece)
+        completions: list[Completion] = []
+        while (event := await events.get()) is not None:
+            kind, index, value = event
+            if kind == "error":
+                await self._send({"error": {"message": value.message, "type": "server_error", "code": value.code}})
+                break
+            if kind == "end":
+                completions.append(value)
+            await self._send_event(ask, request_id, shapes, kind, index, value)
         await producing
-        completion = stream.completion
-        last = (
-            chat_chunk(request_id, ask.model, {}, completion.finish_reason)
-            if self.chat
-            else text_chunk(request_id, ask.model, "", completion.finish_reason)
-        )
-        await self._send(last)
-        if ask.include_usage:
-            await self._send({**last, "choices": [], "usage": usage_of(completion)})
+        if completions and len(completions) == ask.sampling.n and ask.include_usage:
+            kind = "chat.completion.chunk" if self.chat else "text_completion"
+            await self._send(
+                {
+                    "id": request_id,
+                    "object": kind,
+                    "created": int(time.time()),
+                    "model": ask.model,
+                    "choices": [],
+                    "usage": usage_of(completions),
+                }
+            )
         await self._send_raw("data: [DONE]\n\n")
         self.finish()
+
+    async def _send_event(self, ask: Ask, request_id: str, shapes: LogprobShapes, kind: str, index: int, value):
+        if kind == "start":
+            if self.chat:
+                await self._send(chat_chunk(request_id, ask.model, {"role": "assistant", "content": ""}, index=index))
+            return
+        if kind == "end":
+            chunk = chat_chunk if self.chat else text_chunk
+            await self._send(chunk(request_id, ask.model, {} if self.chat else "", value.finish_reason, index=index))
+            return
+        logprobs = None
+        if ask.sampling.logprobs is not None:
+            logprobs = shapes.chat(value.logprobs) if self.chat else shapes.completion(value.logprobs)
+        if self.chat:
+            await self._send(chat_chunk(request_id, ask.model, {"content": value.text}, index=index, logprobs=logprobs))
+        else:
+            await self._send(text_chunk(request_id, ask.model, value.text, index=index, logprobs=logprobs))
 
     async def _send(self, payload: dict) -> None:
         await self._send_raw(f"data: {json.dumps(payload)}\n\n")
@@ -534,25 +691,40 @@ class GenerateHandler(BaseHandler):
         except tornado.iostream.StreamClosedError:
             self.cancelled.set()
 
-    def _whole(self, ask: Ask, request_id: str, completion: Completion) -> dict:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": completion.text},
-                "finish_reason": completion.finish_reason,
-            }
-            kind = "chat.completion"
-        else:
-            choice = {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
-            kind = "text_completion"
+    def _whole(self, ask: Ask, request_id: str, completions: list[Completion], shapes: LogprobShapes) -> dict:
+        choices = []
+        for index, completion in enumerate(completions):
+            logprobs = None
+            if ask.sampling.logprobs is not None:
+                logprobs = shapes.chat(completion.logprobs) if self.chat else shapes.completion(completion.logprobs)
+            if self.chat:
+                message = {"role": "assistant", "content": completion.text}
+                choices.append(
+                    {
+                        "index": index,
+                        "message": message,
+                        "logprobs": logprobs,
+                        "finish_reason": completion.finish_reason,
+                    }
+                )
+            else:
+                choices.append(
+                    {
+                        "index": index,
+                        "text": completion.text,
+                        "logprobs": logprobs,
+                        "finish_reason": completion.finish_reason,
+                    }
+                )
+        first = completions[0]
         return {
             "id": request_id,
-            "object": kind,
+            "object": "chat.completion" if self.chat else "text_completion",
             "created": int(time.time()),
             "model": ask.model,
-            "choices": [choice],
-            "usage": usage_of(completion),
-            "preheat": {"ttft_ms": completion.ttft_ms, "total_ms": completion.total_ms},
+            "choices": choices,
+            "usage": usage_of(completions),
+            "preheat": {"ttft_ms": first.ttft_ms, "total_ms": first.total_ms},
         }
 
 
@@ -604,8 +776,8 @@ class WarmupHandler(BaseHandler):
         record = {"status": result.status, **result.as_record()}
         if result.status == "failed":
             return record
-        probe = runtime.catalog.template(template).probe
-        done = [runtime.generate(template, probe, max_tokens).collect() for _ in range(batch_size)]
+        probe, sampling = runtime.catalog.template(template).probe, SamplingParams(max_tokens=max_tokens)
+        done = [runtime.generate(template, probe, sampling).collect() for _ in range(batch_size)]
         record["requests"] = {
             "count": len(done),
             "ttft_ms": statistics.median(c.ttft_ms for c in done),

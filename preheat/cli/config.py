@@ -15,8 +15,12 @@ def check() -> None:
     catalog = load_catalog(settings.catalog)
     catalog.check_model_paths()
     catalog.check_prompts()
+    for model in catalog.models:
+        catalog.chat_template(model)  # a file that can only fail is one clear error
     typer.echo(
         f"settings ok; broker {'embedded filesystem' if settings.is_embedded else 'configured'}; "
         f"catalog {settings.catalog}: {len(catalog.models)} model(s), {len(catalog.templates)} template(s), "
         f"{len(catalog.endpoints)} endpoint(s), {len(catalog.schedules)} schedule(s)"
     )
+    for model in catalog.models:
+        typer.echo(f"model {model}: chat template from {catalog.chat_template_source(model)}")

@@ -8,7 +8,7 @@ import typer
 
 from preheat.cli import render
 from preheat.cli.warm import EXIT_TIMEOUT
-from preheat.errors import PreheatError
+from preheat.errors import ConfigError, PreheatError
 
 console = render.console()
 
@@ -17,6 +17,15 @@ def infer(
     template: str = typer.Argument(..., help="Template whose system prompt starts the request."),
     user_input: str = typer.Argument(..., help="The user's message."),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, max=4096, help="Most tokens to generate."),
+    temperature: float | None = typer.Option(
+        None, "--temperature", help="0 decodes greedily; default: the model's generation_config.json."
+    ),
+    top_p: float | None = typer.Option(None, "--top-p", help="Nucleus sampling: keep this much probability mass."),
+    top_k: int | None = typer.Option(None, "--top-k", help="Sample among the k most likely tokens."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of the sampling: the same answer every run."),
+    stop: list[str] | None = typer.Option(
+        None, "--stop", help="End the answer before this text (repeatable, 4 at most)."
+    ),
     timeout: float = typer.Option(120.0, "--timeout", min=1.0, help="Seconds to wait for a warm worker."),
     as_json: bool = typer.Option(False, "--json", help="Print the completion as JSON."),
 ) -> None:
@@ -27,9 +36,11 @@ def infer(
     from preheat.celery import app
 
     # The router resolves the template's model queue: an unknown template fails here, unsent.
-    pending = app.send_task(
-        "preheat.infer", kwargs={"template": template, "user_input": user_input, "max_new_tokens": max_tokens}
-    )
+    decoding = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop}
+    kwargs = {"template": template, "user_input": user_input, "max_new_tokens": max_tokens}
+    kwargs.update({name: value for name, value in decoding.items() if value is not None})
+    _check_decoding(kwargs)
+    pending = app.send_task("preheat.infer", kwargs=kwargs)
     try:
         answer = pending.get(timeout=timeout, propagate=True)
     except ResultTimeout:
@@ -50,3 +61,15 @@ def infer(
         f"prompt tokens from the cache · {len(answer['token_ids'])} tokens in {answer['total_ms']:,.1f} ms · "
         f"{answer['finish_reason']}[/]"
     )
+
+
+def _check_decoding(kwargs: dict) -> None:
+    """The values the worker would refuse, refused here (message, exit 2), before sending."""
+    from workers.sampling import SamplingError, SamplingParams
+
+    fields = {k: v for k, v in kwargs.items() if k not in ("template", "user_input", "max_new_tokens", "stop")}
+    try:
+        SamplingParams(max_tokens=kwargs["max_new_tokens"], stop=tuple(kwargs.get("stop", ())), **fields)
+    except SamplingError as exc:
+        option, why = exc.parameter.replace("_", "-"), str(exc).removeprefix(f"{exc.parameter}: ")
+        raise ConfigError(f"--{option}: {why}") from None

@@ -179,12 +179,14 @@ def ttft_table(report: dict) -> Table:
         f"{model['parameters'] / 1e6:.1f} M params) on {report['device']}",
         title_justify="left",
         caption=f"ms, median of {report['repeats']} interleaved rounds; user input "
-        f"{report['rows'][0]['user_tokens']} tokens; bare = no system prompt; overhead = "
+        f"{report['rows'][0]['user_tokens']} tokens; every prompt chat-templated (prefix = the rendered system turn); "
+        "bare = no system prompt; overhead = "
         "lookup + id check + clone, as a share of warm",
         caption_justify="left",
     )
     headers = (
         "system tokens",
+        "prefix tokens",
         "prefill",
         "TTFT cold",
         "TTFT warm",
@@ -201,6 +203,7 @@ def ttft_table(report: dict) -> Table:
     for row in report["rows"]:
         table.add_row(
             f"{row['system_tokens']:,}",
+            f"{row['prefix_tokens']:,}",
             _ms(row["prefill_ms"]),
             _ms(row["ttft_cold_ms"]),
             _ms(row["ttft_warm_ms"]),
@@ -212,6 +215,38 @@ def ttft_table(report: dict) -> Table:
             f"{row['cache_bytes'] / 2**20:,.1f}",
             "yes" if row["same_first_token"] else "NO",
         )
+    return table
+
+
+def turn_two_table(report: dict) -> Table:
+    """`preheat bench ttft`: a conversation's second turn, with and without turn one cached."""
+    row = report["turn_two"]
+    table = Table(
+        title="Turn two of a conversation (chat-templated), side by side",
+        title_justify="left",
+        caption=f"ms, median of {report['repeats']} interleaved rounds",
+        caption_justify="left",
+    )
+    for header in ("system tokens", "turn-two tokens", "cached", "TTFT", "same token"):
+        table.add_column(header, justify="right", no_wrap=True)
+    table.add_column("what is cached", justify="left")
+    same = "yes" if row["same_first_token"] else "NO"
+    table.add_row(
+        f"{row['system_tokens']:,}",
+        f"{row['turn_two_tokens']:,}",
+        f"{row['cached_with_turn_one']:,}",
+        _ms(row["ttft_with_turn_one_ms"]),
+        same,
+        "system prompt + turn one (remembered)",
+    )
+    table.add_row(
+        f"{row['system_tokens']:,}",
+        f"{row['turn_two_tokens']:,}",
+        f"{row['cached_prefix_only']:,}",
+        _ms(row["ttft_prefix_only_ms"]),
+        same,
+        "system prompt only",
+    )
     return table
 
 

@@ -43,6 +43,9 @@ ROWS = [
     ("requested-by empty", ["warm", "--requested-by", ""], {}, None, 2, "--requested-by must not be empty"),
     ("unknown template", ["warm", "-t", "nope"], {}, None, 2, "unknown template 'nope'"),
     ("infer unknown", ["infer", "nope", "hi"], {}, None, 2, "unknown template 'nope'"),
+    ("infer too hot", ["infer", "support", "hi", "--temperature", "5"], {}, None, 2, "--temperature: must be in"),
+    ("infer top-p 0", ["infer", "support", "hi", "--top-p", "0"], {}, None, 2, "--top-p: must be in (0, 1]"),
+    ("infer empty stop", ["infer", "support", "hi", "--stop", ""], {}, None, 2, "--stop: must be a string"),
     # Schedules
     ("cron too long", ["schedule", "add", "s", "--cron", LONG_CRON], {}, None, 2, "at most 120"),
     ("full-width digit", ["schedule", "add", "s", "--cron", "\uff15 * * * *"], {}, None, 2, "is invalid"),

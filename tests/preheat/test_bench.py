@@ -4,6 +4,8 @@ only: the figures' size is the benchmark's business, not a test's."""
 import json
 import subprocess
 
+from transformers import AutoTokenizer
+
 from tests.conftest import PREHEAT_CLI
 
 
@@ -29,11 +31,17 @@ def test_ttft_prints_the_table_and_writes_the_json(embedded_stack, tmp_path):
     for row in report["rows"]:
         assert row["same_first_token"] is True
         assert row["ttft_cold_ms"] > 0 and row["ttft_warm_ms"] > 0 and row["ttft_bare_ms"] > 0 and row["reuse_ms"] > 0
-        # Exact bytes: layers x (keys + values) x kv heads x tokens x head dim x 4 bytes (float32).
-        assert row["cache_bytes"] == config["layers"] * 2 * 2 * row["system_tokens"] * 64 * 4
+        # Exact bytes: layers x (keys + values) x kv heads x tokens x head dim x 4 bytes (float32),
+        # and the logits after the prefix (vocabulary x 4 bytes).
+        assert row["prefix_tokens"] > row["system_tokens"]  # the chat template's own tokens
+        kv_bytes = config["layers"] * 2 * 2 * row["prefix_tokens"] * 64 * 4
+        assert row["cache_bytes"] - kv_bytes == 4 * len(AutoTokenizer.from_pretrained(report["model"]["path"]))
         assert row["saved_pct"] == 100 * (1 - row["ttft_warm_ms"] / row["ttft_cold_ms"])
     assert set(report["targets"]) == {"saved_at_128_pct", "reuse_overhead_pct", "same_first_token"}
     assert report["device"] == "cpu/float32" and report["repeats"] == 2
+    turn_two = report["turn_two"]
+    assert turn_two["cached_with_turn_one"] > turn_two["cached_prefix_only"] >= report["rows"][0]["prefix_tokens"]
+    assert turn_two["same_first_token"] is True and "Turn two of a conversation" in done.stdout
 
 
 def test_bad_input_is_one_line_and_a_non_zero_exit(embedded_stack):

@@ -94,6 +94,11 @@ def test_garbage_arguments_are_one_clear_error(name, data):
         ("preheat.infer", {"user_input": "x" * 200_001}, "user_input"),
         ("preheat.infer", {"user_input": b"\xff\xfe".decode("latin-1") * 2}, None),  # odd text is still text
         ("preheat.infer", {"user_input": "parcel \ud800 late"}, "user_input is not valid text"),
+        ("preheat.infer", {"temperature": 0.7, "top_p": 0.9, "seed": 1, "stop": ["\n"]}, None),
+        ("preheat.infer", {"temperature": 5.0}, "temperature: must be in"),
+        ("preheat.infer", {"top_k": "20"}, "top_k"),
+        ("preheat.infer", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("preheat.infer", {"logprobs": 2}, "logprobs: Extra inputs"),  # not a parameter of this task
         ("preheat.warm_worker", {"worker": "gpu0@node\udcff"}, "worker is not valid text"),
         ("preheat.warm_fleet", {"detail": {"note": "\udcfe"}}, "detail.note is not valid text"),
         ("preheat.warm_endpoint", {"base_url": "file:///etc/passwd"}, "base_url"),

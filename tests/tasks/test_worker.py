@@ -10,13 +10,14 @@ from preheat import procs
 WORKER = "w1@preheat-test"
 
 
-def send_infer(template="support", user_input="Where is my parcel?", max_new_tokens=4):
+def send_infer(template="support", user_input="Where is my parcel?", max_new_tokens=4, **decoding):
     from preheat.celery import create_app
     from preheat.settings import get_settings
 
     app = create_app(get_settings())
     return app.send_task(
-        "preheat.infer", kwargs={"template": template, "user_input": user_input, "max_new_tokens": max_new_tokens}
+        "preheat.infer",
+        kwargs={"template": template, "user_input": user_input, "max_new_tokens": max_new_tokens, **decoding},
     )
 
 
@@ -36,13 +37,21 @@ def test_a_request_sent_before_the_worker_exists_is_served_only_once_it_is_warm(
         assert httpx.get(f"{health}/health/ready").json() == {"status": "ready"}
         second = send_infer(user_input="And when will it arrive?").get(timeout=60)
         assert second["cached_tokens"] == answer["cached_tokens"]
+        # Sampling through Celery: the same seed, the same answer; the stop string ends it.
+        sampled = {"temperature": 0.8, "top_p": 0.9, "seed": 5}
+        free = [send_infer(max_new_tokens=12, **sampled).get(timeout=60) for _ in range(2)]
+        assert free[0]["token_ids"] == free[1]["token_ids"] and free[0]["text"]
+        stop = free[0]["text"][1:3]
+        stopped = send_infer(max_new_tokens=12, stop=[stop], **sampled).get(timeout=60)
+        assert stopped["text"] == free[0]["text"][: free[0]["text"].find(stop)]
+        assert stopped["finish_reason"] == "stop"
         metrics = httpx.get(f"{health}/metrics").text.splitlines()
-        assert "preheat_kv_cache_hits_total 2.0" in metrics and "preheat_kv_cache_misses_total 0.0" in metrics
+        assert "preheat_kv_cache_hits_total 5.0" in metrics and "preheat_kv_cache_misses_total 0.0" in metrics
         assert 'preheat_prefills_total{model="tiny"} 1.0' in metrics  # pre-filled once, at start
 
         # Both requests are counted for the peak learner, written with the next heartbeat.
         counted = procs.poll(lambda: _traffic("tiny", "support"), 15, what="traffic counted")
-        assert counted == (2, answer["prompt_tokens"] + second["prompt_tokens"], answer["cached_tokens"])
+        assert counted[0] == 5 and counted[2] == answer["cached_tokens"]
 
 
 def _traffic(model: str, template: str):
@@ -59,7 +68,7 @@ def _traffic(model: str, template: str):
                 func.max(TrafficCount.prefix_tokens),
             ).where(TrafficCount.model == model, TrafficCount.template == template)
         ).one()
-    return (requests, prompt_tokens, prefix_tokens) if requests == 2 else None
+    return (requests, prompt_tokens, prefix_tokens) if requests == 5 else None
 
 
 @pytest.mark.slow

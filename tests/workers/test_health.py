@@ -7,6 +7,7 @@ from preheat.catalog import load_catalog
 from tests.conftest import write_catalog
 from workers.health import PATHS, HealthServer
 from workers.runtime import WorkerRuntime
+from workers.sampling import SamplingParams
 
 
 @pytest.fixture
@@ -35,7 +36,7 @@ def test_ready_is_503_with_reasons_until_preloaded_then_200(served):
 def test_metrics_expose_cache_models_and_ttft(served):
     runtime, client = served
     runtime.preload()
-    runtime.infer("support", "Where is my parcel?", max_new_tokens=2)
+    runtime.infer("support", "Where is my parcel?", SamplingParams(max_tokens=2))
     response = client.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     lines = set(response.text.splitlines())

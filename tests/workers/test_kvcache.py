@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from workers.kvcache import CacheBudget, CacheBudgetError, CacheFullError, CacheKey, KVCacheManager
+from workers.kvcache import MIN_PARTIAL_TOKENS, CacheBudget, CacheBudgetError, CacheFullError, CacheKey, KVCacheManager
 
 
 def ids(n: int, start: int = 1) -> list[int]:
@@ -29,7 +29,7 @@ def labels(cache: KVCacheManager) -> list[str]:
 def test_the_entry_budget_evicts_the_least_recently_used_first():
     cache = KVCacheManager(CacheBudget(max_entries=3, max_bytes=10_000))
     fill(cache, ("a", 100, 10), ("b", 200, 10), ("c", 300, 10))
-    cache.release(cache.acquire_longest("m", [*ids(4, 100), 7]))  # a is now the most recent
+    cache.release(cache.acquire_longest("m", [*ids(4, 100), 7]).entry)  # a is now the most recent
     fill(cache, ("d", 400, 10))
     assert labels(cache) == ["c", "a", "d"]
     fill(cache, ("e", 500, 10))
@@ -51,7 +51,7 @@ def test_the_byte_budget_evicts_as_many_as_needed_and_no_more():
 def test_an_entry_in_use_is_never_evicted():
     cache = KVCacheManager(CacheBudget(max_entries=2, max_bytes=1_000))
     fill(cache, ("a", 100, 10), ("b", 200, 10))
-    held = cache.acquire_longest("m", ids(4, 100))
+    held = cache.acquire_longest("m", ids(4, 100)).entry
     fill(cache, ("c", 300, 10))  # a is the oldest but held: b goes
     assert labels(cache) == ["a", "c"] and held.ref_count == 1
     cache.release(held)
@@ -94,7 +94,7 @@ def test_no_room_because_everything_is_held_raises_without_evicting_anything():
     cache = KVCacheManager(CacheBudget(max_entries=3, max_bytes=100, pinned_share=1.0))
     keys = fill(cache, ("a", 100, 40), ("b", 200, 40), ("c", 300, 10))
     cache.pin(keys["a"])
-    held = cache.acquire_longest("m", ids(4, 200))
+    held = cache.acquire_longest("m", ids(4, 200)).entry
     with pytest.raises(CacheFullError, match=r"no room for prefix d \(60 bytes\): 2 entries \(80 bytes\) are in use"):
         fill(cache, ("d", 400, 60))  # c (10 bytes) alone cannot make room: it must not be evicted either
     assert labels(cache) == ["a", "c", "b"] and cache.stats().evictions == 0  # b was touched by its lookup
@@ -103,32 +103,46 @@ def test_no_room_because_everything_is_held_raises_without_evicting_anything():
     assert labels(cache) == ["a", "d"]
 
 
-def test_lookup_finds_the_longest_cached_prefix_and_confirms_the_ids():
+def test_lookup_finds_the_entry_sharing_the_most_leading_ids():
     cache = KVCacheManager(CacheBudget(max_entries=10, max_bytes=1_000))
-    short = cache.insert("m", [1, 2, 3], object(), 1, label="short")
-    long = cache.insert("m", [1, 2, 3, 4, 5], object(), 1, label="long")
-    cache.insert("other", [1, 2, 3, 4, 5, 6], object(), 1)
-    with cache.using("m", [1, 2, 3, 4, 5, 6, 7]) as hit:
-        assert hit is long and hit.ref_count == 1
+    b = MIN_PARTIAL_TOKENS
+    short = cache.insert("m", ids(b + 3), object(), 1, label="short")
+    long = cache.insert("m", ids(b + 5), object(), 1, label="long")
+    cache.insert("other", ids(b + 6), object(), 1)
+    with cache.using("m", ids(b + 7)) as hit:
+        assert (hit.entry, hit.tokens) == (long, b + 5) and long.ref_count == 1
     assert long.ref_count == 0
-    with cache.using("m", [1, 2, 3, 9]) as hit:
-        assert hit is short
-    with cache.using("m", [1, 2]) as hit:  # shorter than every prefix
+    with cache.using("m", [*ids(b + 3), 0]) as hit:  # a tie: the whole entry wins (nothing to cut)
+        assert (hit.entry, hit.tokens) == (short, b + 3)
+    with cache.using("m", [*ids(b + 1), 0]) as hit:  # the head of both: the most recently used
+        assert (hit.entry, hit.tokens) == (short, b + 1)
+    with cache.using("m", ids(b + 5)) as hit:  # exactly the entry
+        assert (hit.entry, hit.tokens) == (long, b + 5)
+    with cache.using("m", [*ids(b - 1), 0]) as hit:  # a head shorter than a block is no hit
         assert hit is None
-    with cache.using("m", [1, 2, 3, 4, 5]) as hit:  # exactly the prefix
-        assert hit is long
     stats = cache.stats()
-    assert (stats.queries, stats.hits, stats.misses) == (4, 3, 1)
-    assert (stats.tokens_queried, stats.tokens_hit) == (7 + 4 + 2 + 5, 5 + 3 + 0 + 5)
-    assert stats.hit_rate == pytest.approx(13 / 18)
+    assert (stats.queries, stats.hits, stats.misses) == (5, 4, 1)
+    assert (stats.tokens_queried, stats.tokens_hit) == (5 * b + 7 + 4 + 2 + 5 + 0, 4 * b + 5 + 3 + 1 + 5)
 
 
-def test_a_hash_collision_is_not_a_hit(monkeypatch):
+def test_an_entry_that_cannot_be_cut_is_used_whole_or_not_at_all():
+    cache = KVCacheManager(CacheBudget(max_entries=10, max_bytes=1_000))
+    b = MIN_PARTIAL_TOKENS
+    window = cache.insert("m", ids(b + 4), object(), 1, truncatable=False)
+    assert cache.acquire_longest("m", [*ids(b + 3), 0]) is None  # its head would need a cut
+    whole = cache.acquire_longest("m", [*ids(b + 4), 0])
+    assert (whole.entry, whole.tokens) == (window, b + 4)
+    cache.release(whole.entry)
+    head = cache.insert("m", ids(2), object(), 1)
+    assert cache.acquire_longest("m", [*ids(b + 3), 0]).entry is head  # the next best that fits
+
+
+def test_the_ids_are_compared_not_their_hashes(monkeypatch):
     import workers.kvcache as kvcache
 
     cache = KVCacheManager(CacheBudget(max_entries=10, max_bytes=1_000))
-    monkeypatch.setattr(kvcache, "digest_tokens", lambda _: "same")
     cache.insert("m", [1, 2, 3], object(), 1)
+    monkeypatch.setattr(kvcache, "digest_tokens", lambda _: "same")
     with cache.using("m", [7, 8, 9, 10]) as hit:
         assert hit is None
 
@@ -144,7 +158,7 @@ def test_inserting_an_existing_prefix_returns_it_without_a_second_copy():
 def test_records_without_stats_for_warmups():
     cache = KVCacheManager(CacheBudget(max_entries=10, max_bytes=1_000))
     cache.insert("m", [1, 2], object(), 10)
-    cache.release(cache.acquire_longest("m", [1, 2, 3], record=False))
+    cache.release(cache.acquire_longest("m", [1, 2, 3], record=False).entry)
     assert cache.stats().queries == 0
 
 
@@ -199,10 +213,10 @@ class CacheWorkload(RuleBasedStateMachine):
 
     @rule(first=st.integers(0, 20), length=st.integers(1, 8))
     def acquire(self, first, length):
-        entry = self.cache.acquire_longest("m", ids(length, first))
-        if entry is not None:
-            assert list(entry.token_ids) == ids(length, first)[: entry.num_tokens]
-            self.held.append(entry)
+        match = self.cache.acquire_longest("m", ids(length, first))
+        if match is not None:
+            assert list(match.entry.token_ids[: match.tokens]) == ids(length, first)[: match.tokens]
+            self.held.append(match.entry)
 
     @precondition(lambda self: self.held)
     @rule(index=st.integers(0, 100))

@@ -1,10 +1,12 @@
-"""The OpenAI parameters `preheat serve` reads: honoured or refused by name, never ignored.
-Pure parsing, no model: tests/workers/test_serve.py sends a few of these to a real server."""
+"""The OpenAI parameters `preheat serve` reads: every one honoured (it reaches the sampling
+parameters with its value) or refused by name, never ignored. Pure parsing, no model:
+tests/workers/test_serve.py sends them to a real server."""
 
 from __future__ import annotations
 
 import pytest
 
+from workers.sampling import SamplingParams
 from workers.serve import ApiError, parse_chat, parse_completion
 
 USER = [{"role": "user", "content": "hi"}]
@@ -19,48 +21,89 @@ def completion(**fields) -> dict:
 
 
 @pytest.mark.parametrize(
-    "fields",
+    ("fields", "honoured"),
     [
-        {},
-        {"temperature": 0},
-        {"top_p": 1},
-        {"top_p": 0.9},  # greedy's argmax is in every nucleus: the answer is exactly as asked
-        {"seed": 7},  # greedy gives the same answer for every seed
-        {"presence_penalty": 0, "frequency_penalty": 0.0},
-        {"stop": None},
-        {"stop": []},
-        {"logprobs": False},
-        {"response_format": {"type": "text"}},
-        {"n": 1, "stream": True, "stream_options": {"include_usage": True}},
-        {"max_completion_tokens": 8},
+        ({}, SamplingParams()),
+        (
+            {"temperature": 0.7, "top_p": 0.9, "seed": 1, "stop": ["\n"]},
+            SamplingParams(temperature=0.7, top_p=0.9, seed=1, stop=("\n",)),
+        ),
+        ({"temperature": 1, "top_k": 20, "min_p": 0.05}, SamplingParams(temperature=1, top_k=20, min_p=0.05)),
+        ({"top_k": -1}, SamplingParams()),  # vLLM's "off"
+        (
+            {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2},
+            SamplingParams(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2),
+        ),
+        ({"stop": "END"}, SamplingParams(stop=("END",))),
+        ({"stop": None}, SamplingParams()),
+        ({"max_completion_tokens": 8}, SamplingParams(max_tokens=8)),
+        ({"max_tokens": 9}, SamplingParams(max_tokens=9)),
+        ({"n": 3}, SamplingParams(n=3)),
+        ({"logprobs": True}, SamplingParams(logprobs=0)),
+        ({"logprobs": True, "top_logprobs": 5}, SamplingParams(logprobs=5)),
+        ({"logprobs": False}, SamplingParams()),
+        ({"logit_bias": {"42": -100, "7": 3.5}}, SamplingParams(logit_bias=((42, -100), (7, 3.5)))),
+        ({"response_format": {"type": "text"}}, SamplingParams()),
+        ({"stream": True, "stream_options": {"include_usage": True}}, SamplingParams()),
     ],
 )
-def test_what_greedy_decoding_honours_is_accepted(fields):
-    assert parse_chat(chat(**fields)).model == "tiny"
+def test_every_chat_parameter_honoured_reaches_the_sampling(fields, honoured):
+    assert parse_chat(chat(**fields)).sampling == honoured
+
+
+def test_the_messages_are_passed_as_the_template_takes_them():
+    asked = parse_chat(
+        chat(
+            messages=[
+                {"role": "developer", "content": "Be brief."},
+                {"role": "system", "content": [{"type": "text", "text": "Be kind."}]},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "Bye", "name": "ann"},
+            ]
+        )
+    )
+    assert asked.messages == (
+        {"role": "system", "content": "Be brief.\nBe kind."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"},
+    )
 
 
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"stop": ["\n"]}, "stop: stop sequences are not served yet"),
-        ({"stop": "\n"}, "stop: stop sequences are not served yet"),
-        ({"logprobs": True}, "logprobs: log probabilities are not served yet"),
-        ({"top_logprobs": 3}, "logprobs: log probabilities are not served yet"),
-        ({"response_format": {"type": "json_object"}}, 'response_format: only {"type": "text"} is served'),
-        ({"presence_penalty": 0.5}, "presence_penalty: penalties are not served yet"),
-        ({"frequency_penalty": -1}, "frequency_penalty: penalties are not served yet"),
-        ({"top_p": 0}, "top_p: must be a number in (0, 1]"),
-        ({"top_p": "high"}, "top_p: must be a number in (0, 1]"),
+        ({"temperature": 2.5}, "temperature: must be in [0, 2]"),
+        ({"temperature": "hot"}, "temperature: must be a number"),
+        ({"top_p": 0}, "top_p: must be in (0, 1]"),
+        ({"top_p": "high"}, "top_p: must be a number"),
+        ({"top_k": 1.5}, "top_k: must be an integer"),
+        ({"min_p": 2}, "min_p: must be in [0, 1]"),
+        ({"repetition_penalty": 0}, "repetition_penalty: must be in (0, 2]"),
+        ({"presence_penalty": 3}, "presence_penalty: must be in [-2, 2]"),
         ({"seed": 1.5}, "seed: must be an integer"),
+        ({"n": 0}, "n: must be an integer from 1 to 16"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop: at most 4 sequences"),
+        ({"stop": [1]}, "stop: must be a string or a list of strings"),
+        ({"logprobs": 3}, "logprobs: must be true or false"),
+        ({"top_logprobs": 3}, "top_logprobs: needs logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs: must be an integer from 0 to 20"),
+        ({"logit_bias": {"x": 1}}, "logit_bias: must map token ids"),
+        ({"logit_bias": {"5": 101}}, "logit_bias: must be in [-100, 100]"),
+        ({"max_tokens": 0}, "max_tokens must be an integer from 1"),
+        ({"response_format": {"type": "json_object"}}, 'response_format: only {"type": "text"} is served'),
         ({"tools": [{"type": "function"}]}, "tools: tool calls are not served"),
         ({"tool_choice": "auto"}, "tool_choice: tool calls are not served"),
-        ({"logit_bias": {"50256": -100}}, "logit_bias: logit_bias is not served"),
         ({"user": "u-1"}, "user: per-user attribution is not recorded"),
         ({"store": True}, "store: stored completions are not served"),
         ({"modalities": ["audio"]}, "modalities: only text is served"),
         ({"temprature": 0}, "temprature: not a parameter of /v1/chat/completions"),
         ({"prompt": "x"}, "prompt: not a parameter of /v1/chat/completions"),
         ({"stream_options": {"include_usage": True, "chunk": 1}}, "stream_options.chunk: only include_usage"),
+        ({"stream_options": "yes"}, "stream_options: must be an object"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls: not served"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role must be one of"),
     ],
 )
 def test_a_chat_parameter_not_honoured_is_a_400_naming_it(fields, named):
@@ -73,15 +116,22 @@ def test_a_chat_parameter_not_honoured_is_a_400_naming_it(fields, named):
     ("fields", "named"),
     [
         ({"echo": True}, "echo: only False is served"),
-        ({"best_of": 3}, "best_of: only 1 is served"),
+        ({"best_of": 3}, "best_of: only best_of equal to n is served"),
         ({"suffix": "end"}, "suffix: only None is served"),
         ({"messages": USER}, "messages: not a parameter of /v1/completions"),
         ({"response_format": {"type": "text"}}, "response_format: not a parameter of /v1/completions"),
-        ({"stop": ["."]}, "stop: stop sequences are not served yet"),
+        ({"max_completion_tokens": 4}, "max_completion_tokens: not a parameter of /v1/completions"),
+        ({"top_logprobs": 2}, "top_logprobs: not a parameter of /v1/completions"),
+        ({"logprobs": 6}, "logprobs: must be an integer from 0 to 5"),
+        ({"logprobs": True}, "logprobs: must be an integer from 0 to 5"),
     ],
 )
 def test_a_completions_parameter_not_honoured_is_a_400_naming_it(fields, named):
     with pytest.raises(ApiError) as refused:
         parse_completion(completion(**fields))
     assert refused.value.message.startswith(named), refused.value.message
-    assert parse_completion(completion(echo=False, best_of=1, suffix=None)).prompt == "Once"
+
+
+def test_the_completions_parameters_honoured():
+    asked = parse_completion(completion(echo=False, best_of=2, n=2, suffix=None, logprobs=2, stop="."))
+    assert asked.prompt == "Once" and asked.sampling == SamplingParams(n=2, logprobs=2, stop=(".",))

@@ -7,8 +7,10 @@ import pytest
 from preheat.catalog import load_catalog
 from preheat.errors import UnknownNameError
 from tests.conftest import SUPPORT_PROMPT, write_catalog
+from workers.chat import conversation
 from workers.kvcache import CacheBudget, CacheBudgetError
 from workers.runtime import WorkerRuntime
+from workers.sampling import SamplingParams
 
 SUMMARY = '\n[templates.summarise]\nmodel = "tiny"\nsystem_prompt = "Summarise the text in three bullet points."\n'
 BROKEN = (
@@ -141,7 +143,9 @@ def test_truncated_weights_fail_with_the_loader_error(tmp_path, tiny_model):
 def test_a_warm_worker_answers_from_the_cache_and_never_prefills_again(runtime):
     runtime.preload()
     prefills = runtime.metrics.prefills.labels(model="tiny")._value.get()
-    answers = [runtime.infer("support", question, max_new_tokens=6) for question in ("Hi", "Where?", "When?")]
+    answers = [
+        runtime.infer("support", question, SamplingParams(max_tokens=6)) for question in ("Hi", "Where?", "When?")
+    ]
     assert all(a.cached_tokens > 20 and len(a.token_ids) >= 1 for a in answers)
     assert runtime.metrics.prefills.labels(model="tiny")._value.get() == prefills
     stats = runtime.cache.stats()
@@ -153,7 +157,7 @@ def test_an_evicted_template_is_prefilled_again_by_the_next_request(runtime):
     entry = next(e for e in runtime.cache.entries() if e.label == "support")
     runtime.cache.unpin(entry.key)
     runtime.cache.remove(entry.key)
-    answer = runtime.infer("support", "Hello", max_new_tokens=3)
+    answer = runtime.infer("support", "Hello", SamplingParams(max_tokens=3))
     assert answer.cached_tokens == entry.num_tokens
     assert any(e.label == "support" for e in runtime.cache.entries())
 
@@ -170,8 +174,9 @@ def test_a_budget_smaller_than_one_prefix_fails_clearly_and_leaves_the_cache_con
     stats = runtime.cache.stats()
     assert stats.bytes <= 200_000 and stats.bytes == sum(e.nbytes for e in runtime.cache.entries())
     assert [e.label for e in runtime.cache.entries()] == ["summarise"]
-    # A request still gets an answer, computed without the cache.
-    assert runtime.infer("support", "Hello", max_new_tokens=2).cached_tokens == 0
+    # A request still gets an answer, computed without the cache (the chat template's opening,
+    # which it shares with the other template's prefix, is too short to be worth a cut).
+    assert runtime.infer("support", "Hello", SamplingParams(max_tokens=2)).cached_tokens == 0
     with pytest.raises(CacheBudgetError):
         runtime.prefill_template("support")
 
@@ -199,22 +204,26 @@ def test_only_if_cold_skips_a_template_already_warm_and_warms_a_cold_one(runtime
 def test_served_cache_hits_become_the_steady_state_a_warmup_is_judged_against(runtime):
     runtime.preload()
     assert runtime.steady_ttft_ms("support") is None
-    served = [runtime.infer("support", f"question {i}", max_new_tokens=1) for i in range(5)]
+    served = [runtime.infer("support", f"question {i}", SamplingParams(max_tokens=1)) for i in range(5)]
     assert all(c.cached_tokens for c in served)
     assert runtime.steady_ttft_ms("support") == pytest.approx(sorted(c.ttft_ms for c in served)[2])
     result = runtime.warm_template("support")
     assert result.ttft_steady_ms == pytest.approx(runtime.steady_ttft_ms("support"))
 
 
-def test_raw_prompts_that_carry_a_template_prompt_use_its_pinned_prefix(runtime):
+def test_chat_requests_with_a_template_prompt_use_its_pinned_prefix_and_are_remembered(runtime):
     runtime.preload()
     pinned = next(e for e in runtime.cache.entries() if e.label == "support")
-    as_text = runtime.generate_text("tiny", SUPPORT_PROMPT + "\n\nWhere is my parcel?", 2).collect()
-    as_chat = runtime.generate_chat("tiny", SUPPORT_PROMPT, "Where is my parcel?", 2).collect()
-    template = runtime.infer("support", "Where is my parcel?", 2)
-    assert as_text.cached_tokens == as_chat.cached_tokens == template.cached_tokens == pinned.num_tokens
-    assert as_text.token_ids == as_chat.token_ids == template.token_ids
-    other = runtime.generate_text("tiny", "Once upon a time", 2).collect()
+    two = SamplingParams(max_tokens=2, temperature=0.0)
+    messages = conversation(SUPPORT_PROMPT, "Where is my parcel?")
+    as_chat = runtime.generate_chat("tiny", messages, two).collect()
+    template = runtime.infer("support", "Where is my parcel?", two)
+    assert as_chat.cached_tokens == pinned.num_tokens
+    assert as_chat.token_ids == template.token_ids
+    # The chat left its prompt and answer cached: the template request found more than the prefix.
+    assert template.cached_tokens > pinned.num_tokens
+    assert [e.label for e in runtime.cache.entries()].count("conversation") == 1
+    other = runtime.generate_text("tiny", "Once upon a time", two).collect()
     assert other.cached_tokens == 0
 
 
@@ -241,8 +250,8 @@ def test_a_warmup_and_a_request_resolve_their_template_once_and_hash_nothing_twi
     assert calls == {"system_prompt": 1, "ensure": 1, "digest": 1}
 
     calls.update(dict.fromkeys(calls, 0))
-    assert runtime.infer("support", "Hello", max_new_tokens=2).cached_tokens == result.cached_tokens
-    assert calls == {"system_prompt": 1, "ensure": 1, "digest": 0}  # the key is known: no hashing
+    assert runtime.infer("support", "Hello", SamplingParams(max_tokens=2)).cached_tokens == result.cached_tokens
+    assert calls == {"system_prompt": 1, "ensure": 0, "digest": 0}  # resident, key known: no load, no hash
 
 
 def test_a_prompt_file_emptied_since_the_start_is_not_warm(tmp_path, tiny_model):
@@ -254,5 +263,5 @@ def test_a_prompt_file_emptied_since_the_start_is_not_warm(tmp_path, tiny_model)
     assert runtime.warm_template("filed").status == "warm"
     prompt.write_text("")
     result = runtime.warm_template("filed")
-    assert result.status == "failed" and "is empty: a template needs a system prompt" in result.error
+    assert result.status == "failed" and "is empty: it must hold a system prompt" in result.error
     assert any("filed" in reason and "is empty" in reason for reason in runtime.readiness())

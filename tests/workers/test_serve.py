@@ -11,6 +11,8 @@ from openai import NotFoundError, OpenAI
 
 from preheat import procs
 from tests.conftest import SUPPORT_PROMPT, write_catalog
+from workers.devmodel import ARCHITECTURES
+from workers.resident import DEFAULT_CHAT_TEMPLATE
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +90,9 @@ def test_completions_and_ad_hoc_system_prompts_are_cached_for_the_next_request(s
     first = client.chat.completions.create(model="tiny", max_tokens=2, messages=ad_hoc)
     second = client.chat.completions.create(model="tiny", max_tokens=2, messages=ad_hoc)
     assert first.usage.prompt_tokens_details.cached_tokens > 0  # pre-filled on the miss, then used
-    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens_details.cached_tokens
+    # The first left its prompt and answer cached: the same messages again compute only the
+    # prompt's last token (whose logits the longer entry does not keep).
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
@@ -114,8 +118,8 @@ def test_bad_input_is_a_4xx_with_a_reason(server):
     user = [{"role": "user", "content": "hi"}]
     cases = [
         ({"model": "nope", "messages": user}, 404, "model 'nope' does not exist here"),
-        ({"model": "tiny", "messages": user, "temperature": 0.7}, 400, "only greedy decoding"),
-        ({"model": "tiny", "messages": user, "stop": ["\n"]}, 400, "stop: stop sequences are not served yet"),
+        ({"model": "tiny", "messages": user, "temperature": 7}, 400, "temperature: must be in [0, 2]"),
+        ({"model": "tiny", "messages": user, "response_format": {"type": "json_object"}}, 400, "response_format"),
         ({"model": "tiny", "messages": user, "tools": []}, 400, "tools: tool calls are not served"),
         ({"model": "tiny", "messages": user, "temprature": 0}, 400, "temprature: not a parameter"),
         ({"model": "tiny", "messages": []}, 400, "messages must be a non-empty list"),
@@ -229,3 +233,129 @@ def test_a_model_that_is_not_warm_takes_no_request(embedded_stack, tmp_path, tin
             json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
         )
         assert served.status_code == 200  # the other model serves
+
+
+# Real instruct models through the official client -------------------------------------
+
+CHAT_ARCHITECTURES = ARCHITECTURES  # every architecture devmodel builds
+QUESTION = "Where is my parcel? It was due on Monday."
+
+
+def reference_answer(model_dir, messages, max_new_tokens: int) -> list[int]:
+    """transformers alone: the model's chat template, then greedy generate."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = torch.tensor(
+        [tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]]
+    )
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return out[0, ids.shape[-1] :].tolist()
+
+
+@pytest.fixture
+def chat_server(embedded_stack, tmp_path, dev_model):
+    models = "".join(f'[models.{arch}]\npath = "{dev_model(arch)}"\n\n' for arch in CHAT_ARCHITECTURES)
+    templates = "".join(
+        f'[templates.support-{arch}]\nmodel = "{arch}"\nsystem_prompt = "{SUPPORT_PROMPT}"\n\n'
+        for arch in CHAT_ARCHITECTURES
+    )
+    (tmp_path / "preheat.toml").write_text(models + templates)
+    env = {**embedded_stack.env, "PREHEAT_CATALOG": str(tmp_path / "preheat.toml")}
+    proc = procs.start_serve(env, tmp_path / "logs")
+    with procs.running(proc):
+        url = procs.serve_url(proc)
+        procs.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 120, what="ready")
+        yield OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), proc
+
+
+def test_answers_equal_transformers_on_the_chat_templated_ids_for_every_architecture(chat_server, dev_model):
+    client, proc = chat_server
+    messages = [{"role": "system", "content": SUPPORT_PROMPT}, {"role": "user", "content": QUESTION}]
+    for arch in CHAT_ARCHITECTURES:
+        expected = reference_answer(dev_model(arch), messages, 12)
+        tokenizer = load_tokenizer(dev_model(arch))
+        whole = client.chat.completions.create(model=arch, messages=messages, max_tokens=12, temperature=0)
+        streamed, finish = [], None
+        for chunk in client.chat.completions.create(
+            model=arch, messages=messages, max_tokens=12, temperature=0, stream=True
+        ):
+            if chunk.choices:
+                streamed.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+        text = tokenizer.decode(expected, skip_special_tokens=True)
+        assert whole.choices[0].message.content == "".join(streamed) == text, arch
+        assert whole.usage.completion_tokens == len(expected), arch
+        assert whole.usage.prompt_tokens_details.cached_tokens > 20, arch  # the template's prefix at least
+        assert finish == whole.choices[0].finish_reason, arch
+        # Empty user input on a prefix longer than any sliding window: answered, streamed or not.
+        empty = [{"role": "system", "content": SUPPORT_PROMPT}, {"role": "user", "content": ""}]
+        assert client.chat.completions.create(model=arch, messages=empty, max_tokens=3, temperature=0).choices
+        chunks = list(client.chat.completions.create(model=arch, messages=empty, max_tokens=3, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length"), arch
+    assert "Traceback" not in proc.log()
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_a_conversation_turn_two_reuses_turn_one_and_sampling_is_reproducible(chat_server):
+    client, _ = chat_server
+    turn_one = [{"role": "system", "content": SUPPORT_PROMPT}, {"role": "user", "content": QUESTION}]
+    first = client.chat.completions.create(model="llama", messages=turn_one, max_tokens=8, temperature=0)
+    system_only = first.usage.prompt_tokens_details.cached_tokens
+    turn_two = [
+        *turn_one,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Can you check again?"},
+    ]
+    second = client.chat.completions.create(model="llama", messages=turn_two, max_tokens=8, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 2 > system_only
+
+    asked = dict(model="qwen3", messages=turn_one, max_tokens=24, temperature=0.7, top_p=0.9, seed=1)
+    free = client.chat.completions.create(**asked)
+    again = client.chat.completions.create(**asked)
+    assert free.choices[0].message.content == again.choices[0].message.content
+    text = free.choices[0].message.content
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    stopped = client.chat.completions.create(**asked, stop=[stop, "\n"])
+    cut = min(i for i in (text.find(stop), text.find("\n")) if i >= 0)
+    assert stopped.choices[0].message.content == text[:cut]
+    assert stopped.choices[0].finish_reason == "stop"
+
+    two = client.chat.completions.create(**{**asked, "n": 2})
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].message.content == text  # choice 0 has the seed itself
+    assert two.choices[1].message.content != text  # its own seed (seed + 1)
+    assert two.usage.prompt_tokens == free.usage.prompt_tokens  # one prompt, two answers
+
+
+def test_logprobs_in_both_shapes_streamed_and_not(chat_server):
+    client, _ = chat_server
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = client.chat.completions.create(
+        model="llama", messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert "".join(t.token for t in content) == whole.choices[0].message.content
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy
+    streamed = [
+        t
+        for chunk in client.chat.completions.create(
+            model="llama", messages=messages, max_tokens=4, temperature=0, logprobs=True, stream=True
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+        for t in chunk.choices[0].logprobs.content
+    ]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    plain = client.completions.create(model="llama", prompt="Once upon a time", max_tokens=3, logprobs=1)
+    assert len(plain.choices[0].logprobs.token_logprobs) == 3 and len(plain.choices[0].logprobs.top_logprobs[0]) == 1

@@ -16,7 +16,7 @@ OVERHEAD_TARGET_PCT = 2.0  # reuse (lookup + id check + clone) against the warm 
 def main(model: str, lengths: str, repeats: int, user_input: str, json_path: Path) -> None:
     """The command (its options are declared in preheat.cli.bench): measure, print, write JSON."""
     from preheat.cli import render
-    from workers.bench import measure_ttft, system_prompt_ids
+    from workers.bench import measure_ttft, measure_turn_two, system_prompt_text
     from workers.devmodel import _corpus
     from workers.resident import ModelSource, ResidentModels
 
@@ -42,10 +42,19 @@ def main(model: str, lengths: str, repeats: int, user_input: str, json_path: Pat
         f"measuring {name} on {resident.placement.describe()} (loaded in {load_ms:,.0f} ms): "
         f"{len(wanted)} lengths × {repeats} rounds …"
     )
-    rows = [measure_ttft(resident, system_prompt_ids(resident, n, source_text), repeats, user_input) for n in wanted]
+    prompts = [system_prompt_text(resident, n, source_text) for n in wanted]
+    rows = [measure_ttft(resident, prompt, repeats, user_input, n) for prompt, n in zip(prompts, wanted, strict=True)]
+    turn_two = measure_turn_two(resident, prompts[0], repeats, user_input)
 
     report = _report(name, resident, repeats, user_input, rows)
+    report["turn_two"] = turn_two.as_dict()
+    report["verdicts"].append(
+        f"turn two ({turn_two.turn_two_tokens} tokens) with turn one cached: {turn_two.ttft_with_turn_one_ms:.1f} ms "
+        f"({turn_two.cached_with_turn_one} cached) against {turn_two.ttft_prefix_only_ms:.1f} ms with the system "
+        f"prompt alone ({turn_two.cached_prefix_only} cached): {turn_two.speedup:.2f}x"
+    )
     console.print(render.ttft_table(report))
+    console.print(render.turn_two_table(report))
     for line in report["verdicts"]:
         console.print(line, highlight=False)
     write_report(report, json_path or settings.home / "bench" / "ttft.json", console)

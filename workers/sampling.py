@@ -1,0 +1,240 @@
+"""How the next token is chosen: a request's sampling parameters over the model's defaults.
+
+The parameters of the OpenAI API (and the extras vLLM serves: top_k, min_p,
+repetition_penalty) are checked once, here, for every path that takes them (HTTP, Celery,
+CLI). What a request leaves out comes from the model's own ``generation_config.json``, as
+transformers' ``generate`` takes it: a model whose file says ``do_sample: true`` samples
+with its temperature / top_p / top_k by default, any other decodes greedily. A parameter
+the model does not set either is neutral (no top_k is invented).
+
+Scores go through transformers' own processors and warpers (``LogitsProcessorList``); the
+one rule transformers lacks, OpenAI's presence and frequency penalties, is a processor of
+the same shape. Sampling draws from each request's own ``torch.Generator``: a seed gives
+the same answer on every run, whatever else the worker serves, and nothing here writes to
+the logits it is given (a cached prefix's logits are shared by every request from it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the parameters alone need none
+    import torch
+
+MAX_STOP_SEQUENCES = 4
+MAX_TOP_LOGPROBS = 20
+
+
+class SamplingError(ValueError):
+    """A sampling parameter with a value that cannot be honoured; names the parameter."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.parameter = name
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks of decoding. None: the model's default (generation_config.json)."""
+
+    max_tokens: int = 64
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    logprobs: int | None = None  # None: off; k: the chosen token's and the k most likely ones'
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, 1, 1 << 20)
+        _check_number("temperature", self.temperature, 0.0, 2.0)
+        _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, -1, 1 << 20)
+        _check_number("min_p", self.min_p, 0.0, 1.0)
+        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_int("seed", self.seed, -(1 << 63), (1 << 64) - 1)
+        _check_int("n", self.n, 1, 16)
+        _check_int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise SamplingError("stop", "must be a string or a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            raise SamplingError("stop", f"at most {MAX_STOP_SEQUENCES} sequences (got {len(self.stop)})")
+        for token_id, bias in self.logit_bias:
+            _check_int("logit_bias", token_id, 0, 1 << 31)
+            _check_number("logit_bias", bias, -100.0, 100.0)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice `index` of n: its own seed (seed + index), so choices differ yet repeat."""
+        if self.seed is None or index == 0:
+            return self
+        from dataclasses import replace
+
+        return replace(self, seed=(self.seed + index) % (1 << 64))
+
+
+def _check_number(name: str, value, low: float, high: float, *, low_open: bool = False) -> None:
+    if value is None:
+        return
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise SamplingError(name, f"must be a number (got {value!r})")
+    if value < low or value > high or (low_open and value == low):
+        raise SamplingError(name, f"must be in {'(' if low_open else '['}{low:g}, {high:g}] (got {value!r})")
+
+
+def _check_int(name: str, value, low: int, high: int) -> None:
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise SamplingError(name, f"must be an integer from {low} to {high} (got {value!r})")
+
+
+@dataclass(frozen=True)
+class ModelDefaults:
+    """The sampling a model's generation_config.json asks for when a request does not say."""
+
+    do_sample: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    @classmethod
+    def of(cls, model) -> ModelDefaults:
+        config = getattr(model, "generation_config", None)
+        if config is None:
+            return cls()
+        return cls(
+            bool(getattr(config, "do_sample", False)),
+            getattr(config, "temperature", None),
+            getattr(config, "top_p", None),
+            getattr(config, "top_k", None),
+            getattr(config, "min_p", None),
+            getattr(config, "repetition_penalty", None),
+        )
+
+
+class OutputTokenPenalty:
+    """OpenAI's presence and frequency penalties, over the tokens generated so far (not the
+    prompt): logit -= frequency * count + presence * (count > 0)."""
+
+    def __init__(self, presence: float, frequency: float, prompt_length: int) -> None:
+        self.presence, self.frequency, self.prompt_length = presence, frequency, prompt_length
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        generated = input_ids[0, self.prompt_length :]
+        if generated.numel() == 0:
+            return scores
+        counts = torch.bincount(generated.to(scores.device), minlength=scores.shape[-1])[: scores.shape[-1]]
+        penalty = self.frequency * counts + self.presence * (counts > 0)
+        return scores - penalty.to(scores.dtype)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens, most likely first
+
+
+@dataclass
+class Sampler:
+    """One choice's decoding: processors, greedy or sampled, its own generator."""
+
+    processors: list
+    do_sample: bool
+    generator: torch.Generator | None
+    logprobs: int | None
+
+    def choose(self, logits: torch.Tensor, ids: list[int]) -> tuple[int, TokenLogprob | None]:
+        """The next token from a [vocab] row of raw logits, given every id so far."""
+        import torch
+
+        scores = logits.float().unsqueeze(0)  # a new tensor: the caller's logits stay as they are
+        if self.processors:
+            input_ids = torch.tensor([ids], dtype=torch.long, device=scores.device)
+            for processor in self.processors:
+                scores = processor(input_ids, scores)
+        if self.do_sample:
+            probs = torch.softmax(scores, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=self.generator)[0, 0])
+        else:
+            token = int(scores.argmax())
+        return token, (self._logprob(logits, token) if self.logprobs is not None else None)
+
+    def _logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
+        # The model's own distribution (as vLLM reports by default), not the processed one.
+        import torch
+
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top = ()
+        if self.logprobs:
+            values, indices = torch.topk(logprobs, self.logprobs)
+            top = tuple(zip(indices.tolist(), values.tolist(), strict=True))
+        return TokenLogprob(token, float(logprobs[token]), top)
+
+
+def sampler_for(params: SamplingParams, defaults: ModelDefaults, prompt_length: int, device) -> Sampler:
+    """The processors and the draw for `params` over the model's defaults (see module doc)."""
+    import torch
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    model_sampling = defaults.do_sample
+    asked = any(v is not None for v in (params.top_p, params.top_k, params.min_p))
+    temperature = params.temperature
+    if temperature is None:
+        temperature = (defaults.temperature if model_sampling else None) or 1.0
+        do_sample = model_sampling or asked
+    else:
+        do_sample = temperature > 0
+    processors: list = []
+    if params.logit_bias:
+        processors.append(SequenceBiasLogitsProcessor([[[token], bias] for token, bias in params.logit_bias]))
+    repetition = params.repetition_penalty or defaults.repetition_penalty
+    if repetition is not None and repetition != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(repetition))
+    if params.presence_penalty or params.frequency_penalty:
+        processors.append(OutputTokenPenalty(params.presence_penalty, params.frequency_penalty, prompt_length))
+    if do_sample:
+        top_k = _chosen(params.top_k, defaults.top_k, model_sampling)
+        top_p = _chosen(params.top_p, defaults.top_p, model_sampling)
+        min_p = _chosen(params.min_p, defaults.min_p, model_sampling)
+        if temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(temperature))
+        if top_k is not None and top_k > 0:
+            processors.append(TopKLogitsWarper(top_k))
+        if top_p is not None and top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p))
+        if min_p:
+            processors.append(MinPLogitsWarper(min_p))
+    generator = None
+    if do_sample:
+        generator = torch.Generator(device=device)
+        if params.seed is not None:
+            generator.manual_seed(params.seed % (1 << 64))
+        else:
+            generator.seed()
+    return Sampler(processors, do_sample, generator, params.logprobs)
+
+
+def _chosen(asked, default, model_sampling: bool):
+    return asked if asked is not None else (default if model_sampling else None)
