@@ -658,10 +658,16 @@ def test_a_long_template_is_warm_on_a_healthy_worker(services_stack, tiny_model,
     worker = procs.start_worker(WORKER, env, tmp_path / "logs", cwd=stack.home)
     with procs.running(worker):
         procs.wait_for_log(worker, f"{WORKER} ready.", 90)
-        healthy = stack.cli("warm", "--template", "handbook", "--wait", "--json")
-    assert healthy.returncode == 0, healthy.stdout + healthy.stderr
-    [job] = json.loads(healthy.stdout)["jobs"]
-    assert job["status"] == "warm" and job["cached_tokens"] > 2500, job
+        # Up to three warmups: a neighbour test's burst on the shared cores can make one
+        # probe run 30x its fastest (seen in CI); on an idle machine the first is warm.
+        for _ in range(3):
+            healthy = stack.cli("warm", "--template", "handbook", "--wait", "--json")
+            [job] = json.loads(healthy.stdout)["jobs"]
+            assert job["cached_tokens"] > 2500 and job["status"] in ("warm", "degraded"), job
+            if job["status"] == "warm":
+                break
+            assert "over the warm factor" in job["error"], job  # only timing may stand in its way
+    assert healthy.returncode == 0 and job["status"] == "warm", healthy.stdout + healthy.stderr
 
 
 # Out of memory -------------------------------------------------------------------------

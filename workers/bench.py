@@ -113,6 +113,7 @@ class TurnTwoRow:
     system prompt's prefix cached (what a cache of system prompts alone gives)."""
 
     system_tokens: int
+    turn_one_tokens: int  # the whole first turn's prompt, the system turn included
     turn_two_tokens: int
     cached_with_turn_one: int
     cached_prefix_only: int
@@ -132,13 +133,15 @@ TURN_TWO = "I still have not got it. Can you open an investigation? The tracking
 
 
 def measure_turn_two(
-    resident: ResidentModel, system_prompt: str, repeats: int, user_input: str = USER_INPUT, answer_tokens: int = 64
+    resident: ResidentModel, system_prompt: str, repeats: int, turn_one_input: str, answer_tokens: int = 64
 ) -> TurnTwoRow:
+    """Turn one is `turn_one_input` (a pasted document, say) answered with `answer_tokens`;
+    turn two a short follow-up. The remembered turn spares turn two its first turn's tokens."""
     prefix = TemplatePrefix.of(resident, system_prompt)
     remembered, prefix_only = _engine(), _engine()
     for engine in (remembered, prefix_only):
         engine.prefill(resident, prefix.ids, key=prefix.key, pin=True)
-    turn_one = conversation(system_prompt, user_input)
+    turn_one = conversation(system_prompt, turn_one_input)
     answer = remembered.generate(
         resident, render(resident, turn_one), SamplingParams(max_tokens=answer_tokens, temperature=0.0), remember=True
     ).collect()
@@ -153,6 +156,7 @@ def measure_turn_two(
     )
     return TurnTwoRow(
         system_tokens=int(prefix.ids.shape[-1]),
+        turn_one_tokens=int(render(resident, turn_one).shape[-1]),
         turn_two_tokens=int(ids.shape[-1]),
         cached_with_turn_one=min(run.cached_tokens for run in runs["remembered"]),
         cached_prefix_only=min(run.cached_tokens for run in runs["prefix_only"]),

@@ -227,12 +227,13 @@ def turn_two_table(report: dict) -> Table:
         caption=f"ms, median of {report['repeats']} interleaved rounds",
         caption_justify="left",
     )
-    for header in ("system tokens", "turn-two tokens", "cached", "TTFT", "same token"):
+    for header in ("system tokens", "turn-one tokens", "turn-two tokens", "cached", "TTFT", "same token"):
         table.add_column(header, justify="right", no_wrap=True)
     table.add_column("what is cached", justify="left")
     same = "yes" if row["same_first_token"] else "NO"
     table.add_row(
         f"{row['system_tokens']:,}",
+        f"{row['turn_one_tokens']:,}",
         f"{row['turn_two_tokens']:,}",
         f"{row['cached_with_turn_one']:,}",
         _ms(row["ttft_with_turn_one_ms"]),
@@ -241,6 +242,7 @@ def turn_two_table(report: dict) -> Table:
     )
     table.add_row(
         f"{row['system_tokens']:,}",
+        f"{row['turn_one_tokens']:,}",
         f"{row['turn_two_tokens']:,}",
         f"{row['cached_prefix_only']:,}",
         _ms(row["ttft_prefix_only_ms"]),
