@@ -408,7 +408,11 @@ class WorkerRuntime:
             "ready": not reasons,
             "reasons": reasons,
             "models": {
-                name: {"device": m.placement.describe(), "load_ms": round(m.load_ms, 1)}
+                name: {
+                    "device": m.placement.describe(),
+                    "load_ms": round(m.load_ms, 1),
+                    "chat_template": m.chat_template_source,
+                }
                 for name, m in self.resident_models.resident.items()
             },
             "unavailable": self.resident_models.unavailable,

@@ -191,3 +191,26 @@ def test_watch_pods_needs_one_scope_of_namespaces(embedded, args, expected):
     done = run("watch-pods", *args, env=embedded.env)
     assert done.returncode == 2
     assert one_error_line(done) == expected
+
+
+def test_config_check_says_which_chat_template_each_model_gets(embedded, tmp_path, tiny_model, dev_model):
+    catalog = tmp_path / "chat.toml"
+    (tmp_path / "mine.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    catalog.write_text(
+        f'[models.own]\npath = "{tiny_model}"\n\n[models.none]\npath = "{dev_model("gpt2")}"\n\n'
+        f'[models.set]\npath = "{tiny_model}"\nchat_template_file = "mine.jinja"\n'
+    )
+    done = run("config", "check", env={**embedded.env, "PREHEAT_CATALOG": str(catalog)})
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("model ")]
+    assert lines == [
+        f"model own: chat template from the model's own ({tiny_model / 'chat_template.jinja'})",
+        "model none: chat template from preheat's default (ChatML): the model has none",
+        f"model set: chat template from the catalog ({tmp_path / 'mine.jinja'})",
+    ]
+    (tmp_path / "mine.jinja").unlink()
+    missing = run("config", "check", env={**embedded.env, "PREHEAT_CATALOG": str(catalog)})
+    assert missing.returncode == 2 and "model 'set': chat_template_file" in one_error_line(missing)
+    catalog.write_text(f'[models.both]\npath = "{tiny_model}"\nchat_template = "x"\nchat_template_file = "y"\n')
+    both = run("config", "check", env={**embedded.env, "PREHEAT_CATALOG": str(catalog)})
+    assert both.returncode == 2 and "at most one of chat_template or chat_template_file" in one_error_line(both)
