@@ -99,6 +99,10 @@ class WarmupJob(Model):
     finished_at: Mapped[dt.datetime | None]
     load_ms: Mapped[float | None]
     prefill_ms: Mapped[float | None]
+    # How the prefix came to be cached: computed, restored (from the prefix store, in
+    # restore_ms) or cached (already there).
+    prefix_source: Mapped[str | None] = mapped_column(String(16))
+    restore_ms: Mapped[float | None]
     ttft_cold_ms: Mapped[float | None]
     ttft_warm_ms: Mapped[float | None]
     ttft_bare_ms: Mapped[float | None]  # the same probe with no system prompt: the floor warm can reach

@@ -69,6 +69,12 @@ class Settings(BaseSettings):
     kv_cache_pinned_share: float = Field(
         0.5, ge=0.0, le=1.0, description="Share of either budget that pinned templates may hold."
     )
+    # Pre-filled prefixes kept on disk (workers/prefixstore.py): a folder, default
+    # home/prefixes; a volume shared by replicas shares them; "off" keeps none.
+    prefix_store: str | None = Field(None, min_length=1, description="Prefix store folder, or off.")
+    prefix_store_max_bytes: ByteSize = Field(
+        ByteSize(16 * 1024**3), gt=0, description="Byte budget of the prefix store on disk (e.g. 16GiB)."
+    )
     # The worker's health server (/health/live, /health/ready, /metrics); 0 picks a free port.
     health_host: str = "0.0.0.0"
     health_port: int = Field(9440, ge=0, le=65535)
@@ -188,6 +194,12 @@ class Settings(BaseSettings):
     @property
     def is_embedded(self) -> bool:
         return self.broker_url is None
+
+    @property
+    def prefix_store_folder(self) -> Path | None:
+        if self.prefix_store is not None and self.prefix_store.strip().lower() == "off":
+            return None
+        return Path(self.prefix_store or self.home / "prefixes").expanduser().resolve()
 
     @property
     def outbox_folder(self) -> Path:

@@ -113,6 +113,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
 
     def stop(self, worker) -> None:
         POOLS.close_all()  # endpoint connections, closed cleanly rather than dropped
+        get_runtime().close()  # prefix files being written are finished, not left half-done
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None

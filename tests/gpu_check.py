@@ -45,7 +45,8 @@ def check(out: Path) -> dict:
     engine = PrefixEngine(KVCacheManager(CacheBudget(16, 2**30)))
 
     prefix = TemplatePrefix.of(resident, SYSTEM)
-    entry, prefill_ms = engine.prefill(resident, prefix.ids, label="support", pin=True)
+    prefilled = engine.prefill(resident, prefix.ids, label="support", pin=True)
+    entry, prefill_ms = prefilled.entry, prefilled.prefill_ms
     measured = probe(
         engine,
         resident,
@@ -84,7 +85,8 @@ def check(out: Path) -> dict:
         "cache_entries_after": engine.cache.stats().entries,
     }
     torch.cuda.set_per_process_memory_fraction(1.0)
-    again, again_ms = engine.prefill(resident, long_ids, label="handbook")
+    again = engine.prefill(resident, long_ids, label="handbook")
+    again, again_ms = again.entry, again.prefill_ms
     report["after_oom"] = {"prefilled_tokens": again.num_tokens, "prefill_ms": again_ms}
     out.write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from workers.chat import TemplatePrefix, conversation, render
 from workers.generate import PrefixEngine
 from workers.kvcache import CacheBudget, KVCacheManager
 from workers.prefix import encode
+from workers.prefixstore import PrefixStore
 from workers.resident import ResidentModel
 from workers.sampling import SamplingParams
 from workers.warmup import side_by_side
@@ -31,12 +33,17 @@ class TTFTRow:
     prefix_tokens: int  # as the chat template renders it: what is cached
     user_tokens: int
     prefill_ms: float
+    restore_ms: float  # the same prefix read back from a prefix store (workers/prefixstore.py)
     ttft_cold_ms: float
     ttft_warm_ms: float
     ttft_bare_ms: float
     reuse_ms: float
     cache_bytes: int
     same_first_token: bool
+
+    @property
+    def restore_over_prefill(self) -> float:
+        return self.restore_ms / self.prefill_ms
 
     @property
     def saved_pct(self) -> float:
@@ -55,6 +62,7 @@ class TTFTRow:
         return {
             **asdict(self),
             "saved_pct": self.saved_pct,
+            "restore_over_prefill": self.restore_over_prefill,
             "reuse_overhead_pct": self.reuse_overhead_pct,
             "warm_over_bare": self.warm_over_bare,
         }
@@ -79,7 +87,8 @@ def measure_ttft(
     prefix = TemplatePrefix.of(resident, system_prompt)
     prompt_ids = prefix.prompt_ids(resident, user_input)
     bare_ids = render(resident, conversation(None, user_input))
-    entry, prefill_ms = engine.prefill(resident, prefix.ids, key=prefix.key, label=f"{prefix.ids.shape[-1]} tokens")
+    prefilled = engine.prefill(resident, prefix.ids, key=prefix.key, label=f"{prefix.ids.shape[-1]} tokens")
+    entry, prefill_ms = prefilled.entry, prefilled.prefill_ms
 
     ways = {
         "cold": lambda: engine.first_token(resident, prompt_ids, use_cache=False),
@@ -91,6 +100,7 @@ def measure_ttft(
     def median_ms(name: str) -> float:
         return statistics.median(run.ms for run in runs[name])
 
+    restore_ms = measure_restore(resident, entry, repeats)
     if any(run.cached_tokens != entry.num_tokens for run in runs["warm"]):
         raise RuntimeError("the warm path did not start from the cached prefix")
     return TTFTRow(
@@ -98,6 +108,7 @@ def measure_ttft(
         prefix_tokens=int(prefix.ids.shape[-1]),
         user_tokens=int(prompt_ids.shape[-1] - prefix.ids.shape[-1]),
         prefill_ms=prefill_ms,
+        restore_ms=restore_ms,
         ttft_cold_ms=median_ms("cold"),
         ttft_warm_ms=median_ms("warm"),
         ttft_bare_ms=median_ms("bare"),
@@ -105,6 +116,18 @@ def measure_ttft(
         cache_bytes=entry.nbytes,
         same_first_token={run.token_id for run in runs["warm"]} == {run.token_id for run in runs["cold"]},
     )
+
+
+def measure_restore(resident: ResidentModel, entry, repeats: int) -> float:
+    """Median milliseconds to restore `entry`'s prefix from a prefix store on this disk
+    (written once; read as a restarted worker reads it: file to tensors on the device)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="preheat-bench-store-") as folder:
+        store = PrefixStore(Path(folder), 2**62)
+        if store.save(resident, entry.token_ids, entry.payload) is None:
+            return float("nan")
+        return statistics.median(store.restore(resident, entry.token_ids).ms for _ in range(max(repeats, 3)))
 
 
 @dataclass(frozen=True)

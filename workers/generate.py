@@ -22,6 +22,7 @@ import torch
 from workers.device import synchronize
 from workers.kvcache import CacheBudgetError, CacheEntry, CacheFullError, CacheKey, KVCacheManager, Match
 from workers.prefix import Prefix, check_context, clone_for_request, compact, forward, truncatable
+from workers.prefixstore import PrefixStore
 from workers.resident import ResidentModel
 from workers.sampling import ModelDefaults, SamplingParams, TokenLogprob, sampler_for
 
@@ -39,6 +40,16 @@ class Start:
     logits: torch.Tensor | None  # the next-token logits, when the prompt is a cached entry
     cached_tokens: int
     reuse_ms: float  # lookup + id check + clone: the price of using the cache
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A prefix made ready: computed, restored from the prefix store, or already cached."""
+
+    entry: CacheEntry
+    source: str  # computed | restored | cached
+    prefill_ms: float = 0.0
+    restore_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -157,8 +168,8 @@ class _Request:
 
 
 class PrefixEngine:
-    def __init__(self, cache: KVCacheManager) -> None:
-        self.cache = cache
+    def __init__(self, cache: KVCacheManager, store: PrefixStore | None = None) -> None:
+        self.cache, self.store = cache, store
 
     # Pre-fill -----------------------------------------------------------------------
 
@@ -170,24 +181,31 @@ class PrefixEngine:
         key: CacheKey | None = None,
         label: str = "",
         pin: bool = False,
-    ) -> tuple[CacheEntry, float]:
-        """Compute and cache the KV of `token_ids` (no decoding). Returns the entry and the
-        milliseconds spent (0 when it was already cached). A caller that has the ids' key
-        (a template's prefix) passes it: the ids are then hashed by nobody."""
+    ) -> Prefilled:
+        """Make the KV of `token_ids` cached (no decoding): already there, restored from the
+        prefix store, or computed (and then stored). A caller that has the ids' key (a
+        template's prefix) passes it: the ids are then hashed by nobody."""
         key = key or CacheKey.of(resident.name, token_ids[0].numpy())
         if (existing := self.cache.peek(key)) is not None:
-            return self.cache.insert(
+            entry = self.cache.insert(
                 resident.name, existing.token_ids, existing.payload, existing.nbytes, key=key, label=label, pin=pin
-            ), 0.0
+            )
+            return Prefilled(entry, "cached")
         check_context(resident, token_ids.shape[-1], f"template {label!r}" if label else "prefix", new_tokens=1)
+        ids = token_ids[0].numpy()
+        if self.store is not None and (restored := self.store.restore(resident, ids)) is not None:
+            entry = self._insert(resident, ids, restored.prefix, key=key, label=label, pin=pin)
+            return Prefilled(entry, "restored", restore_ms=restored.ms)
         synchronize(resident.placement.device)
         started = time.perf_counter()
         logits, kv = forward(resident, token_ids)
         compact(kv)
         synchronize(resident.placement.device)
         prefill_ms = (time.perf_counter() - started) * 1000
-        entry = self._insert(resident, token_ids[0].numpy(), Prefix(kv, logits), key=key, label=label, pin=pin)
-        return entry, prefill_ms
+        entry = self._insert(resident, ids, Prefix(kv, logits), key=key, label=label, pin=pin)
+        if self.store is not None:
+            self.store.save_later(resident, ids, entry.payload)
+        return Prefilled(entry, "computed", prefill_ms=prefill_ms)
 
     def _insert(self, resident: ResidentModel, ids, prefix: Prefix, **how) -> CacheEntry:
         return self.cache.insert(

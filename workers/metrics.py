@@ -72,6 +72,12 @@ class RuntimeMetrics:
         self.prefills = Counter(
             "preheat_prefills", "System prompts pre-filled into the KV cache.", ["model"], registry=self.collectors
         )
+        self.restores = Counter(
+            "preheat_prefix_restores",
+            "System prompts restored from the prefix store instead of computed.",
+            ["model"],
+            registry=self.collectors,
+        )
         self.collectors.register(_StateCollector(cache, models, is_ready))
 
     def observe_ttft(self, model: str, cached_tokens: int, ttft_ms: float) -> None:

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from preheat.catalog import Catalog, TemplateSpec, load_catalog
 from preheat.errors import PreheatError
 from workers.chat import Messages, TemplatePrefix, conversation, render
-from workers.generate import Completion, PrefixEngine, TextStream
+from workers.generate import Completion, Prefilled, PrefixEngine, TextStream
 from workers.kvcache import CacheBudget, CacheBudgetError, CacheFullError, CacheKey, KVCacheManager
 from workers.metrics import RuntimeMetrics
 from workers.prefix import encode
+from workers.prefixstore import PrefixStore
 from workers.resident import ModelSource, ResidentModel, ResidentModels
 from workers.sampling import SamplingParams
 from workers.warmup import TemplateWarmup, probe, verdict
@@ -52,6 +53,7 @@ class WorkerRuntime:
     device_preference: str = "auto"
     probe_repeats: int = 3
     cache_budget: CacheBudget = DEFAULT_BUDGET
+    prefix_store: PrefixStore | None = None  # pre-filled prefixes kept on disk (workers/prefixstore.py)
     warm_factor: float = 1.5  # see Settings.warm_factor
     # Called with a model's name once every template of it is pre-filled (the worker then
     # starts consuming that model's inference queue).
@@ -66,7 +68,7 @@ class WorkerRuntime:
     _announced: set[str] = field(default_factory=set)
     # Pre-fill time of prefixes computed outside a warmup job (at start), reported by the
     # first job that uses them, like the start-up load time.
-    _unreported_prefill_ms: dict[CacheKey, float] = field(default_factory=dict)
+    _unreported_prefill: dict[CacheKey, Prefilled] = field(default_factory=dict)
     _prefixes: dict[str, TemplatePrefix] = field(default_factory=dict)
     _ad_hoc: dict[tuple[str, str], TemplatePrefix] = field(default_factory=dict)
     # TTFT of the latest served requests that started from their template's cached prefix:
@@ -93,12 +95,17 @@ class WorkerRuntime:
             cache_budget=CacheBudget(
                 settings.kv_cache_max_entries, int(settings.kv_cache_max_bytes), settings.kv_cache_pinned_share
             ),
+            prefix_store=(
+                PrefixStore(settings.prefix_store_folder, int(settings.prefix_store_max_bytes))
+                if settings.prefix_store_folder is not None
+                else None
+            ),
         )
 
     def __post_init__(self) -> None:
         self.resident_models = ResidentModels(self.device_preference)
         self.cache = KVCacheManager(self.cache_budget)
-        self.engine = PrefixEngine(self.cache)
+        self.engine = PrefixEngine(self.cache, self.prefix_store)
         self.metrics = RuntimeMetrics(self.cache, self.resident_models, lambda: not self.readiness())
         self._templates = {name: "not pre-filled yet" for name in self.catalog.templates}
 
@@ -118,9 +125,9 @@ class WorkerRuntime:
         for template in self.catalog.templates:
             if self.catalog.template(template).model in self.resident_models.resident:
                 try:
-                    key, _, _, prefill_ms = self.prefill_template(template)
-                    if prefill_ms:
-                        self._unreported_prefill_ms[key] = prefill_ms
+                    prefilled = self.prefill_template(template)
+                    if prefilled.source != "cached":
+                        self._unreported_prefill[prefilled.entry.key] = prefilled
                     self._exercise(template)
                     self._announce_if_warm(self.catalog.template(template).model)
                 except (PreheatError, ValueError, RuntimeError, OSError) as exc:
@@ -159,8 +166,8 @@ class WorkerRuntime:
 
     # Pre-fill ---------------------------------------------------------------------
 
-    def prefill_template(self, template: str) -> tuple[CacheKey, int, int, float]:
-        """Pre-fill and pin a template's system prompt. Returns (key, tokens, bytes, ms spent)."""
+    def prefill_template(self, template: str) -> Prefilled:
+        """Pre-fill (or restore) and pin a template's system prompt."""
         return self._prefill(self._resolve_noting(template))
 
     def _resolve_noting(self, template: str) -> ResolvedTemplate:
@@ -171,19 +178,21 @@ class WorkerRuntime:
             self._templates[template] = str(exc)
             raise
 
-    def _prefill(self, resolved: ResolvedTemplate) -> tuple[CacheKey, int, int, float]:
+    def _prefill(self, resolved: ResolvedTemplate) -> Prefilled:
         prefix = resolved.prefix
         try:
-            entry, prefill_ms = self.engine.prefill(
+            prefilled = self.engine.prefill(
                 resolved.resident, prefix.ids, key=prefix.key, label=resolved.name, pin=True
             )
         except (PreheatError, ValueError, RuntimeError, OSError) as exc:
             self._templates[resolved.name] = str(exc)
             raise
-        if prefill_ms:
+        if prefilled.source == "computed":
             self.metrics.prefills.labels(model=resolved.resident.name).inc()
+        elif prefilled.source == "restored":
+            self.metrics.restores.labels(model=resolved.resident.name).inc()
         self._templates[resolved.name] = None
-        return entry.key, entry.num_tokens, entry.nbytes, prefill_ms
+        return prefilled
 
     def _exercise(self, template: str) -> None:
         """One short request through the cache, off the books: the first real request must
@@ -253,8 +262,13 @@ class WorkerRuntime:
         resident, prefix, probe_text = resolved.resident, resolved.prefix, resolved.spec.probe
         result.load_ms = self._unreported_load_ms(resident)
         result.device = resident.placement.describe()
-        key, result.cached_tokens, result.cache_bytes, prefill_ms = self._prefill(resolved)
-        result.prefill_ms = prefill_ms or self._unreported_prefill_ms.pop(key, 0.0)
+        prefilled = self._prefill(resolved)
+        if prefilled.source == "cached":  # done at start: the first job reports how
+            prefilled = self._unreported_prefill.pop(prefilled.entry.key, prefilled)
+        entry = prefilled.entry
+        result.cached_tokens, result.cache_bytes = entry.num_tokens, entry.nbytes
+        result.prefill_ms, result.restore_ms = prefilled.prefill_ms, prefilled.restore_ms
+        result.prefix_source = prefilled.source
         measured = probe(
             self.engine,
             resident,
@@ -397,6 +411,11 @@ class WorkerRuntime:
         self.metrics.observe_ttft(completion.model, completion.cached_tokens, completion.ttft_ms)
         if template is not None and completion.cached_tokens:
             self._served_ttft_ms.setdefault(template, deque(maxlen=50)).append(completion.ttft_ms)
+
+    def close(self) -> None:
+        """At shutdown: the prefix store's writes under way are finished."""
+        if self.prefix_store is not None:
+            self.prefix_store.flush()
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()

@@ -22,6 +22,8 @@ class TemplateWarmup:
     device: str | None = None
     load_ms: float | None = None
     prefill_ms: float | None = None
+    prefix_source: str | None = None  # computed | restored (from the prefix store) | cached
+    restore_ms: float | None = None
     ttft_cold_ms: float | None = None
     ttft_warm_ms: float | None = None
     ttft_bare_ms: float | None = None

@@ -40,6 +40,7 @@ JOB_COLUMNS = (
     "load ms",
     "connect ms",
     "prefill ms",
+    "restore ms",
     "TTFT cold",
     "TTFT warm",
     "TTFT bare",
@@ -56,7 +57,8 @@ def jobs_table(run: WarmupRun) -> Table:
         title=f"run {short_id(run)} · {run.trigger} · {run.status}",
         title_justify="left",
         caption=f"{'; '.join(models)} · TTFT in ms, median of the probe runs; "
-        "bare = the probe with no system prompt; steady = the worker's served requests",
+        "bare = the probe with no system prompt; steady = the worker's served requests; "
+        "restore = the prefix read from the prefix store instead of pre-filled",
         caption_justify="left",
     )
     for header in JOB_COLUMNS:
@@ -70,6 +72,7 @@ def jobs_table(run: WarmupRun) -> Table:
             _ms(job.load_ms),
             _ms(job.connect_ms),
             _ms(job.prefill_ms),
+            _ms(job.restore_ms),
             _ms(job.ttft_cold_ms),
             _ms(job.ttft_warm_ms),
             _ms(job.ttft_bare_ms),
@@ -149,6 +152,8 @@ def run_json(run: WarmupRun) -> dict:
                 "finished_at": _iso(job.finished_at),
                 "load_ms": job.load_ms,
                 "prefill_ms": job.prefill_ms,
+                "prefix_source": job.prefix_source,
+                "restore_ms": job.restore_ms,
                 "ttft_cold_ms": job.ttft_cold_ms,
                 "ttft_warm_ms": job.ttft_warm_ms,
                 "ttft_bare_ms": job.ttft_bare_ms,
@@ -180,7 +185,7 @@ def ttft_table(report: dict) -> Table:
         title_justify="left",
         caption=f"ms, median of {report['repeats']} interleaved rounds; user input "
         f"{report['rows'][0]['user_tokens']} tokens; every prompt chat-templated (prefix = the rendered system turn); "
-        "bare = no system prompt; overhead = "
+        "restore = the prefix read back from a prefix store; bare = no system prompt; overhead = "
         "lookup + id check + clone, as a share of warm",
         caption_justify="left",
     )
@@ -188,6 +193,7 @@ def ttft_table(report: dict) -> Table:
         "system tokens",
         "prefix tokens",
         "prefill",
+        "restore",
         "TTFT cold",
         "TTFT warm",
         "TTFT bare",
@@ -205,6 +211,7 @@ def ttft_table(report: dict) -> Table:
             f"{row['system_tokens']:,}",
             f"{row['prefix_tokens']:,}",
             _ms(row["prefill_ms"]),
+            _ms(row["restore_ms"]),
             _ms(row["ttft_cold_ms"]),
             _ms(row["ttft_warm_ms"]),
             _ms(row["ttft_bare_ms"]),

@@ -75,3 +75,4 @@ def serve(
     loop.start()
     http.stop()
     server.executor.shutdown(wait=False, cancel_futures=True)
+    runtime.close()

@@ -37,7 +37,13 @@ def test_ttft_prints_the_table_and_writes_the_json(embedded_stack, tmp_path):
         kv_bytes = config["layers"] * 2 * 2 * row["prefix_tokens"] * 64 * 4
         assert row["cache_bytes"] - kv_bytes == 4 * len(AutoTokenizer.from_pretrained(report["model"]["path"]))
         assert row["saved_pct"] == 100 * (1 - row["ttft_warm_ms"] / row["ttft_cold_ms"])
-    assert set(report["targets"]) == {"saved_at_128_pct", "reuse_overhead_pct", "same_first_token"}
+    assert set(report["targets"]) == {
+        "saved_at_128_pct",
+        "reuse_overhead_pct",
+        "same_first_token",
+        "restore_over_prefill_at_128",
+    }
+    assert all(row["restore_ms"] > 0 for row in report["rows"]) and "restore / prefill at 128" in done.stdout
     assert report["device"] == "cpu/float32" and report["repeats"] == 2
     turn_two = report["turn_two"]
     assert turn_two["cached_with_turn_one"] > turn_two["cached_prefix_only"] >= report["rows"][0]["prefix_tokens"]

@@ -136,3 +136,36 @@ def test_a_health_port_in_use_stops_the_worker_in_one_line(stack, tmp_path):
     assert (
         f"preheat: health server cannot listen on 127.0.0.1:{port} (Address already in use); set PREHEAT_HEALTH_PORT"
     ) in done.stderr
+
+
+def _counter(health: str, name: str) -> float:
+    for line in httpx.get(f"{health}/metrics", timeout=5).text.splitlines():
+        if line.startswith(f'{name}{{model="tiny"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.slow
+def test_a_restarted_worker_restores_its_prefixes_and_a_damaged_file_is_computed_again(embedded_stack, tmp_path):
+    """Started four times on one prefix store: the first pre-fills, the second and third
+    restore every prefix and pre-fill nothing; before the fourth a file is damaged: one log
+    line, one normal pre-fill."""
+    stack = embedded_stack
+    store = stack.home / ".preheat" / "prefixes"
+    env = {**stack.env, "PREHEAT_PREFIX_STORE": str(store)}
+    seen = []
+    for start in range(4):
+        if start == 3:
+            damaged = sorted(store.glob("*.safetensors"))[0]
+            damaged.write_bytes(damaged.read_bytes()[:100])
+        worker = procs.start_worker(WORKER, env, tmp_path / f"logs-{start}", cwd=stack.home)
+        with procs.running(worker):
+            procs.wait_for_log(worker, f"{WORKER} ready.", 90)
+            health = procs.health_url(worker)
+            procs.poll(lambda h=health: httpx.get(f"{h}/health/ready").status_code == 200, 30, what="ready")
+            seen.append((_counter(health, "preheat_prefills_total"), _counter(health, "preheat_prefix_restores_total")))
+            log = worker.log()
+        assert log.count("is unusable") == (1 if start == 3 else 0), log
+    # One template (support): pre-filled, restored twice, then pre-filled again and re-stored.
+    assert seen == [(1.0, 0.0), (0.0, 1.0), (0.0, 1.0), (1.0, 0.0)], seen
+    assert len(list(store.glob("*.safetensors"))) == 1

@@ -69,7 +69,7 @@ def test_greedy_output_from_the_cached_prefix_is_token_identical_to_transformers
 def test_a_prompt_that_is_the_prefix_is_answered_from_its_stored_logits(resident, engine):
     """No forward pass and no cut: a sliding-window layer past its window cannot be cut."""
     prefix_ids, _ = support_request(resident, "")
-    entry, _ = engine.prefill(resident, prefix_ids)
+    entry = engine.prefill(resident, prefix_ids).entry
     for stream in (True, False):
         completion = engine.generate(resident, prefix_ids, greedy(6))
         pieces = [piece.text for piece in completion] if stream else [completion.collect().text]
@@ -80,7 +80,7 @@ def test_a_prompt_that_is_the_prefix_is_answered_from_its_stored_logits(resident
 
 def test_the_prefix_tensors_and_logits_are_unchanged_by_the_requests_from_them(resident, engine):
     prefix_ids, prompt_ids = support_request(resident, "Hello")
-    entry, _ = engine.prefill(resident, prefix_ids)
+    entry = engine.prefill(resident, prefix_ids).entry
     layers = entry.payload.cache.layers
     before = [(layer.keys.data_ptr(), layer.keys.clone(), layer.values.clone()) for layer in layers]
     logits = entry.payload.logits.clone()
@@ -96,7 +96,7 @@ def test_the_prefix_tensors_and_logits_are_unchanged_by_the_requests_from_them(r
 
 def test_an_entry_holds_and_is_charged_exactly_what_its_layers_need(resident, engine):
     prefix_ids, _ = support_request(resident, "")
-    entry, _ = engine.prefill(resident, prefix_ids)
+    entry = engine.prefill(resident, prefix_ids).entry
     config = resident.model.config.get_text_config()
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
@@ -115,7 +115,7 @@ def test_an_entry_holds_and_is_charged_exactly_what_its_layers_need(resident, en
 
 def test_streaming_yields_the_text_in_pieces_and_holds_the_entry_until_done(llama, engine):
     prefix_ids, prompt_ids = support_request(llama, "Tell me more.")
-    entry, _ = engine.prefill(llama, prefix_ids)
+    entry = engine.prefill(llama, prefix_ids).entry
     stream = engine.generate(llama, prompt_ids, greedy(12))
     pieces = []
     for piece in stream:

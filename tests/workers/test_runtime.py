@@ -265,3 +265,26 @@ def test_a_prompt_file_emptied_since_the_start_is_not_warm(tmp_path, tiny_model)
     result = runtime.warm_template("filed")
     assert result.status == "failed" and "is empty: it must hold a system prompt" in result.error
     assert any("filed" in reason and "is empty" in reason for reason in runtime.readiness())
+
+
+def test_a_restarted_runtime_restores_its_prefixes_and_prefills_nothing(tmp_path, tiny_model, caplog):
+    from workers.prefixstore import PrefixStore
+
+    store_folder = tmp_path / "prefixes"
+    first = make_runtime(tmp_path, tiny_model, SUMMARY, prefix_store=PrefixStore(store_folder, 2**30))
+    assert first.preload() == []
+    first.close()
+    assert first.metrics.prefills.labels(model="tiny")._value.get() == 2
+    answer = first.infer("support", "Where is my parcel?", SamplingParams(max_tokens=8, temperature=0.0))
+
+    for _ in range(2):  # restarted twice in a row: the second start computes nothing either
+        restarted = make_runtime(tmp_path, tiny_model, SUMMARY, prefix_store=PrefixStore(store_folder, 2**30))
+        assert restarted.preload() == []
+        assert restarted.metrics.prefills.labels(model="tiny")._value.get() == 0
+        assert restarted.metrics.restores.labels(model="tiny")._value.get() == 2
+        job = restarted.warm_template("support")  # the first job reports how the start-up got it
+        assert (job.status, job.prefix_source, job.prefill_ms) == ("warm", "restored", 0.0) and job.restore_ms > 0
+        assert restarted.warm_template("support").prefix_source == "cached"
+        again = restarted.infer("support", "Where is my parcel?", SamplingParams(max_tokens=8, temperature=0.0))
+        assert again.token_ids == answer.token_ids and again.cached_tokens == answer.cached_tokens
+        restarted.close()
