@@ -6,7 +6,8 @@ its `_get` moves the first matching file away and reads it, without taking the l
 reader that comes between the two reads an empty file, and the worker stops with
 "Unrecoverable error: JSONDecodeError('Expecting value: line 1 column 1 (char 0)')" (seen
 here under load; celery/kombu#1551). Here a message is written under a name readers skip
-and renamed into place, which is atomic within a folder.
+and renamed into place, which is atomic within a folder. A worker asked to stop stops
+waiting for a message at once (see STOPPING).
 
 `preheat.celery` points kombu's `filesystem` alias at this module, so `filesystem://` means
 this transport in every preheat process.
@@ -15,6 +16,7 @@ this transport in every preheat process.
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from time import monotonic
 
@@ -41,8 +43,24 @@ class Channel(filesystem.Channel):
             raise ChannelError(f"Cannot add file {final!r} to directory") from exc
 
 
+# Set when the worker is asked to stop (preheat.celery connects Celery's
+# worker_shutting_down signal): Celery's loop for this transport (synloop) waits up to 2 s
+# for a message before it looks whether it should stop, and a SIGTERM waited that long for
+# nothing. With it set, a wait for a message ends at the next poll.
+STOPPING = threading.Event()
+
+
 class Transport(filesystem.Transport):
     Channel = Channel
+
+    def drain_events(self, connection, timeout=None):
+        started, poll = monotonic(), self.polling_interval or 0.05
+        while True:
+            try:
+                return super().drain_events(connection, timeout=poll)
+            except TimeoutError:
+                if STOPPING.is_set() or (timeout is not None and monotonic() - started >= timeout):
+                    raise
 
 
 def install() -> None:

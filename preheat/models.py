@@ -4,62 +4,13 @@ the schedules that start runs, each slot they fired, and the traffic that peaks 
 from __future__ import annotations
 
 import datetime as dt
-import enum
 import uuid
 
 from sqlalchemy import JSON, BigInteger, ForeignKey, Index, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from preheat.db import Model, utcnow
-
-
-class TriggerKind(enum.StrEnum):
-    schedule = "schedule"
-    pod_event = "pod_event"
-    worker_online = "worker_online"
-    manual = "manual"
-    peak = "peak"
-
-
-class RunStatus(enum.StrEnum):
-    queued = "queued"
-    running = "running"
-    succeeded = "succeeded"  # every job warm (or skipped)
-    degraded = "degraded"  # every job finished, some degraded, none failed
-    failed = "failed"  # at least one job failed or was lost
-
-
-class JobStatus(enum.StrEnum):
-    queued = "queued"
-    running = "running"
-    warm = "warm"
-    degraded = "degraded"
-    failed = "failed"
-    skipped = "skipped"
-    lost = "lost"
-
-    @property
-    def is_final(self) -> bool:
-        return self not in (JobStatus.queued, JobStatus.running)
-
-
-class TargetKind(enum.StrEnum):
-    worker = "worker"
-    endpoint = "endpoint"
-
-
-class ScheduleKind(enum.StrEnum):
-    manual = "manual"  # `preheat schedule add`
-    peak = "peak"  # `preheat peaks suggest --apply`: learned from traffic
-    catalog = "catalog"  # declared in the catalog's [schedules.*]; beat keeps it in step with the file
-
-
-class SlotStatus(enum.StrEnum):
-    claimed = "claimed"  # a beat took it and is sending it
-    sent = "sent"  # its run is recorded and its jobs sent
-    unsent = "unsent"  # sending failed (broker away); retried while within the grace window
-    failed = "failed"  # nothing to send it to (no live worker), with the reason
-    missed = "missed"  # no beat could fire it in time (or a later slot fired instead)
+from preheat.states import JobStatus, RunStatus, ScheduleKind, SlotStatus, TargetKind, TriggerKind
 
 
 class WarmupRun(Model):

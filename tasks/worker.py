@@ -16,9 +16,9 @@ import threading
 from typing import ClassVar
 
 from celery import bootsteps
-from celery.signals import task_postrun, task_prerun, worker_shutdown
+from celery.signals import task_postrun, task_prerun, worker_shutdown, worker_shutting_down
 
-from preheat import history, liveness, outbox, traffic
+from preheat import fstransport, history, liveness, outbox, traffic
 from preheat.celery import app, infer_queue
 from preheat.db import utcnow
 from preheat.endpoints import POOLS
@@ -73,10 +73,12 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
             def on_serving_thread() -> None:
                 runtime.exercise(model)
                 consumer.add_task_queue(infer_queue(model))
+                runtime.taking_requests(model)  # /health/ready turns 200 now, not before
 
             consumer.call_soon(on_serving_thread)
 
         if settings.gate_inference:
+            runtime.gate_requests = True
             runtime.on_model_warm = serve_once_warm
         else:
             log.warning("PREHEAT_GATE_INFERENCE is off: requests are taken before the models are warm")
@@ -159,6 +161,12 @@ def _bookkeeping() -> None:
 
 
 app.steps["worker"].add(WorkerRuntimeStep)
+
+
+@worker_shutting_down.connect
+def _stop_waiting_for_messages(**_) -> None:
+    """The embedded broker's wait for a message ends now, not in up to 2 s (fstransport)."""
+    fstransport.STOPPING.set()
 
 
 @worker_shutdown.connect

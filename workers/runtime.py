@@ -58,6 +58,10 @@ class WorkerRuntime:
     # Called with a model's name once every template of it is pre-filled (the worker then
     # starts consuming that model's inference queue).
     on_model_warm: Callable[[str], None] | None = None
+    # Whether a warm model is ready only once the process takes its requests (`taking`):
+    # the worker's inference queue consumed, serve's request thread warmed. Kubernetes
+    # routes to a ready pod, so ready and taking requests must be the same moment.
+    gate_requests: bool = False
     resident_models: ResidentModels = field(init=False)
     cache: KVCacheManager = field(init=False)
     engine: PrefixEngine = field(init=False)
@@ -71,6 +75,7 @@ class WorkerRuntime:
     _unreported_prefill: dict[CacheKey, Prefilled] = field(default_factory=dict)
     _prefixes: dict[str, TemplatePrefix] = field(default_factory=dict)
     _ad_hoc: dict[tuple[str, str], TemplatePrefix] = field(default_factory=dict)
+    _taking: set[str] = field(default_factory=set)
     # TTFT of the latest served requests that started from their template's cached prefix:
     # this worker's steady state, against which a warmup's probe is judged.
     _served_ttft_ms: dict[str, deque[float]] = field(default_factory=dict)
@@ -144,11 +149,19 @@ class WorkerRuntime:
             reasons.append(f"model {model} unavailable: {self.resident_models.unavailable[model]}")
         elif self.resident_models.get(model) is None:
             reasons.append(f"model {model} not loaded yet")
-        return reasons + [
+        reasons += [
             f"template {name}: {self._templates[name]}"
             for name in self.catalog.templates_of(model)
             if self._templates[name] is not None
         ]
+        if not reasons and self.gate_requests and model not in self._taking:
+            reasons.append(f"model {model}: warm, not taking requests yet")
+        return reasons
+
+    def taking_requests(self, model: str) -> None:
+        """The process now takes `model`'s requests (see gate_requests)."""
+        self._taking.add(model)
+        log.info("model %s takes requests", model)
 
     def source(self, model: str) -> ModelSource:
         spec = self.catalog.model(model)

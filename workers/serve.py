@@ -97,24 +97,20 @@ class Server:
         self.runtime, self.config = runtime, config
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="preheat-serve-forward")
         self.metrics = ServeMetrics(runtime)
-        self._serving: set[str] = set()
+        runtime.gate_requests = True
         runtime.on_model_warm = lambda model: self.executor.submit(self._open_model, model)
 
     def _open_model(self, model: str) -> None:
         # On the thread that runs requests: it pays its own first-call costs before the
         # first request does (see WorkerRuntime.exercise), then the model takes traffic.
         self.runtime.exercise(model)
-        self._serving.add(model)
-        log.info("model %s takes requests", model)
+        self.runtime.taking_requests(model)
 
     def model_readiness(self, model: str) -> list[str]:
-        reasons = self.runtime.model_readiness(model)
-        if not reasons and model not in self._serving:
-            reasons.append(f"model {model}: the serving thread is not warmed yet")
-        return reasons
+        return self.runtime.model_readiness(model)
 
     def readiness(self) -> list[str]:
-        return [reason for model in self.runtime.catalog.models for reason in self.model_readiness(model)]
+        return self.runtime.readiness()
 
     async def run(self, work: Callable[[], object]):
         return await asyncio.get_running_loop().run_in_executor(self.executor, work)

@@ -2,8 +2,7 @@
 
 import typer
 
-from preheat.catalog import load_catalog
-from preheat.settings import get_settings
+from preheat.cli.lazy import get_settings, load_catalog
 
 app = typer.Typer(no_args_is_help=True, help="Settings and catalog.")
 

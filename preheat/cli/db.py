@@ -2,7 +2,7 @@
 
 import typer
 
-from preheat.settings import get_settings
+from preheat.cli.lazy import get_settings
 
 app = typer.Typer(no_args_is_help=True, help="History database schema (Alembic).")
 

@@ -7,11 +7,8 @@ import json
 import typer
 from rich.table import Table
 
-from preheat import history
-from preheat.catalog import load_catalog
 from preheat.cli import render
-from preheat.db import session_scope
-from preheat.settings import get_settings
+from preheat.cli.lazy import get_settings, load_catalog, session_scope
 
 console = render.console()
 
@@ -19,6 +16,8 @@ console = render.console()
 def endpoints(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
     """List endpoints: kind, pool size, templates primed, keep-alive pings sent."""
     catalog = load_catalog(get_settings().catalog)
+    from preheat import history
+
     with session_scope() as session:
         counters = {row.endpoint: row for row in history.keepalives(session)}
     rows = []

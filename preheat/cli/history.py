@@ -8,11 +8,10 @@ import re
 
 import typer
 
-from preheat import history as service
 from preheat.cli import render
-from preheat.db import session_scope, utcnow
+from preheat.cli.lazy import session_scope, utcnow
 from preheat.errors import ConfigError, UnknownNameError
-from preheat.models import RunStatus, TriggerKind
+from preheat.states import RunStatus, TriggerKind
 
 console = render.console()
 _SPAN = re.compile(r"^(\d+)([mhd])$")
@@ -43,6 +42,8 @@ def history(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """List warmup runs, newest first, or show one run's jobs with their measured timings."""
+    from preheat import history as service
+
     with session_scope() as session:
         if run is not None:
             found = service.find_run(session, run)

@@ -8,10 +8,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from preheat.catalog import load_catalog
 from preheat.cli import render
-from preheat.db import session_scope
-from preheat.settings import get_settings
+from preheat.cli.lazy import get_settings, load_catalog, session_scope
 
 traffic_app = typer.Typer(no_args_is_help=True, help="Traffic counts per model, template and minute.")
 peaks_app = typer.Typer(no_args_is_help=True, help="Peaks learned from traffic, proposed as schedules.")

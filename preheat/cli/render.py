@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from preheat.models import JobStatus, WarmupJob, WarmupRun, WorkerRecord
+from preheat.states import JobStatus
+
+if TYPE_CHECKING:
+    from preheat.models import WarmupJob, WarmupRun, WorkerRecord
 
 
 def short_id(run: WarmupRun) -> str:

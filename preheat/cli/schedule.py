@@ -4,15 +4,17 @@ database. A running beat reads them every tick, so a change applies within secon
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
 
-from preheat.catalog import load_catalog
 from preheat.cli import render
-from preheat.db import aware, session_scope, utcnow
-from preheat.models import Schedule, ScheduleSlot
-from preheat.settings import get_settings
+from preheat.cli.lazy import aware, load_catalog, session_scope, utcnow
+
+if TYPE_CHECKING:
+    from preheat.models import Schedule, ScheduleSlot
+from preheat.cli.lazy import get_settings
 
 app = typer.Typer(no_args_is_help=True, help="Peak schedules: when beat warms what, ahead of traffic.")
 console = render.console()

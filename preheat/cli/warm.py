@@ -7,16 +7,19 @@ import json
 import socket
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from preheat import history, registry
 from preheat.cli import render
-from preheat.db import session_scope
+from preheat.cli.lazy import session_scope
 from preheat.errors import ConfigError
-from preheat.models import RunStatus, WarmupRun
-from preheat.settings import get_settings
+from preheat.states import RunStatus
+
+if TYPE_CHECKING:
+    from preheat.models import WarmupRun
+from preheat.cli.lazy import get_settings
 
 console = render.console()
 # 2 bad input, 3 no live worker and 5 services unreachable come from preheat.errors / cli.
@@ -31,6 +34,8 @@ def _requester() -> str:
 
 
 def _load(run_id: uuid.UUID) -> WarmupRun:
+    from preheat import history
+
     with session_scope() as session:
         return history.get_run(session, run_id)
 
@@ -39,6 +44,7 @@ def _reap() -> None:
     """Settle jobs of dead workers now, so a wait never outlasts the reaper's bound. A worker
     whose heartbeat row is stale but whose pulse through the broker is fresh is alive (its
     database was away): its jobs wait for its outbox, never called lost."""
+    from preheat import registry
     from preheat.liveness import pulses_for
 
     settings = get_settings()

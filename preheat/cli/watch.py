@@ -10,8 +10,8 @@ import signal
 
 import typer
 
+from preheat.cli.lazy import get_settings
 from preheat.errors import ConfigError
-from preheat.settings import get_settings
 
 
 def _run_until_signalled(watcher) -> None:

@@ -6,10 +6,8 @@ import json
 
 import typer
 
-from preheat import registry
 from preheat.cli import render
-from preheat.db import session_scope, utcnow
-from preheat.settings import get_settings
+from preheat.cli.lazy import get_settings, session_scope, utcnow
 
 console = render.console()
 
@@ -19,6 +17,8 @@ def workers(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """List workers from their heartbeats: state, resident models, KV cache use, readiness."""
+    from preheat import registry
+
     dead_after, now = get_settings().worker_dead_after_s, utcnow()
     with session_scope() as session:
         rows = [(record, registry.is_live(record, dead_after, now)) for record in registry.workers(session)]

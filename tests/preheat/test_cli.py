@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -214,3 +215,18 @@ def test_config_check_says_which_chat_template_each_model_gets(embedded, tmp_pat
     catalog.write_text(f'[models.both]\npath = "{tiny_model}"\nchat_template = "x"\nchat_template_file = "y"\n')
     both = run("config", "check", env={**embedded.env, "PREHEAT_CATALOG": str(catalog)})
     assert both.returncode == 2 and "at most one of chat_template or chat_template_file" in one_error_line(both)
+
+
+def test_the_cli_loads_no_database_layer_model_or_catalog_until_a_command_needs_it():
+    """`preheat --help` and a command's --help cost the interpreter and typer, nothing more:
+    SQLAlchemy, torch, Celery and the catalog's pydantic models are imported by the
+    commands that use them."""
+    probe = (
+        "import sys; from preheat.cli import main; sys.argv = ['preheat', '--help']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('sqlalchemy', 'torch', 'celery', 'transformers', 'preheat.catalog', 'preheat.settings')"
+        " if m in sys.modules]\n"
+        "print('HEAVY', heavy)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in done.stdout, done.stdout + done.stderr

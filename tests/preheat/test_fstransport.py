@@ -56,3 +56,35 @@ def test_a_consumer_racing_a_producer_in_another_process_gets_every_message_whol
             assert producer.wait(60) == 0
     assert sorted(received) == list(range(MESSAGES))
     assert not [name for name in tmp_path.iterdir() if name.name.endswith(".part")]
+
+
+def test_a_wait_for_a_message_honours_its_timeout_and_ends_when_the_worker_stops(tmp_path):
+    """Celery's loop waits for a message before it looks whether to stop: a stopping worker
+    must not wait with it. A caller's own timeout still holds in full, in slices."""
+    import socket
+    import threading
+
+    fstransport.install()
+    options = {"data_folder_in": str(tmp_path), "data_folder_out": str(tmp_path), "polling_interval": 0.01}
+    with Connection("filesystem://", transport_options=options) as connection:
+        queue = connection.SimpleQueue("idle")
+        queue.put({"n": 1})
+        assert queue.get(timeout=5).payload == {"n": 1}  # a message arrives through the slices
+        outcome = []
+
+        def wait() -> None:
+            try:
+                connection.drain_events()  # no timeout: until a message, or the worker stops
+            except socket.timeout:
+                outcome.append("stopped waiting")
+
+        waiting = threading.Thread(target=wait, daemon=True)
+        waiting.start()
+        waiting.join(0.3)
+        assert waiting.is_alive()  # no message: still waiting, past many slices
+        fstransport.STOPPING.set()
+        try:
+            waiting.join(30)
+            assert outcome == ["stopped waiting"]
+        finally:
+            fstransport.STOPPING.clear()

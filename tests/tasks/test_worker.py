@@ -169,3 +169,24 @@ def test_a_restarted_worker_restores_its_prefixes_and_a_damaged_file_is_computed
     # One template (support): pre-filled, restored twice, then pre-filled again and re-stored.
     assert seen == [(1.0, 0.0), (0.0, 1.0), (0.0, 1.0), (1.0, 0.0)], seen
     assert len(list(store.glob("*.safetensors"))) == 1
+
+
+@pytest.mark.slow
+def test_ready_is_reported_only_once_the_inference_queue_is_consumed(stack, tmp_path):
+    """Kubernetes routes to a ready pod: /health/ready must not turn 200 before Celery
+    feeds the worker its model's requests (it did, 0.6 s early, once 5 s)."""
+    worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
+    with procs.running(worker):
+        health = procs.health_url(worker)
+        answers = []
+
+        def ready() -> bool:
+            answer = httpx.get(f"{health}/health/ready", timeout=5)
+            answers.append(answer.json())
+            return answer.status_code == 200
+
+        procs.poll(ready, 90, every_s=0.02, what="ready")
+        assert "Started consuming from preheat.infer.tiny" in worker.log()
+        reasons = [reason for answer in answers for reason in answer.get("reasons", [])]
+        assert "model tiny: warm, not taking requests yet" in reasons or len(answers) == 1
+    assert worker.popen.returncode == 0

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from preheat import history, procs, registry
+from preheat.cli.lazy import get_settings
 from preheat.db import session_scope
 from preheat.errors import ConfigError
-from preheat.settings import get_settings
 
 
 def _worker_env(**overrides: str) -> dict[str, str]:

@@ -26,9 +26,9 @@ from sqlalchemy.engine import make_url
 
 from preheat import history, outbox, procs
 from preheat.cli.bench.common import host, prepare, write_report
+from preheat.cli.lazy import get_settings
 from preheat.db import reset_engine, session_scope, utcnow
 from preheat.models import AppliedWrite, TriggerKind, WarmupRun
-from preheat.settings import get_settings
 
 SOURCE = "bench-outbox"
 
@@ -71,7 +71,9 @@ def database_away() -> Iterator[None]:
 
 
 def _reload() -> None:
-    get_settings.cache_clear()
+    from preheat import settings
+
+    settings.get_settings.cache_clear()
     reset_engine()
 
 
