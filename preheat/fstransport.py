@@ -6,8 +6,8 @@ its `_get` moves the first matching file away and reads it, without taking the l
 reader that comes between the two reads an empty file, and the worker stops with
 "Unrecoverable error: JSONDecodeError('Expecting value: line 1 column 1 (char 0)')" (seen
 here under load; celery/kombu#1551). Here a message is written under a name readers skip
-and renamed into place, which is atomic within a folder. A worker asked to stop stops
-waiting for a message at once (see STOPPING).
+and renamed into place, which is atomic within a folder. Its wait for a message can be
+cut short (`wake`), so work handed to the consumer thread, or a stop, waits for nothing.
 
 `preheat.celery` points kombu's `filesystem` alias at this module, so `filesystem://` means
 this transport in every preheat process.
@@ -43,11 +43,24 @@ class Channel(filesystem.Channel):
             raise ChannelError(f"Cannot add file {final!r} to directory") from exc
 
 
-# Set when the worker is asked to stop (preheat.celery connects Celery's
-# worker_shutting_down signal): Celery's loop for this transport (synloop) waits up to 2 s
-# for a message before it looks whether it should stop, and a SIGTERM waited that long for
-# nothing. With it set, a wait for a message ends at the next poll.
-STOPPING = threading.Event()
+# Celery's loop for this transport (synloop) runs the work handed to the consumer thread
+# (call_soon: start consuming a warm model's queue) and checks whether to stop only between
+# waits for a message, and each wait lasts up to 2 s: a warm model waited that long for its
+# queue, and a SIGTERM for the worker to stop. `wake()` ends the wait at the next poll.
+_WAKE = threading.Event()
+# Once the worker is asked to stop, every wait ends at its next poll: the stop request may
+# be noted by Celery just after a wait began (its signal is sent before its flag is set).
+_STOPPING = threading.Event()
+
+
+def wake() -> None:
+    """End the consumer's current wait for a message now (work was handed to it)."""
+    _WAKE.set()
+
+
+def stop_waiting() -> None:
+    """The worker is stopping: no wait for a message lasts beyond the next poll."""
+    _STOPPING.set()
 
 
 class Transport(filesystem.Transport):
@@ -59,7 +72,12 @@ class Transport(filesystem.Transport):
             try:
                 return super().drain_events(connection, timeout=poll)
             except TimeoutError:
-                if STOPPING.is_set() or (timeout is not None and monotonic() - started >= timeout):
+                if _STOPPING.is_set():
+                    raise
+                if _WAKE.is_set():
+                    _WAKE.clear()
+                    raise
+                if timeout is not None and monotonic() - started >= timeout:
                     raise
 
 

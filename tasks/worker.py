@@ -64,8 +64,12 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         settings, runtime = get_settings(), get_runtime()
         consumer = worker.consumer
 
+        def soon(work, *args) -> None:
+            consumer.call_soon(work, *args)
+            fstransport.wake()  # the embedded broker's consumer would run it up to 2 s later
+
         def consume(model: str) -> None:
-            consumer.call_soon(consumer.add_task_queue, infer_queue(model))
+            soon(consumer.add_task_queue, infer_queue(model))
 
         def serve_once_warm(model: str) -> None:
             # On the consumer's thread, which runs the requests (solo pool): its first
@@ -75,7 +79,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
                 consumer.add_task_queue(infer_queue(model))
                 runtime.taking_requests(model)  # /health/ready turns 200 now, not before
 
-            consumer.call_soon(on_serving_thread)
+            soon(on_serving_thread)
 
         if settings.gate_inference:
             runtime.gate_requests = True
@@ -166,7 +170,7 @@ app.steps["worker"].add(WorkerRuntimeStep)
 @worker_shutting_down.connect
 def _stop_waiting_for_messages(**_) -> None:
     """The embedded broker's wait for a message ends now, not in up to 2 s (fstransport)."""
-    fstransport.STOPPING.set()
+    fstransport.stop_waiting()
 
 
 @worker_shutdown.connect

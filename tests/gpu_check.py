@@ -5,7 +5,8 @@ small model, lets the registry pick the device (CUDA, bf16), and checks what the
 cannot: the cached prefix on CUDA in bf16 gives full prefill's greedy token; and a real CUDA
 out-of-memory during a prefill (the caching allocator capped with
 set_per_process_memory_fraction) is one DeviceOutOfMemory naming the work, with the memory
-given back, after which the same prefill succeeds.
+given back, after which the same prefill succeeds; and how fast weights load onto the GPU
+against the host-to-device bandwidth.
 """
 
 from __future__ import annotations
@@ -88,8 +89,44 @@ def check(out: Path) -> dict:
     again = engine.prefill(resident, long_ids, label="handbook")
     again, again_ms = again.entry, again.prefill_ms
     report["after_oom"] = {"prefilled_tokens": again.num_tokens, "prefill_ms": again_ms}
+    report["load"] = load_bandwidth()
     out.write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def load_bandwidth() -> dict:
+    """Weights loaded onto the GPU (the registry's path, straight to the device) in GB/s,
+    against the host-to-device copy bandwidth of pinned memory: how far loading is from
+    the bus. A 135 M-shaped model, so the figure is not all fixed costs."""
+    from workers.devmodel import ModelShape
+
+    folder = make_model(
+        Path(tempfile.mkdtemp()) / "m135", shape=ModelShape(576, 1536, 30, 9, 3, 2048, padded_vocab=49152)
+    )
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    for path in folder.glob("*.safetensors"):
+        path.read_bytes()  # in the page cache, as on a node that ran the model before
+    started = time.perf_counter()
+    resident, _ = ResidentModels("auto").ensure(ModelSource("m135", str(folder)))
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - started
+    host = torch.empty(size // 4, dtype=torch.float32).pin_memory()
+    device = torch.empty_like(host, device="cuda")
+    device.copy_(host, non_blocking=True)  # a first copy pays one-off costs
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(5):
+        device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    h2d_gbps = 5 * size / (time.perf_counter() - started) / 1e9
+    return {
+        "weight_bytes": size,
+        "placement": resident.placement.describe(),
+        "load_s": load_s,
+        "load_gbps": size / load_s / 1e9,
+        "host_to_device_gbps": h2d_gbps,
+        "load_over_bus": (size / load_s / 1e9) / h2d_gbps,
+    }
 
 
 if __name__ == "__main__":

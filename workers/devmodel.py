@@ -82,6 +82,7 @@ class ModelShape:
     max_position_embeddings: int = 4096
     vocab_size: int = 8192
     sliding_window: int = 32  # mistral, phi3, gemma3: shorter than a template's prefix
+    padded_vocab: int = 0  # embedding rows beyond the tokenizer's, as real checkpoints pad them
 
 
 def _corpus(max_bytes: int) -> list[str]:
@@ -138,7 +139,7 @@ def build_config(arch: str, shape: ModelShape, tokenizer):
     if arch not in FLAVOURS:
         raise ValueError(f"unknown architecture {arch!r} (expected one of {', '.join(ARCHITECTURES)})")
     ids = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=max(len(tokenizer), shape.padded_vocab),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -138,7 +138,7 @@ def _load(source: ModelSource, placement: Placement) -> ResidentModel:
         tokenizer.chat_template = source.chat_template
     elif not tokenizer.chat_template:
         tokenizer.chat_template, template_source = DEFAULT_CHAT_TEMPLATE, DEFAULT_CHAT_TEMPLATE_NAME
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=placement.dtype, **pinned)
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=placement.dtype, **_onto(placement), **pinned)
     if placement.device.type == "cpu" and model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(attention.register())
     model.to(placement.device).eval()
@@ -155,6 +155,16 @@ def _load(source: ModelSource, placement: Placement) -> ResidentModel:
         max_context=_max_context(model.config),
         chat_template_source=template_source,
     )
+
+
+def _onto(placement: Placement) -> dict:
+    """Weights straight onto a GPU (never held twice, on the host then copied), which
+    transformers does through accelerate (the `gpu` extra); else loaded, then moved."""
+    import importlib.util
+
+    if placement.device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+        return {"device_map": str(placement.device)}
+    return {}
 
 
 def _max_context(config) -> int:

@@ -133,7 +133,10 @@ class WorkerRuntime:
                     prefilled = self.prefill_template(template)
                     if prefilled.source != "cached":
                         self._unreported_prefill[prefilled.entry.key] = prefilled
-                    self._exercise(template)
+                    if self.on_model_warm is None:
+                        # Else the thread that will serve requests exercises it (see exercise):
+                        # doing it here too cost a 135 M model 0.4 s of its start, for nothing.
+                        self._exercise(template)
                     self._announce_if_warm(self.catalog.template(template).model)
                 except (PreheatError, ValueError, RuntimeError, OSError) as exc:
                     log.error("template %s could not be pre-filled: %s", template, exc)

@@ -229,6 +229,45 @@ def ttft_table(report: dict) -> Table:
     return table
 
 
+def start_table(report: dict) -> Table:
+    """`preheat bench start`: launch to first answer, stage by stage, against the limit."""
+    table = Table(
+        title="worker start-up, stage by stage, against the limit measured in this run",
+        title_justify="left",
+        caption=f"seconds from launch, median of {report['rounds']} launch(es); limit = interpreter, + a worker's "
+        "imports + reading the weight files (resident), + the pre-fill itself (prefixes); stop = SIGTERM to exit, idle",
+        caption_justify="left",
+    )
+    headers = ("model", "prefix store", "first log", "resident", "prefixes", "ready", "answered", "stop")
+    for header in (*headers, "pre-fills", "ready/limit"):
+        table.add_column(header, justify="left" if header in headers[:2] else "right", no_wrap=True)
+    for shape, limit in report["limits"].items():
+        # The limit of each stage: what must have happened by then, at the least.
+        resident = limit["interpreter_s"] + limit["imports_s"] + limit["read_s"]
+        table.add_row(
+            shape,
+            "limit",
+            f"{limit['interpreter_s']:.2f}",
+            f"{resident:.2f}",
+            f"{resident + limit['prefill_s']:.2f}",
+            f"{limit['total_s']:.2f}",
+            "-",
+            "-",
+            "-",
+            "1.00",
+        )
+        for row in (r for r in report["rows"] if r["shape"] == shape):
+            table.add_row(
+                shape,
+                row["store"],
+                *(f"{row[k]:.2f}" for k in ("first_log_s", "resident_s", "prefixes_s", "ready_s", "answered_s")),
+                f"{row['stop_s']:.2f}",
+                str(row["prefills"]),
+                f"{row['ready_over_limit']:.2f}",
+            )
+    return table
+
+
 def turn_two_table(report: dict) -> Table:
     """`preheat bench ttft`: a conversation's second turn, with and without turn one cached."""
     row = report["turn_two"]

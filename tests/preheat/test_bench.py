@@ -4,6 +4,7 @@ only: the figures' size is the benchmark's business, not a test's."""
 import json
 import subprocess
 
+import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import PREHEAT_CLI
@@ -86,3 +87,36 @@ def test_outbox_compares_direct_kept_and_replayed_writes_and_leaves_nothing_behi
     with session_scope() as session:  # the throwaway run and its bookkeeping are gone
         for table in (WarmupRun, WarmupJob, AppliedWrite):
             assert session.scalar(select(func.count()).select_from(table)) == 0
+
+
+@pytest.mark.slow
+def test_start_times_each_stage_against_the_limit_and_a_warm_store_prefills_nothing(embedded_stack, tmp_path):
+    out = tmp_path / "start.json"
+    done = subprocess.run(
+        [PREHEAT_CLI, "bench", "start", "--shapes", "tiny", "--rounds", "1", "--json", str(out)],
+        env=embedded_stack.env,
+        cwd=embedded_stack.home,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "worker start-up, stage by stage" in done.stdout and "tiny, warm store: ready in" in done.stdout
+    report = json.loads(out.read_text())
+    limit = report["limits"]["tiny"]
+    assert limit["total_s"] == pytest.approx(
+        limit["interpreter_s"] + limit["imports_s"] + limit["read_s"] + limit["prefill_s"]
+    )
+    assert limit["weight_bytes"] > 10_000_000
+    rows = {row["store"]: row for row in report["rows"]}
+    assert (rows["empty"]["prefills"], rows["warm"]["prefills"], rows["warm"]["restores"]) == (1, 0, 1)
+    for row in rows.values():
+        # The stages come in order (ready: seen by the client, the others: the worker's log).
+        assert 0 < row["first_log_s"] <= row["resident_s"] <= row["prefixes_s"]
+        assert row["resident_s"] <= row["ready_s"] <= row["answered_s"]
+        assert row["stop_s"] > 0 and row["ready_over_limit"] == pytest.approx(row["ready_s"] / limit["total_s"])
+
+
+def test_start_refuses_an_unknown_shape(embedded_stack):
+    refused = embedded_stack.cli_here("bench", "start", "--shapes", "tiny,7b")
+    assert refused.returncode == 2 and "--shapes: expected a comma-separated list of tiny, 135m" in refused.stderr

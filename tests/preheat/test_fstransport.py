@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from kombu import Connection
 from kombu.transport import resolve_transport
 
@@ -58,10 +59,9 @@ def test_a_consumer_racing_a_producer_in_another_process_gets_every_message_whol
     assert not [name for name in tmp_path.iterdir() if name.name.endswith(".part")]
 
 
-def test_a_wait_for_a_message_honours_its_timeout_and_ends_when_the_worker_stops(tmp_path):
-    """Celery's loop waits for a message before it looks whether to stop: a stopping worker
-    must not wait with it. A caller's own timeout still holds in full, in slices."""
-    import socket
+def test_a_wait_for_a_message_holds_its_timeout_and_ends_when_woken(tmp_path):
+    """Celery's loop waits for a message before it runs work handed to the consumer or looks
+    whether to stop: a wake-up ends the wait. A caller's own timeout still holds in full."""
     import threading
 
     fstransport.install()
@@ -75,16 +75,21 @@ def test_a_wait_for_a_message_honours_its_timeout_and_ends_when_the_worker_stops
         def wait() -> None:
             try:
                 connection.drain_events()  # no timeout: until a message, or the worker stops
-            except socket.timeout:
-                outcome.append("stopped waiting")
+            except TimeoutError:
+                outcome.append("woken")
 
         waiting = threading.Thread(target=wait, daemon=True)
         waiting.start()
         waiting.join(0.3)
         assert waiting.is_alive()  # no message: still waiting, past many slices
-        fstransport.STOPPING.set()
+        fstransport.wake()
+        waiting.join(30)
+        assert outcome == ["woken"]
+        queue.put({"n": 2})  # a wake-up ends one wait: the next gets its message as usual
+        assert queue.get(timeout=5).payload == {"n": 2}
+        fstransport.stop_waiting()  # a stopping worker: no wait outlasts a poll, however long asked
         try:
-            waiting.join(30)
-            assert outcome == ["stopped waiting"]
+            with pytest.raises(TimeoutError):
+                connection.drain_events(timeout=3600)
         finally:
-            fstransport.STOPPING.clear()
+            fstransport._STOPPING.clear()

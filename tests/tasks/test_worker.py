@@ -187,6 +187,5 @@ def test_ready_is_reported_only_once_the_inference_queue_is_consumed(stack, tmp_
 
         procs.poll(ready, 90, every_s=0.02, what="ready")
         assert "Started consuming from preheat.infer.tiny" in worker.log()
-        reasons = [reason for answer in answers for reason in answer.get("reasons", [])]
-        assert "model tiny: warm, not taking requests yet" in reasons or len(answers) == 1
+        assert all(answer.get("reasons") for answer in answers[:-1])  # every 503 says why
     assert worker.popen.returncode == 0

@@ -288,3 +288,12 @@ def test_a_restarted_runtime_restores_its_prefixes_and_prefills_nothing(tmp_path
         again = restarted.infer("support", "Where is my parcel?", SamplingParams(max_tokens=8, temperature=0.0))
         assert again.token_ids == answer.token_ids and again.cached_tokens == answer.cached_tokens
         restarted.close()
+
+
+def test_a_gated_process_is_ready_only_once_it_takes_the_models_requests(tmp_path, tiny_model):
+    runtime = make_runtime(tmp_path, tiny_model, gate_requests=True)
+    warm = []
+    runtime.on_model_warm = warm.append
+    assert runtime.preload() == ["model tiny: warm, not taking requests yet"] and warm == ["tiny"]
+    runtime.taking_requests("tiny")
+    assert runtime.readiness() == [] and runtime.describe()["ready"] is True

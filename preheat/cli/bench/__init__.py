@@ -42,6 +42,20 @@ def first_request_command(
     bench.main(template=template, rounds=rounds, steady=steady, timeout=timeout, json_path=json_path)
 
 
+@app.command("start")
+def start_command(
+    shapes: str = typer.Option("tiny,135m", help="Dev model shapes to start, comma-separated: tiny, 135m."),
+    rounds: int = typer.Option(3, min=1, max=20, help="Launches per shape and store; figures are medians."),
+    timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for any one stage."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/start.json."),
+) -> None:
+    """Launch a worker and time each stage to its first answer (and SIGTERM to exit), with an
+    empty and a warm prefix store, against the start-up limit measured in the same run."""
+    from preheat.cli.bench import start as bench
+
+    bench.main(shapes=shapes, rounds=rounds, timeout=timeout, json_path=json_path)
+
+
 @app.command("fanout")
 def fanout_command(
     workers: str = typer.Option("1,2,4", help="Worker counts to measure, comma-separated."),

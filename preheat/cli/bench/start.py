@@ -1,0 +1,272 @@
+"""`preheat bench start`: a worker from launch to its first answer, stage by stage, against
+the start-up limit measured in the same run; with an empty prefix store and with a warm one.
+
+Each stage is read from the worker's own log (its timestamps) or seen by this client:
+first log line, model resident, prefixes ready (pre-filled or restored), /health/ready 200,
+first request answered, and SIGTERM → exit. The limit is what no start-up can beat on this
+machine: a bare interpreter, the imports a worker needs (Celery, SQLAlchemy, torch,
+transformers and the model's own classes), reading the weight files, and the pre-fill of the
+template prefix itself — each measured here, in a process of its own. What it leaves out is
+the work a start-up could avoid: building the model object, the tokenizer, Celery's own start.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from preheat.cli.bench.common import host, prepare, write_report
+from preheat.errors import ConfigError
+
+START_TARGET = 1.3  # launch -> ready, against the limit
+STOP_TARGET_S = 1.0  # an idle worker, SIGTERM -> exit
+SHAPES = ("tiny", "135m")
+STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): ")
+
+# In a process of its own: what a worker cannot start faster than.
+LIMIT_SCRIPT = r"""
+import json, sys, time
+from pathlib import Path
+started = time.perf_counter()
+import celery, kombu, sqlalchemy, pydantic, torch, transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+# The model's own classes (their modules import torch's and transformers' machinery lazily):
+# imports this worker needs, not the construction of the model.
+config = AutoConfig.from_pretrained(sys.argv[1])
+AutoModelForCausalLM._model_mapping[type(config)]
+import transformers.generation.utils
+imported = time.perf_counter()
+read = 0
+for path in sorted(Path(sys.argv[1]).glob("*.safetensors")):
+    with open(path, "rb") as weights:
+        while chunk := weights.read(1 << 24):
+            read += len(chunk)
+done_reading = time.perf_counter()
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+ids = tokenizer.apply_chat_template(
+    [{"role": "system", "content": sys.argv[2]}, {"role": "user", "content": "x"}],
+    add_generation_prompt=True, return_dict=True, return_tensors="pt",
+)["input_ids"]
+with torch.inference_mode():
+    model(input_ids=ids)  # a first call pays one-off costs: the limit is the pre-fill itself
+    before = time.perf_counter()
+    model(input_ids=ids)
+    prefill = time.perf_counter() - before
+print(json.dumps({"imports_s": imported - started, "read_s": done_reading - imported, "bytes": read,
+                  "prefill_s": prefill}))
+"""
+
+
+@dataclass(frozen=True)
+class Launch:
+    shape: str
+    store: str  # empty | warm
+    first_log_s: float
+    resident_s: float
+    prefixes_s: float
+    ready_s: float
+    answered_s: float
+    stop_s: float
+    prefills: int
+    restores: int
+
+
+@dataclass(frozen=True)
+class Limit:
+    interpreter_s: float
+    imports_s: float
+    read_s: float
+    prefill_s: float
+    weight_bytes: int
+
+    @property
+    def total_s(self) -> float:
+        return self.interpreter_s + self.imports_s + self.read_s + self.prefill_s
+
+
+def main(shapes: str, rounds: int, timeout: float, json_path: Path) -> None:
+    """The command (its options are declared in preheat.cli.bench): measure, print, write JSON."""
+    from preheat.cli import render
+
+    wanted = [s.strip() for s in shapes.split(",") if s.strip()]
+    if not wanted or any(s not in SHAPES for s in wanted):
+        raise ConfigError(f"--shapes: expected a comma-separated list of {', '.join(SHAPES)} (got {shapes!r})")
+    console = render.console()
+    settings, catalog = prepare(console, exclusive="bench start starts its own workers", models=False)
+    if not catalog.templates:
+        raise ConfigError(f"catalog {settings.catalog} has no template to pre-fill")
+    # The catalog's first template and its model's name, on each dev model: requests are
+    # routed by this process's catalog to that model's queue, which the worker consumes.
+    template = next(iter(catalog.templates))
+    model, system_prompt, probe = (
+        catalog.template(template).model,
+        catalog.system_prompt(template),
+        catalog.template(template).probe,
+    )
+    folder = settings.home / "bench" / "start"
+    rows, limits = [], {}
+    for shape in wanted:
+        model_dir = _dev_model(folder / "models" / shape, shape, console)
+        bench_catalog = _catalog(folder / f"{shape}.toml", model, model_dir, template, system_prompt, probe)
+        limits[shape] = measure_limit(model_dir, system_prompt)
+        console.print(f"{shape}: limit {limits[shape].total_s:.2f} s; {rounds} round(s) × empty / warm prefix store …")
+        store = folder / "prefixes" / shape
+        for _ in range(rounds):
+            for kind in ("empty", "warm"):
+                if kind == "empty":
+                    _empty(store)
+                rows.append(
+                    launch(shape, kind, bench_catalog, store, (model, template, probe), folder / "logs", timeout)
+                )
+    report = _report(rows, limits, rounds)
+    console.print(render.start_table(report))
+    for line in report["verdicts"]:
+        console.print(line, highlight=False)
+    write_report(report, json_path or settings.home / "bench" / "start.json", console)
+
+
+def _dev_model(folder: Path, shape: str, console) -> Path:
+    from workers.devmodel import ModelShape, make_model
+
+    if (folder / "config.json").exists():
+        return folder
+    console.print(f"building the {shape} dev model in {folder} …")
+    # 135m: SmolLM-135M's shape: 30 layers of 576, 9 heads over 3 KV heads, 49,152 embedding rows.
+    dims = ModelShape(576, 1536, 30, 9, 3, 2048, padded_vocab=49152) if shape == "135m" else ModelShape()
+    return make_model(folder, shape=dims)
+
+
+def _catalog(path: Path, model: str, model_dir: Path, template: str, system_prompt: str, probe: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"[models.{model}]\npath = {json.dumps(str(model_dir))}\n\n"
+        f"[templates.{template}]\nmodel = {json.dumps(model)}\nsystem_prompt = {json.dumps(system_prompt)}\n"
+        f"probe = {json.dumps(probe)}\n"
+    )
+    return path
+
+
+def _empty(store: Path) -> None:
+    for stored in store.glob("*"):
+        stored.unlink()
+
+
+def measure_limit(model_dir: Path, system_prompt: str) -> Limit:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    interpreter_s = time.perf_counter() - started
+    done = subprocess.run(
+        [sys.executable, "-c", LIMIT_SCRIPT, str(model_dir), system_prompt],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    return Limit(interpreter_s, measured["imports_s"], measured["read_s"], measured["prefill_s"], measured["bytes"])
+
+
+def launch(
+    shape: str, store_kind: str, catalog: Path, store: Path, request: tuple[str, str, str], logs: Path, timeout: float
+) -> Launch:
+    import httpx
+
+    from preheat import procs
+    from preheat.celery import app
+    from preheat.cli.bench.fleet import _nodename, _worker_env
+
+    model, template, probe = request
+    env = _worker_env(PREHEAT_CATALOG=str(catalog), PREHEAT_PREFIX_STORE=str(store))
+    launched_wall, launched = time.time(), time.perf_counter()
+    worker = procs.start_worker(_nodename(f"start-{shape}"), env, logs)
+    with procs.running(worker):
+        health = procs.health_url(worker, timeout)
+        procs.poll(lambda: httpx.get(f"{health}/health/ready", timeout=5).status_code == 200, timeout, 0.01, "ready")
+        ready_s = time.perf_counter() - launched
+        app.send_task("preheat.infer", kwargs={"template": template, "user_input": probe, "max_new_tokens": 1}).get(
+            timeout=timeout
+        )
+        answered_s = time.perf_counter() - launched
+        metrics = httpx.get(f"{health}/metrics", timeout=5).text
+        stop_started = time.perf_counter()
+        worker.popen.send_signal(signal.SIGTERM)
+        worker.popen.wait(timeout)
+        stop_s = time.perf_counter() - stop_started
+    log = worker.log()
+    return Launch(
+        shape,
+        store_kind,
+        _stamp_s(log, None, launched_wall),
+        _stamp_s(log, f"model {model} resident", launched_wall),
+        _stamp_s(log, "preload done", launched_wall),
+        ready_s,
+        answered_s,
+        stop_s,
+        int(_counter(metrics, "preheat_prefills_total", model)),
+        int(_counter(metrics, "preheat_prefix_restores_total", model)),
+    )
+
+
+def _stamp_s(log: str, text: str | None, launched_wall: float) -> float:
+    """Seconds from the launch to the first log line with `text` (None: the first stamped line)."""
+    for line in log.splitlines():
+        found = STAMP.match(line)
+        if found and (text is None or text in line):
+            moment = dt.datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f")
+            return moment.timestamp() - launched_wall
+    raise RuntimeError(f"the worker never logged {text or 'a stamped line'!r}")
+
+
+def _counter(metrics: str, name: str, model: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(f'{name}{{model="{model}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _report(rows: list[Launch], limits: dict[str, Limit], rounds: int) -> dict:
+    summary, verdicts = [], []
+    for shape, limit in limits.items():
+        for kind in ("empty", "warm"):
+            mine = [r for r in rows if r.shape == shape and r.store == kind]
+            median = {
+                field: statistics.median(getattr(r, field) for r in mine)
+                for field in ("first_log_s", "resident_s", "prefixes_s", "ready_s", "answered_s", "stop_s")
+            }
+            summary.append(
+                {
+                    "shape": shape,
+                    "store": kind,
+                    **median,
+                    "prefills": max(r.prefills for r in mine),
+                    "restores": min(r.restores for r in mine),
+                    "ready_over_limit": median["ready_s"] / limit.total_s,
+                }
+            )
+            row = summary[-1]
+            start_met = "met" if row["ready_over_limit"] <= START_TARGET else "NOT met"
+            stop_met = "met" if row["stop_s"] <= STOP_TARGET_S else "NOT met"
+            verdicts.append(
+                f"{shape}, {kind} store: ready in {row['ready_s']:.2f} s = {row['ready_over_limit']:.2f}× the limit "
+                f"{limit.total_s:.2f} s (target ≤ {START_TARGET}: {start_met}); stop {row['stop_s']:.2f} s "
+                f"(target ≤ {STOP_TARGET_S:g} s: {stop_met}); {row['prefills']} pre-fill(s)"
+            )
+    return {
+        "benchmark": "start",
+        "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "host": {**host(), "cpus_usable": len(os.sched_getaffinity(0))},
+        "rounds": rounds,
+        "limits": {shape: {**asdict(limit), "total_s": limit.total_s} for shape, limit in limits.items()},
+        "rows": summary,
+        "launches": [asdict(r) for r in rows],
+        "verdicts": verdicts,
+    }
