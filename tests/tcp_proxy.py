@@ -12,6 +12,23 @@ import struct
 import threading
 
 
+def _port_outside_the_ephemeral_range() -> int:
+    """A free port no other process is handed while the proxy is cut: port 0 comes from the
+    ephemeral range (32768-60999 on Linux), and a parallel test's connection or server once
+    took the cut proxy's port, so it could not listen again (EADDRINUSE)."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and 32000")
+
+
 class TcpProxy:
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
@@ -40,7 +57,7 @@ class TcpProxy:
     def start(self) -> TcpProxy:
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))  # the same port again after a cut
+        listener.bind(("127.0.0.1", self.port or _port_outside_the_ephemeral_range()))  # the same one after a cut
         listener.listen(64)
         self.port = listener.getsockname()[1]
         self._listener = listener

@@ -80,10 +80,10 @@ def test_a_worker_with_a_broken_model_starts_serves_the_others_and_says_why_not_
         )
     worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
     with procs.running(worker):
-        procs.wait_for_log(worker, "preload done", timeout_s=90)
+        procs.wait_for_log(worker, "model tiny takes requests", timeout_s=90)
         ready = httpx.get(f"{procs.health_url(worker)}/health/ready")
         assert ready.status_code == 503
-        assert ready.json()["reasons"][0].startswith("model gone unavailable: ")
+        assert ready.json()["reasons"][0].startswith("model gone unavailable: "), ready.json()
         assert send_infer().get(timeout=60)["cached_tokens"] > 20  # tiny is warm and served
 
 
@@ -189,3 +189,21 @@ def test_ready_is_reported_only_once_the_inference_queue_is_consumed(stack, tmp_
         assert "Started consuming from preheat.infer.tiny" in worker.log()
         assert all(answer.get("reasons") for answer in answers[:-1])  # every 503 says why
     assert worker.popen.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_busy_worker_finishes_its_request_before_it_stops(embedded_stack, tmp_path):
+    """SIGTERM during a request: the answer is delivered whole, then the worker exits cleanly
+    (an idle one exits at once: preheat bench start measures it)."""
+    import signal
+
+    worker = procs.start_worker(WORKER, embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
+    with procs.running(worker):
+        procs.wait_for_log(worker, "model tiny takes requests", 90)
+        pending = send_infer(max_new_tokens=1500, temperature=0.0)  # seconds of decoding on the tiny model
+        procs.wait_for_log(worker, f"preheat.infer[{pending.id}] received", 30)
+        worker.popen.send_signal(signal.SIGTERM)
+        answer = pending.get(timeout=120)
+        assert len(answer["token_ids"]) == 1500 or answer["finish_reason"] == "stop"
+        assert worker.popen.wait(60) == 0
+    assert f"preheat.infer[{pending.id}] succeeded" in worker.log()
