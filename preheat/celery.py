@@ -66,7 +66,9 @@ def _transport_options(settings: Settings) -> dict:
             "processed_folder": str(folder / "processed"),
             "store_processed": False,
             # How often an idle worker looks for a message: the latency floor of every task.
-            "polling_interval": 0.05,
+            # 10 ms: a preheat.infer caller waits 21 ms for a 10 ms answer (50 ms: 63 ms); an
+            # idle worker spends 0.9 % of a core on it.
+            "polling_interval": 0.01,
         }
     return {"visibility_timeout": settings.visibility_timeout_s}
 

@@ -219,7 +219,9 @@ class Settings(BaseSettings):
             return self.result_backend_url.get_secret_value()
         if self.broker.startswith(("redis://", "rediss://")):
             return self.broker
-        return f"file://{(self.home / 'results').resolve()}"
+        from preheat.results import URL_PREFIX
+
+        return f"{URL_PREFIX}file://{(self.home / 'results').resolve()}"
 
     @property
     def database(self) -> str:

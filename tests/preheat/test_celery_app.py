@@ -74,7 +74,8 @@ def test_requests_go_to_their_models_inference_queue_and_unknown_templates_are_r
 
 def test_results_only_for_requests_in_redis_or_files(settings, tmp_path):
     assert celery_config(settings)["task_ignore_result"] is True
-    assert celery_config(settings)["result_backend"] == f"file://{(tmp_path / 'home' / 'results').resolve()}"
+    results = (tmp_path / "home" / "results").resolve()
+    assert celery_config(settings)["result_backend"] == f"preheat.results:PromptFilesystemBackend+file://{results}"
     redis = load_settings(broker_url="redis://127.0.0.1:6379/11")
     assert celery_config(redis)["result_backend"] == "redis://127.0.0.1:6379/11"
     assert celery_config(settings)["worker_pool"] == "solo"

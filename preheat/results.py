@@ -1,0 +1,23 @@
+"""Where `preheat.infer` results wait for their callers on the embedded default: Celery's
+filesystem result backend, read back promptly.
+
+A caller's `AsyncResult.get()` polls a backend without push every half second (Celery's
+default interval): an 8 ms answer reached its caller after about 500 ms. Here a poll is a
+stat and a small read of one file, so the caller looks every few milliseconds instead. (The
+Redis backend pushes results over pub/sub and needs none of this.)
+"""
+
+from __future__ import annotations
+
+from celery.backends.filesystem import FilesystemBackend
+
+POLL_S = 0.005
+
+
+class PromptFilesystemBackend(FilesystemBackend):
+    def wait_for(self, task_id, timeout=None, interval=0.5, no_ack=True, on_interval=None):
+        return super().wait_for(task_id, timeout, min(interval, POLL_S), no_ack, on_interval)
+
+
+# The backend as a result_backend URL names it: Celery resolves "<class>+<url>".
+URL_PREFIX = f"{__name__}:{PromptFilesystemBackend.__name__}+"
