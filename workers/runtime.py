@@ -283,8 +283,8 @@ class WorkerRuntime:
             prefilled = self._unreported_prefill.pop(prefilled.entry.key, prefilled)
         entry = prefilled.entry
         result.cached_tokens, result.cache_bytes = entry.num_tokens, entry.nbytes
-        result.prefill_ms, result.restore_ms = prefilled.prefill_ms, prefilled.restore_ms
-        result.prefix_source = prefilled.source
+        result.prefill_ms, result.prefix_source = prefilled.prefill_ms, prefilled.source
+        result.restore_ms = prefilled.restore_ms if prefilled.source == "restored" else None
         measured = probe(
             self.engine,
             resident,
