@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import ClassVar
 
 from celery import bootsteps
@@ -61,8 +62,10 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
             )
 
     def start(self, worker) -> None:
+        global _HUB
         settings, runtime = get_settings(), get_runtime()
         consumer = worker.consumer
+        _HUB = worker.hub  # the event loop of brokers that have one (Redis, AMQP); None for the embedded
 
         def soon(work, *args) -> None:
             consumer.call_soon(work, *args)
@@ -167,10 +170,24 @@ def _bookkeeping() -> None:
 app.steps["worker"].add(WorkerRuntimeStep)
 
 
+_HUB = None
+
+
 @worker_shutting_down.connect
 def _stop_waiting_for_messages(**_) -> None:
-    """The embedded broker's wait for a message ends now, not in up to 2 s (fstransport)."""
+    """The consumer's wait ends now, not in up to 2 s (embedded broker) or 1 s (the event
+    loop of Redis and AMQP, in epoll until its next timer: SIGTERM does not wake it)."""
     fstransport.stop_waiting()
+    if _HUB is not None:
+        threading.Thread(target=_wake_hub, args=(_HUB,), name="preheat-stop", daemon=True).start()
+
+
+def _wake_hub(hub) -> None:
+    # From another thread, call_soon wakes the loop. Celery notes the stop just after this
+    # signal: a few wake-ups, so one comes after it.
+    for delay in (0.01, 0.05, 0.2):
+        time.sleep(delay)
+        hub.call_soon(lambda: None)
 
 
 @worker_shutdown.connect

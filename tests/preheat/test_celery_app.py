@@ -46,7 +46,7 @@ def test_redis_visibility_timeout_outlasts_the_longest_warmup(settings, apply_en
     apply_env({"PREHEAT_BROKER_URL": "redis://127.0.0.1:6379/11", "PREHEAT_HOME": str(tmp_path)})
     redis_settings = load_settings()
     options = celery_config(redis_settings)["broker_transport_options"]
-    assert options == {"visibility_timeout": 7200}
+    assert options == {"visibility_timeout": 7200, "polling_interval": 0.25}
     assert options["visibility_timeout"] > celery_config(redis_settings)["task_time_limit"]
 
 

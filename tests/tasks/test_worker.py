@@ -200,10 +200,10 @@ def test_a_busy_worker_finishes_its_request_before_it_stops(embedded_stack, tmp_
     worker = procs.start_worker(WORKER, embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
     with procs.running(worker):
         procs.wait_for_log(worker, "model tiny takes requests", 90)
-        pending = send_infer(max_new_tokens=1500, temperature=0.0)  # seconds of decoding on the tiny model
+        pending = send_infer(max_new_tokens=600, temperature=0.0)  # about a second of decoding on the tiny model
         procs.wait_for_log(worker, f"preheat.infer[{pending.id}] received", 30)
         worker.popen.send_signal(signal.SIGTERM)
-        answer = pending.get(timeout=120)
-        assert len(answer["token_ids"]) == 1500 or answer["finish_reason"] == "stop"
+        answer = pending.get(timeout=300)
+        assert len(answer["token_ids"]) == 600 or answer["finish_reason"] == "stop"
         assert worker.popen.wait(60) == 0
     assert f"preheat.infer[{pending.id}] succeeded" in worker.log()
