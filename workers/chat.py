@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.kvcache import CacheKey
+from workers.kvcache import CacheKey, shared_length
 from workers.resident import ResidentModel
 
 # User turns that differ from their first character on, in several scripts and shapes: the
@@ -56,12 +56,7 @@ def conversation(system_prompt: str | None, user_input: str) -> list[dict]:
 
 def common_prefix(rows: Sequence[np.ndarray]) -> np.ndarray:
     """The longest run of leading ids every row has."""
-    length = min(len(row) for row in rows)
-    first = rows[0][:length]
-    for row in rows[1:]:
-        same = row[:length] == first[:length]
-        length = int(np.argmin(same)) if not same.all() else length
-    return first[:length]
+    return rows[0][: min(shared_length(rows[0], row) for row in rows)]
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,6 @@ from workers.sampling import ModelDefaults, SamplingParams, TokenLogprob, sample
 
 log = logging.getLogger(__name__)
 
-GREEDY_PROBE = SamplingParams(max_tokens=1, temperature=0.0)
-
 
 @dataclass(slots=True)
 class Start:
@@ -231,7 +229,7 @@ class PrefixEngine:
     def _start_from(match: Match | None, prompt_ids: torch.Tensor, started: float) -> Start:
         num_tokens = prompt_ids.shape[-1]
         if match is None:
-            return Start(None, prompt_ids, None, 0, (time.perf_counter() - started) * 1000)
+            return Start(None, prompt_ids, None, 0, _since(started))
         entry, prefix = match.entry, match.entry.payload
         if match.tokens == entry.num_tokens == num_tokens:
             # The prompt is the entry: its stored logits answer, nothing is computed or cut.
@@ -296,7 +294,10 @@ class PrefixEngine:
         on_first_token: Callable[[Completion], None] | None,
     ) -> Iterator[tuple[int, TokenLogprob | None]]:
         ids = request.prompt_ids[0].tolist()
-        sampler = sampler_for(request.sampling, ModelDefaults.of(resident.model), len(ids), resident.placement.device)
+        prompt_length = len(ids)
+        sampler = sampler_for(
+            request.sampling, ModelDefaults.of(resident.model), prompt_length, resident.placement.device
+        )
         stops, kv, last_logits, prompt_only = stop_token_ids(resident), None, None, None
         try:
             with self.start(resident, request.prompt_ids, use_cache=request.use_cache, record=request.record) as start:
@@ -326,7 +327,7 @@ class PrefixEngine:
         finally:
             completion.total_ms = _since(request.started)
         if prompt_only is not None:
-            self._remember(resident, request.prompt_ids[0].tolist(), prompt_only)
+            self._remember(resident, ids[:prompt_length], prompt_only)
         elif request.remember and kv is not None:
             self._remember(resident, ids[:-1], Prefix(kv, last_logits))
 

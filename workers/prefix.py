@@ -67,13 +67,12 @@ def compact(cache) -> None:
 
 def truncatable(cache) -> bool:
     """Whether the cache can be cut back to fewer positions (its head reused alone)."""
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
+    full, sliding = _layers_that_grow_by_concatenation()
     for layer in cache.layers:
-        if type(layer) is DynamicSlidingWindowLayer:
+        if type(layer) is sliding:
             if layer.get_seq_length() >= layer.sliding_window:
                 return False  # it has dropped positions before its window
-        elif type(layer) is not DynamicLayer:
+        elif type(layer) is not full:
             return False
     return True
 
