@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install browser demo lint format test test-fast clean
+.PHONY: install browser demo lint format test test-fast clean bench-env
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,3 +54,15 @@ test-fast: install lint
 
 clean:
 	rm -rf .preheat .pytest_cache .hypothesis
+
+# `preheat bench load` compares with `transformers serve --continuous-batching`: its serving
+# extras live in an environment of their own, so the product's stays as it ships.
+BENCH_VENV := .bench-venv
+bench-env: $(BENCH_VENV)/.installed-stamp
+$(BENCH_VENV)/.installed-stamp: pyproject.toml
+	python3 -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(BENCH_VENV)/bin/pip install --quiet "transformers[serving]==$$($(BIN)/python -c 'import transformers; print(transformers.__version__)')"
+	touch $@
+

@@ -95,8 +95,13 @@ def celery_config(settings: Settings) -> dict:
         "result_backend": settings.result_backend,
         "result_expires": 3600,
         # GPU workers run one process per GPU, with the models in it (see tasks/worker.py).
-        "worker_pool": "solo",
-        "worker_concurrency": 1,
+        # Pool threads only wait: each hands its request to the engine's one scheduler
+        # thread, which decodes them together. A thread per row the engine has, and one
+        # for a warmup; prefetch is one message a thread, so what the worker reserves never
+        # exceeds what its engine can run.
+        "worker_pool": "threads",
+        "worker_consumer": "preheat.consumer:PreheatConsumer",  # a reconnect with tasks running
+        "worker_concurrency": settings.max_running_requests + 1,
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,

@@ -48,7 +48,7 @@ def _choose_targets(requested: list[str] | None, live: list[str]) -> list[str]:
     if not live:
         raise NoWorkersError(
             "no live preheat worker (none sent a heartbeat lately); "
-            "start one with `celery -A preheat worker --pool=solo`"
+            "start one with `celery -A preheat worker --pool=threads`"
         )
     return live
 

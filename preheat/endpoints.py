@@ -18,8 +18,9 @@ import ssl
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -81,6 +82,10 @@ class EndpointPool:
     spec: EndpointSpec
     client: httpx.Client
     opened_ms: float = 0.0  # establishing the min_connections
+    # Leases held now (warmups and keep-alives run on several pool threads); a pool
+    # discarded or replaced while leased is closed when its last lease ends.
+    leases: int = 0
+    retired: bool = False
 
     def connections(self) -> list:
         # httpx keeps its connections in httpcore's pool; `connections` is public there.
@@ -157,14 +162,27 @@ class EndpointPools:
         self._pools: dict[str, EndpointPool] = {}
         self._lock = threading.Lock()
 
-    def get(self, name: str, spec: EndpointSpec, primer: dict | None = None) -> tuple[EndpointPool, bool]:
-        """The pool, opening it (and its min_connections) if needed; True when opened now."""
+    @contextmanager
+    def lease(self, name: str, spec: EndpointSpec, primer: dict | None = None) -> Iterator[tuple[EndpointPool, bool]]:
+        """The pool, opening it (and its min_connections) if needed, held until exit; True
+        when opened now. A pool is never closed under a caller that holds it."""
+        pool, opened = self._acquire(name, spec, primer)
+        try:
+            yield pool, opened
+        finally:
+            with self._lock:
+                pool.leases -= 1
+                if pool.retired and not pool.leases:
+                    pool.close()
+
+    def _acquire(self, name: str, spec: EndpointSpec, primer: dict | None) -> tuple[EndpointPool, bool]:
         with self._lock:
             pool = self._pools.get(name)
             if pool is not None and pool.spec == spec:
+                pool.leases += 1
                 return pool, False
             if pool is not None:
-                pool.close()
+                self._retire(self._pools.pop(name))
             pool = EndpointPool(name, spec, build_client(name, spec))
             try:
                 pool.establish(primer)
@@ -172,6 +190,7 @@ class EndpointPools:
                 pool.close()
                 raise
             self._pools[name] = pool
+            pool.leases += 1
             log.info(
                 "endpoint %s: %d connection(s) open to %s in %.1f ms",
                 name,
@@ -181,14 +200,20 @@ class EndpointPools:
             )
             return pool, True
 
+    @staticmethod
+    def _retire(pool: EndpointPool) -> None:
+        pool.retired = True
+        if not pool.leases:
+            pool.close()
+
     def peek(self, name: str) -> EndpointPool | None:
         return self._pools.get(name)
 
     def discard(self, name: str) -> None:
         with self._lock:
             pool = self._pools.pop(name, None)
-        if pool is not None:
-            pool.close()
+            if pool is not None:
+                self._retire(pool)
 
     def close_all(self) -> None:
         with self._lock:
@@ -265,19 +290,20 @@ def warm_endpoint(name: str, spec: EndpointSpec, catalog: Catalog, templates: li
     """Open the pool (if not yet), then prime the server's prefix cache with every template's
     system prompt, concurrently; never raises for an unreachable or failing server."""
     results = [EndpointWarmup(t, spec.model or catalog.template(t).model) for t in templates]
-    try:
-        pool, opened = POOLS.get(name, spec, primer_for(spec, catalog))
-    except (httpx.HTTPError, EndpointError, ConfigError) as exc:
+    with ExitStack() as held:
+        try:
+            pool, opened = held.enter_context(POOLS.lease(name, spec, primer_for(spec, catalog)))
+        except (httpx.HTTPError, EndpointError, ConfigError) as exc:
+            for result in results:
+                result.error = f"cannot open connections to {spec.base_url}: {_reason(exc)}"
+            return results
         for result in results:
-            result.error = f"cannot open connections to {spec.base_url}: {_reason(exc)}"
-        return results
-    for result in results:
-        result.connect_ms = pool.opened_ms if opened else 0.0  # reported by the warmup that paid it
-    if spec.kind == "preheat":
-        _warm_through_internal(pool, results)
-    else:
-        with ThreadPoolExecutor(max_workers=min(len(results), spec.max_connections) or 1) as prompts:
-            list(prompts.map(lambda r: _prime(pool, catalog, r), results))
+            result.connect_ms = pool.opened_ms if opened else 0.0  # reported by the warmup that paid it
+        if spec.kind == "preheat":
+            _warm_through_internal(pool, results)
+        else:
+            with ThreadPoolExecutor(max_workers=min(len(results), spec.max_connections) or 1) as prompts:
+                list(prompts.map(lambda r: _prime(pool, catalog, r), results))
     return results
 
 
@@ -356,10 +382,22 @@ def keep_alive(name: str, spec: EndpointSpec, catalog: Catalog, now) -> KeepAliv
     provider's prompt cache warm. Nothing is sent outside the active hours."""
     if not spec.is_active(now):
         return KeepAlive(0, 0, skipped=True)
-    try:
-        pool, _ = POOLS.get(name, spec, primer_for(spec, catalog))
-    except (httpx.HTTPError, EndpointError, ConfigError) as exc:
-        return KeepAlive(0, len(spec.templates) or 1, skipped=False, error=_reason(exc))
+    with ExitStack() as held:
+        try:
+            pool, _ = held.enter_context(POOLS.lease(name, spec, primer_for(spec, catalog)))
+        except (httpx.HTTPError, EndpointError, ConfigError) as exc:
+            return KeepAlive(0, len(spec.templates) or 1, skipped=False, error=_reason(exc))
+        ttfts, errors = _keep_alive_prompts(pool, spec, catalog)
+    return KeepAlive(
+        len(ttfts),
+        len(errors),
+        skipped=False,
+        ttft_ms=statistics.median(ttfts) if ttfts else None,
+        error="; ".join(errors) or None,
+    )
+
+
+def _keep_alive_prompts(pool: EndpointPool, spec: EndpointSpec, catalog: Catalog) -> tuple[list[float], list[str]]:
     ttfts, errors = [], []
     for template in spec.templates:
         try:
@@ -373,10 +411,4 @@ def keep_alive(name: str, spec: EndpointSpec, catalog: Catalog, now) -> KeepAliv
             ttfts.append(reply.ttft_ms)
         except (httpx.HTTPError, EndpointError, ValueError) as exc:
             errors.append(f"{template}: {_reason(exc)}")
-    return KeepAlive(
-        len(ttfts),
-        len(errors),
-        skipped=False,
-        ttft_ms=statistics.median(ttfts) if ttfts else None,
-        error="; ".join(errors) or None,
-    )
+    return ttfts, errors

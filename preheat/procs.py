@@ -58,7 +58,7 @@ def start(name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: P
 
 def start_worker(nodename: str, env: dict[str, str], log_dir: Path, cwd: Path | None = None) -> Proc:
     argv = celery_command(
-        "worker", "--pool=solo", "-n", nodename, "--loglevel=INFO", "--without-gossip", "--without-mingle"
+        "worker", "--pool=threads", "-n", nodename, "--loglevel=INFO", "--without-gossip", "--without-mingle"
     )
     return start(nodename.split("@")[0], argv, env, log_dir, cwd)
 

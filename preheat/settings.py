@@ -75,6 +75,17 @@ class Settings(BaseSettings):
     prefix_store_max_bytes: ByteSize = Field(
         ByteSize(16 * 1024**3), gt=0, description="Byte budget of the prefix store on disk (e.g. 16GiB)."
     )
+    # The engine (workers/batch.py): requests decoded together, each from its cached prefix.
+    # "sequential" is the one-at-a-time engine, kept to measure what batching gives.
+    engine: Literal["batch", "sequential"] = "batch"
+    max_running_requests: int = Field(16, ge=1, le=4096, description="Requests decoded together, per model.")
+    max_queued_requests: int = Field(64, ge=1, le=1_000_000, description="Requests waiting; more get a 429.")
+    prefill_tokens_per_step: int = Field(
+        512, ge=1, le=1_000_000, description="Prompt tokens computed between two decode steps."
+    )
+    # Off only to measure what the cached prefixes give (`preheat bench load`): every
+    # request then computes its whole prompt.
+    prefix_caching: bool = True
     # The worker's health server (/health/live, /health/ready, /metrics); 0 picks a free port.
     health_host: str = "0.0.0.0"
     health_port: int = Field(9440, ge=0, le=65535)

@@ -43,6 +43,30 @@ def pool_name(pool_cls) -> str:
     return getattr(pool_cls, "__module__", str(pool_cls)).rsplit(".", 1)[-1]
 
 
+def check_concurrency(pool: str, concurrency: int, settings) -> None:
+    """The pool's threads against the engine's rows: each request holds a thread while the
+    engine decodes it, so fewer threads than rows leave rows idle (said once, at start), and
+    more threads than rows and queue would take messages the engine must refuse."""
+    if settings.engine == "sequential":
+        return
+    rows, queued = settings.max_running_requests, settings.max_queued_requests
+    if pool == "solo" or concurrency < 2:
+        log.warning(
+            "--pool=%s runs one task at a time: requests are decoded one by one; --pool=threads "
+            "decodes up to PREHEAT_MAX_RUNNING_REQUESTS=%d together",
+            pool,
+            rows,
+        )
+    elif concurrency > rows + queued:
+        exit_with(
+            ConfigError(
+                f"--concurrency={concurrency} takes more requests than the engine runs and queues "
+                f"(PREHEAT_MAX_RUNNING_REQUESTS={rows} + PREHEAT_MAX_QUEUED_REQUESTS={queued}); "
+                f"use --concurrency={rows + 1} (the default)"
+            )
+        )
+
+
 class WorkerRuntimeStep(bootsteps.StartStopStep):
     requires: ClassVar[set[str]] = {"celery.worker.components:Pool"}
 
@@ -57,9 +81,10 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
             exit_with(
                 ConfigError(
                     f"preheat workers hold models in the process that runs tasks: start them "
-                    f"with --pool=solo (one process per GPU), not --pool={pool}"
+                    f"with --pool=threads (one process per GPU), not --pool={pool}"
                 )
             )
+        check_concurrency(pool, worker.concurrency, get_settings())
 
     def start(self, worker) -> None:
         global _HUB
@@ -75,8 +100,9 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
             soon(consumer.add_task_queue, infer_queue(model))
 
         def serve_once_warm(model: str) -> None:
-            # On the consumer's thread, which runs the requests (solo pool): its first
-            # request must not pay the thread's first-call costs, measured at 4x steady.
+            # The thread that runs the forward passes (the engine's scheduler, or the
+            # consumer's with the sequential engine on the solo pool) pays its own first-call
+            # costs, measured at 4x steady, before the first request does.
             def on_serving_thread() -> None:
                 runtime.exercise(model)
                 consumer.add_task_queue(infer_queue(model))

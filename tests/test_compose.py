@@ -51,7 +51,7 @@ def test_gpu_worker_is_solo_with_an_nvidia_reservation(compose):
     worker = compose["services"]["gpu-worker"]
     outbox = worker["environment"]["PREHEAT_OUTBOX_DIR"]
     assert f"outbox:{outbox}" in worker["volumes"] and "outbox" in compose["volumes"]
-    assert "--pool=solo" in worker["command"]
+    assert "--pool=threads" in worker["command"]
     [device] = worker["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
 

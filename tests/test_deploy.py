@@ -80,7 +80,7 @@ def test_every_worker_probe_is_answered_by_the_health_server_on_the_container_po
 def test_the_gpu_worker_is_one_solo_process_per_gpu(manifests):
     statefulset = manifests[("StatefulSet", "preheat-gpu-worker")]
     [worker] = _containers(statefulset)
-    assert "--pool=solo" in worker["command"] and "--concurrency=1" in worker["command"]
+    assert "--pool=threads" in worker["command"]
     assert worker["resources"]["requests"]["nvidia.com/gpu"] == worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     # The nodename follows the pod's stable name, so its own warmup queue survives restarts.
     assert "$(POD_NAME)" in worker["command"][worker["command"].index("-n") + 1]

@@ -12,6 +12,7 @@ unpinned, LRU), so a conversation's next turn computes only its new tokens.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -128,6 +129,10 @@ class TextStream:
             pass
         return self.completion
 
+    def close(self) -> None:
+        """Stop decoding now (the reader went away): what the request held is released."""
+        self._tokens.close()
+
 
 def find_stop(text: str, stops: tuple[str, ...], released: int) -> int | None:
     """Where the first stop string in `text` starts; only text not yet released can hold one."""
@@ -168,6 +173,9 @@ class _Request:
 class PrefixEngine:
     def __init__(self, cache: KVCacheManager, store: PrefixStore | None = None) -> None:
         self.cache, self.store = cache, store
+        # One request decodes at a time on this path (PREHEAT_ENGINE=sequential, and the
+        # scheduler's own exercises); the batching scheduler (workers.batch) runs many.
+        self._one_at_a_time = threading.Lock()
 
     # Pre-fill -----------------------------------------------------------------------
 
@@ -300,7 +308,10 @@ class PrefixEngine:
         )
         stops, kv, last_logits, prompt_only = stop_token_ids(resident), None, None, None
         try:
-            with self.start(resident, request.prompt_ids, use_cache=request.use_cache, record=request.record) as start:
+            with (
+                self._one_at_a_time,
+                self.start(resident, request.prompt_ids, use_cache=request.use_cache, record=request.record) as start,
+            ):
                 completion.cached_tokens = start.cached_tokens
                 feed, kv, logits = start.feed_ids, start.cache, start.logits
                 for step in range(request.sampling.max_tokens):
@@ -327,11 +338,11 @@ class PrefixEngine:
         finally:
             completion.total_ms = _since(request.started)
         if prompt_only is not None:
-            self._remember(resident, ids[:prompt_length], prompt_only)
+            self.remember(resident, ids[:prompt_length], prompt_only)
         elif request.remember and kv is not None:
-            self._remember(resident, ids[:-1], Prefix(kv, last_logits))
+            self.remember(resident, ids[:-1], Prefix(kv, last_logits))
 
-    def _remember(self, resident: ResidentModel, ids: list[int], prefix: Prefix) -> None:
+    def remember(self, resident: ResidentModel, ids: list[int], prefix: Prefix) -> None:
         """Keep a finished request's KV for the next turn: its prompt and all but the last
         answer token (the one never fed), or its prompt alone where the cache cannot be cut
         (see _decode). Best effort, never at a pinned prefix's expense."""

@@ -59,6 +59,24 @@ class _StateCollector:
         yield resident
 
 
+class EngineCollector:
+    """The batching scheduler's load, read at scrape time."""
+
+    def __init__(self, scheduler) -> None:
+        self._scheduler = scheduler
+
+    def collect(self):
+        load = self._scheduler.load()
+        yield GaugeMetricFamily("preheat_requests_running", "Requests decoding now.", value=load["running"])
+        yield GaugeMetricFamily("preheat_requests_waiting", "Requests waiting for a row.", value=load["waiting"])
+        yield CounterMetricFamily("preheat_decode_steps", "Batched decode steps run.", value=self._scheduler.steps)
+        yield CounterMetricFamily(
+            "preheat_decode_step_rows",
+            "Requests fed by those steps (over steps: the mean batch).",
+            value=self._scheduler.rows_stepped,
+        )
+
+
 class RuntimeMetrics:
     def __init__(self, cache: KVCacheManager, models: ResidentModels, is_ready: Callable[[], bool]) -> None:
         self.collectors = CollectorRegistry(auto_describe=False)

@@ -48,7 +48,7 @@ def cache_nbytes(cache) -> int:
 
 
 @functools.cache
-def _layers_that_grow_by_concatenation() -> tuple[type, ...]:
+def layers_that_grow_by_concatenation() -> tuple[type, ...]:
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     # Exact types: subclasses (quantized, linear-attention) keep state they update in place.
@@ -67,7 +67,7 @@ def compact(cache) -> None:
 
 def truncatable(cache) -> bool:
     """Whether the cache can be cut back to fewer positions (its head reused alone)."""
-    full, sliding = _layers_that_grow_by_concatenation()
+    full, sliding = layers_that_grow_by_concatenation()
     for layer in cache.layers:
         if type(layer) is sliding:
             if layer.get_seq_length() >= layer.sliding_window:
@@ -87,7 +87,7 @@ def _shallow(obj):
 
 def clone_for_request(cache):
     """A cache a request may extend without touching the prefix it came from."""
-    safe = _layers_that_grow_by_concatenation()
+    safe = layers_that_grow_by_concatenation()
     if not all(type(layer) in safe for layer in cache.layers):
         return copy.deepcopy(cache)
     clone = _shallow(cache)

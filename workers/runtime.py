@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 
 from preheat.catalog import Catalog, TemplateSpec, load_catalog
 from preheat.errors import PreheatError
+from workers.batch import BatchLimits, OnSchedulerThread, Scheduler
 from workers.chat import Messages, TemplatePrefix, conversation, render
 from workers.generate import Completion, Prefilled, PrefixEngine, TextStream
 from workers.kvcache import CacheBudget, CacheBudgetError, CacheFullError, CacheKey, KVCacheManager
-from workers.metrics import RuntimeMetrics
+from workers.metrics import EngineCollector, RuntimeMetrics
 from workers.prefix import encode
 from workers.prefixstore import PrefixStore
 from workers.resident import ModelSource, ResidentModel, ResidentModels
@@ -55,6 +56,11 @@ class WorkerRuntime:
     cache_budget: CacheBudget = DEFAULT_BUDGET
     prefix_store: PrefixStore | None = None  # pre-filled prefixes kept on disk (workers/prefixstore.py)
     warm_factor: float = 1.5  # see Settings.warm_factor
+    # "batch": requests decode together on the scheduler's thread (workers/batch.py);
+    # "sequential": one at a time on the caller's thread, to measure the contrast.
+    engine_kind: str = "batch"
+    batch_limits: BatchLimits = field(default_factory=BatchLimits)
+    prefix_caching: bool = True
     # Called with a model's name once every template of it is pre-filled (the worker then
     # starts consuming that model's inference queue).
     on_model_warm: Callable[[str], None] | None = None
@@ -65,6 +71,7 @@ class WorkerRuntime:
     resident_models: ResidentModels = field(init=False)
     cache: KVCacheManager = field(init=False)
     engine: PrefixEngine = field(init=False)
+    scheduler: Scheduler | None = field(init=False)
     metrics: RuntimeMetrics = field(init=False)
     # template -> None once pre-filled, or the reason it is not
     _templates: dict[str, str | None] = field(init=False)
@@ -97,6 +104,11 @@ class WorkerRuntime:
             device_preference=settings.device,
             probe_repeats=settings.probe_repeats,
             warm_factor=settings.warm_factor,
+            engine_kind=settings.engine,
+            batch_limits=BatchLimits(
+                settings.max_running_requests, settings.max_queued_requests, settings.prefill_tokens_per_step
+            ),
+            prefix_caching=settings.prefix_caching,
             cache_budget=CacheBudget(
                 settings.kv_cache_max_entries, int(settings.kv_cache_max_bytes), settings.kv_cache_pinned_share
             ),
@@ -111,7 +123,14 @@ class WorkerRuntime:
         self.resident_models = ResidentModels(self.device_preference)
         self.cache = KVCacheManager(self.cache_budget)
         self.engine = PrefixEngine(self.cache, self.prefix_store)
+        if self.engine_kind not in ("batch", "sequential"):
+            raise ValueError(f"engine must be batch or sequential, got {self.engine_kind!r}")
+        self.scheduler = Scheduler(self.engine, self.batch_limits) if self.engine_kind == "batch" else None
+        # What pre-fills and probes call: on the scheduler's thread when there is one.
+        self.model_work = OnSchedulerThread(self.engine, self.scheduler) if self.scheduler else self.engine
         self.metrics = RuntimeMetrics(self.cache, self.resident_models, lambda: not self.readiness())
+        if self.scheduler is not None:
+            self.metrics.collectors.register(EngineCollector(self.scheduler))
         self._templates = {name: "not pre-filled yet" for name in self.catalog.templates}
 
     # Start-up and readiness --------------------------------------------------------
@@ -197,7 +216,7 @@ class WorkerRuntime:
     def _prefill(self, resolved: ResolvedTemplate) -> Prefilled:
         prefix = resolved.prefix
         try:
-            prefilled = self.engine.prefill(
+            prefilled = self.model_work.prefill(
                 resolved.resident, prefix.ids, key=prefix.key, label=resolved.name, pin=True
             )
         except (PreheatError, ValueError, RuntimeError, OSError) as exc:
@@ -219,7 +238,12 @@ class WorkerRuntime:
         if known is None or resident is None or self.cache.peek(known.key) is None:
             return
         prompt_ids = known.prompt_ids(resident, spec.probe)
-        self.engine.generate(resident, prompt_ids, EXERCISE, record=False).collect()
+        stream = self.engine.generate(resident, prompt_ids, EXERCISE, record=False)
+        self._on_model_thread(stream.collect)
+
+    def _on_model_thread(self, work, *args):
+        """`work` on the thread that runs the forward passes: the scheduler's, or the caller's."""
+        return self.scheduler.call(work, *args) if self.scheduler is not None else work(*args)
 
     def exercise(self, model: str) -> None:
         """One off-the-books request per template of `model`, on the calling thread: the
@@ -286,7 +310,7 @@ class WorkerRuntime:
         result.prefill_ms, result.prefix_source = prefilled.prefill_ms, prefilled.source
         result.restore_ms = prefilled.restore_ms if prefilled.source == "restored" else None
         measured = probe(
-            self.engine,
+            self.model_work,
             resident,
             prefix.prompt_ids(resident, probe_text),
             render(resident, conversation(None, probe_text)),
@@ -326,7 +350,7 @@ class WorkerRuntime:
         return resident
 
     def _ensure_prefix(self, resolved: ResolvedTemplate) -> None:
-        if resolved.prefix.key in self.cache:
+        if resolved.prefix.key in self.cache or not self.prefix_caching:
             return
         log.info("template %s is not cached (evicted or never warmed): pre-filling it", resolved.name)
         try:
@@ -382,6 +406,8 @@ class WorkerRuntime:
         return self._generate_ids(resident, prompt_ids, sampling, started, template, remember=remember)
 
     def _ensure_ad_hoc_prefix(self, resident: ResidentModel, system_prompt: str) -> None:
+        if not self.prefix_caching:
+            return
         key = (resident.name, system_prompt)
         prefix = self._ad_hoc.pop(key, None) or TemplatePrefix.of(resident, system_prompt)
         self._ad_hoc[key] = prefix  # most recent last
@@ -389,7 +415,7 @@ class WorkerRuntime:
             self._ad_hoc.pop(next(iter(self._ad_hoc)))
         if prefix.key not in self.cache:
             try:
-                self.engine.prefill(resident, prefix.ids, key=prefix.key, label="ad hoc system prompt")
+                self.model_work.prefill(resident, prefix.ids, key=prefix.key, label="ad hoc system prompt")
             except (CacheBudgetError, CacheFullError) as exc:
                 log.info("ad hoc system prompt not cached: %s", exc)
 
@@ -411,11 +437,13 @@ class WorkerRuntime:
         *,
         remember: bool = False,
     ) -> TextStream:
-        return self.engine.generate(
+        run = self.scheduler.submit if self.scheduler is not None else self.engine.generate
+        return run(
             resident,
             prompt_ids,
             sampling,
-            remember=remember,
+            use_cache=self.prefix_caching,
+            remember=remember and self.prefix_caching,
             started=started,
             on_first_token=lambda completion: self._observe(template, completion),
         )
@@ -430,6 +458,8 @@ class WorkerRuntime:
 
     def close(self) -> None:
         """At shutdown: the prefix store's writes under way are finished."""
+        if self.scheduler is not None:
+            self.scheduler.close()  # the requests it took run to their end
         if self.prefix_store is not None:
             self.prefix_store.flush()
 
@@ -451,6 +481,7 @@ class WorkerRuntime:
                 for name, m in self.resident_models.resident.items()
             },
             "unavailable": self.resident_models.unavailable,
+            "engine": {"kind": self.engine_kind, **(self.scheduler.load() if self.scheduler else {})},
             "cache": {
                 "entries": stats.entries,
                 "bytes": stats.bytes,

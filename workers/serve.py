@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
 from preheat.errors import DeviceOutOfMemory, PreheatError, UnknownNameError
 from preheat.text import not_text_at
+from workers.batch import QueueFullError
 from workers.chat import ChatTemplateError
 from workers.generate import Completion, TextStream
 from workers.health import readiness_answer
@@ -95,7 +96,13 @@ class Server:
 
     def __init__(self, runtime: WorkerRuntime, config: ServeConfig) -> None:
         self.runtime, self.config = runtime, config
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="preheat-serve-forward")
+        # Each request's thread waits on its own stream; the forward passes run on the
+        # scheduler's one thread (workers/batch.py), or on this pool's one thread when the
+        # engine is sequential. A thread per request the scheduler can hold, so a request
+        # past that is refused by its queue (429), not parked unseen in this pool's.
+        limits = runtime.batch_limits
+        threads = limits.max_running + limits.max_queued + 1 if runtime.scheduler is not None else 1
+        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="preheat-serve-request")
         self.metrics = ServeMetrics(runtime)
         runtime.gate_requests = True
         runtime.on_model_warm = lambda model: self.executor.submit(self._open_model, model)
@@ -554,7 +561,8 @@ class GenerateHandler(BaseHandler):
             completions = await self.server.run(lambda: self._collect(ask, first))
         except ApiError as exc:
             return self.fail(exc)
-        self.reply(HTTPStatus.OK, self._whole(ask, request_id, completions, shapes))
+        if not self.cancelled.is_set():
+            self.reply(HTTPStatus.OK, self._whole(ask, request_id, completions, shapes))
 
     def _check_model_ready(self, model: str) -> None:
         runtime = self.server.runtime
@@ -593,6 +601,8 @@ class GenerateHandler(BaseHandler):
             return ApiError(HTTPStatus.BAD_REQUEST, str(exc), "invalid_value")
         if isinstance(exc, ValueError):  # longer than the context, …
             return ApiError(HTTPStatus.BAD_REQUEST, str(exc), "context_length_exceeded")
+        if isinstance(exc, QueueFullError):
+            return ApiError(HTTPStatus.TOO_MANY_REQUESTS, str(exc), "queue_full", retry_after_s=exc.retry_after_s)
         if isinstance(exc, DeviceOutOfMemory):
             return ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "out_of_memory", retry_after_s=5)
         if isinstance(exc, PreheatError):
@@ -605,7 +615,11 @@ class GenerateHandler(BaseHandler):
         for index in range(ask.sampling.n):
             stream = first if index == 0 else self._open(ask, index)
             try:
-                completions.append(stream.collect())
+                for _ in stream:
+                    if self.cancelled.is_set():  # the client went away: its row is freed now
+                        stream.close()
+                        return completions
+                completions.append(stream.completion)
             except Exception as exc:
                 raise self._api_error(exc) from None
         return completions
@@ -625,6 +639,7 @@ class GenerateHandler(BaseHandler):
                     for piece in stream:
                         loop.call_soon_threadsafe(events.put_nowait, ("piece", index, piece))
                         if self.cancelled.is_set():
+                            stream.close()  # its row is freed at the next step
                             return
                     loop.call_soon_threadsafe(events.put_nowait, ("end", index, stream.completion))
             except Exception as exc:

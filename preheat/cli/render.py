@@ -229,6 +229,35 @@ def ttft_table(report: dict) -> Table:
     return table
 
 
+def load_table(report: dict) -> Table:
+    """`preheat bench load`: each server under the same load, side by side."""
+    table = Table(
+        title=f"many users at once, {report['shape']} dev model, max_tokens {report['max_tokens']}",
+        title_justify="left",
+        caption="closed N users: each sends its next request when its answer is complete; poisson: open-loop "
+        "arrivals; TTFT = first content chunk at the client; ITL = gaps between content chunks",
+        caption_justify="left",
+    )
+    headers = ("server", "load")
+    numbers = ("requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "tokens/s", "req/s")
+    for header in (*headers, *numbers):
+        table.add_column(header, justify="left" if header in headers else "right", no_wrap=True)
+    for row in report["rows"]:
+        table.add_row(
+            row["mode"],
+            row["load"],
+            str(row["requests"]),
+            str(row["errors"]),
+            f"{row['ttft_p50_ms']:.1f}",
+            f"{row['ttft_p99_ms']:.1f}",
+            f"{row['itl_p50_ms']:.1f}",
+            f"{row['itl_p99_ms']:.1f}",
+            f"{row['tokens_per_s']:.1f}",
+            f"{row['requests_per_s']:.2f}",
+        )
+    return table
+
+
 def start_table(report: dict) -> Table:
     """`preheat bench start`: launch to first answer, stage by stage, against the limit."""
     table = Table(

@@ -78,7 +78,39 @@ def test_results_only_for_requests_in_redis_or_files(settings, tmp_path):
     assert celery_config(settings)["result_backend"] == f"preheat.results:PromptFilesystemBackend+file://{results}"
     redis = load_settings(broker_url="redis://127.0.0.1:6379/11")
     assert celery_config(redis)["result_backend"] == "redis://127.0.0.1:6379/11"
-    assert celery_config(settings)["worker_pool"] == "solo"
+
+
+def test_a_worker_runs_as_many_threads_as_its_engine_has_rows_and_one_more(settings):
+    """Each request holds a pool thread while the engine decodes it (docs/architecture.md):
+    one more thread for a warmup, and one message reserved per thread."""
+    config = celery_config(load_settings(max_running_requests=24))
+    assert config["worker_pool"] == "threads" and config["worker_concurrency"] == 25
+    assert config["worker_prefetch_multiplier"] == 1 and config["task_acks_late"] is True
+    assert config["worker_consumer"] == "preheat.consumer:PreheatConsumer"
+
+
+@pytest.mark.parametrize(
+    ("pool", "concurrency", "outcome"),
+    [
+        ("thread", 17, "fine"),
+        ("thread", 80, "fine"),
+        ("thread", 81, "refused"),
+        ("solo", 1, "warned"),
+        ("thread", 1, "warned"),
+    ],
+)
+def test_the_pool_is_checked_against_the_engine_at_start(settings, pool, concurrency, outcome, caplog):
+    from tasks.worker import check_concurrency
+
+    if outcome == "refused":
+        with pytest.raises(SystemExit) as stopped:
+            check_concurrency(pool, concurrency, settings)
+        assert stopped.value.code == 2
+        return
+    with caplog.at_level("WARNING"):
+        check_concurrency(pool, concurrency, settings)
+    assert ("decodes up to PREHEAT_MAX_RUNNING_REQUESTS=16 together" in caplog.text) == (outcome == "warned")
+    check_concurrency(pool, concurrency, load_settings(engine="sequential"))  # one at a time anyway: no word
 
 
 def test_beat_uses_the_database_scheduler_and_keeps_no_state_file(settings):

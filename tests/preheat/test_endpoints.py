@@ -73,14 +73,15 @@ def test_min_connections_are_established_before_any_request_and_closed_on_shutdo
     )
     pools = EndpointPools()
     before = _connections_opened(url, tls["ca"])
-    pool, opened = pools.get("local", spec)
+    with pools.lease("local", spec) as (pool, opened):
+        pass
     assert opened and pool.opened_ms > 0
     assert pool.open_connections() == 3 and all(c.is_idle() for c in pool.connections())
     assert _connections_opened(url, tls["ca"]) == before + 1 + 3  # the pool's three, and this read's own
 
     # Requests go through those connections: none opens another.
-    again, opened_again = pools.get("local", spec)
-    assert again is pool and not opened_again
+    with pools.lease("local", spec) as (again, opened_again):
+        assert again is pool and not opened_again
     for _ in range(5):
         assert pool.client.get(f"{url}/health/live").status_code == 200
     assert pool.open_connections() == 3
@@ -88,6 +89,24 @@ def test_min_connections_are_established_before_any_request_and_closed_on_shutdo
 
     pools.close_all()
     assert pool.open_connections() == 0 and pool.client.is_closed
+
+
+def test_a_pool_discarded_while_leased_closes_when_its_last_lease_ends(tls_server, tls):
+    """Warmups and keep-alives run on several pool threads: one warmup's discard (or a changed
+    catalog entry) must not close connections another is reading from."""
+    url, _ = tls_server
+    spec = EndpointSpec(base_url=f"{url}/v1", kind="preheat", min_connections=1, ca_bundle=str(tls["ca"]))
+    pools = EndpointPools()
+    with pools.lease("pod", spec) as (first, _), pools.lease("pod", spec) as (second, _):
+        assert first is second and first.leases == 2
+        pools.discard("pod")
+        assert not first.client.is_closed
+        assert first.client.get(f"{url}/health/live").status_code == 200
+        with pools.lease("pod", spec.model_copy(update={"min_connections": 2})) as (fresh, opened):
+            assert opened and fresh is not first  # a new pool for later callers
+    assert first.client.is_closed and first.leases == 0
+    assert fresh.client.is_closed is False and fresh.leases == 0
+    pools.close_all()
 
 
 def test_a_server_whose_certificate_is_not_trusted_is_a_clear_failure(embedded_stack, tls_server):

@@ -110,7 +110,7 @@ def test_a_prefork_pool_is_refused_in_one_line(stack):
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
-        "preheat: preheat workers hold models in the process that runs tasks: start them with --pool=solo "
+        "preheat: preheat workers hold models in the process that runs tasks: start them with --pool=threads "
         "(one process per GPU), not --pool=prefork"
     )
 
@@ -140,7 +140,7 @@ def test_a_health_port_in_use_stops_the_worker_in_one_line(stack, tmp_path):
 
 def _counter(health: str, name: str) -> float:
     for line in httpx.get(f"{health}/metrics", timeout=5).text.splitlines():
-        if line.startswith(f'{name}{{model="tiny"}}'):
+        if line.startswith((f'{name}{{model="tiny"}} ', f"{name} ")):
             return float(line.split()[-1])
     return 0.0
 
@@ -207,3 +207,22 @@ def test_a_busy_worker_finishes_its_request_before_it_stops(embedded_stack, tmp_
         assert len(answer["token_ids"]) == 600 or answer["finish_reason"] == "stop"
         assert worker.popen.wait(60) == 0
     assert f"preheat.infer[{pending.id}] succeeded" in worker.log()
+
+
+@pytest.mark.slow
+def test_many_requests_at_once_are_decoded_together_and_answer_as_each_alone(stack, tmp_path):
+    """The threads pool hands every `preheat.infer` to the engine, which decodes them in
+    one batch: the same greedy answers as one at a time, in far fewer steps."""
+    worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
+    with procs.running(worker):
+        procs.wait_for_log(worker, "model tiny takes requests", 90)
+        health = procs.health_url(worker)
+        inputs = [f"Parcel {i} was due {'on Monday' if i % 2 else 'last week'}. Where is it?" for i in range(16)]
+        alone = [send_infer(user_input=text, max_new_tokens=24, temperature=0.0).get(timeout=60) for text in inputs[:3]]
+        steps_before = _counter(health, "preheat_decode_steps_total")
+        pending = [send_infer(user_input=text, max_new_tokens=24, temperature=0.0) for text in inputs]
+        together = [result.get(timeout=180) for result in pending]
+        assert [a["token_ids"] for a in together[:3]] == [a["token_ids"] for a in alone]
+        assert all(len(a["token_ids"]) == 24 or a["finish_reason"] == "stop" for a in together)
+        steps = _counter(health, "preheat_decode_steps_total") - steps_before
+        assert steps < 16 * 23 / 2  # one at a time would take 16 × 23 steps

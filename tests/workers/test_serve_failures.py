@@ -12,10 +12,12 @@ import threading
 import httpx
 import pytest
 
+import workers.batch as batch
 import workers.generate as generate
 from preheat import procs
 from preheat.catalog import load_catalog
 from tests.conftest import SUPPORT_PROMPT, write_catalog
+from workers.batch import BatchLimits
 from workers.runtime import WorkerRuntime
 from workers.serve import ServeConfig, Server, listen
 
@@ -29,7 +31,18 @@ BODY = {
 
 @pytest.fixture
 def served(tmp_path, tiny_model):
-    runtime = WorkerRuntime(load_catalog(write_catalog(tmp_path, tiny_model)), device_preference="cpu", probe_repeats=1)
+    yield from _serve(tmp_path, tiny_model)
+
+
+@pytest.fixture
+def served_one_row(tmp_path, tiny_model):
+    """A server whose engine runs one request and queues one more."""
+    yield from _serve(tmp_path, tiny_model, BatchLimits(max_running=1, max_queued=1))
+
+
+def _serve(tmp_path, tiny_model, limits: BatchLimits = BatchLimits()):
+    catalog = load_catalog(write_catalog(tmp_path, tiny_model))
+    runtime = WorkerRuntime(catalog, device_preference="cpu", probe_repeats=1, batch_limits=limits)
     server = Server(runtime, ServeConfig())
     runtime.preload()
     bound, started = {}, threading.Event()
@@ -55,15 +68,22 @@ def served(tmp_path, tiny_model):
 
 
 def fail_after(monkeypatch, calls: int) -> None:
-    real, seen = generate.forward, {"n": 0}
+    """Every forward pass after the first `calls` (a request's pre-fill, a batch's decode
+    step) raises, on whichever engine runs it."""
+    seen = {"n": 0}
 
-    def failing(*args, **kwargs):
-        seen["n"] += 1
-        if seen["n"] > calls:
-            raise RuntimeError("injected: the device fell over")
-        return real(*args, **kwargs)
+    def failing(real):
+        def run(*args, **kwargs):
+            seen["n"] += 1
+            if seen["n"] > calls:
+                raise RuntimeError("injected: the device fell over")
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(generate, "forward", failing)
+        return run
+
+    monkeypatch.setattr(generate, "forward", failing(generate.forward))
+    monkeypatch.setattr(batch, "forward", failing(batch.forward))
+    monkeypatch.setattr(batch.Scheduler, "_forward", staticmethod(failing(batch.Scheduler._forward)))
 
 
 def test_a_failure_mid_stream_ends_it_with_an_error_event_and_done(served, monkeypatch):
@@ -84,3 +104,39 @@ def test_a_failure_mid_stream_ends_it_with_an_error_event_and_done(served, monke
 
     monkeypatch.undo()
     assert httpx.post(f"{served}/v1/chat/completions", json=BODY, timeout=30).status_code == 200
+
+
+LONG = {**BODY, "max_tokens": 3000, "temperature": 1.0, "seed": 5, "stream": True}
+
+
+def _running(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", timeout=5).text
+    return float(
+        next(line.split()[-1] for line in metrics.splitlines() if line.startswith("preheat_requests_running "))
+    )
+
+
+def test_a_full_queue_is_429_with_retry_after_and_a_gone_client_frees_its_row(served_one_row):
+    url = served_one_row
+    queued: dict = {}
+    with httpx.Client(timeout=60) as client, client.stream("POST", f"{url}/v1/chat/completions", json=LONG) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()
+        next(line for line in lines if '"content": "' in line and '"content": ""' not in line)  # decoding now
+
+        def second() -> None:
+            queued["answer"] = httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=60)
+
+        waiting = threading.Thread(target=second)
+        waiting.start()
+        procs.poll(lambda: "preheat_requests_waiting 1.0" in httpx.get(f"{url}/metrics").text, 10, 0.02, "queued")
+        refused = httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=10)
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert 1 <= int(refused.headers["Retry-After"]) <= 60
+        assert waiting.is_alive()  # the row is still the first client's
+    # The first client hung up mid-answer: its row goes to the one waiting.
+    waiting.join(60)
+    assert queued["answer"].status_code == 200
+    assert queued["answer"].json()["choices"][0]["message"]["content"]
+    procs.poll(lambda: _running(url) == 0, 10, 0.05, "no request running")

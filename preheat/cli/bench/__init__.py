@@ -56,6 +56,42 @@ def start_command(
     bench.main(shapes=shapes, rounds=rounds, timeout=timeout, json_path=json_path)
 
 
+@app.command("load")
+def load_command(
+    shape: str = typer.Option("135m", help="Dev model shape: tiny or 135m (SmolLM-135M's)."),
+    users: str = typer.Option("1,4,16,64", help="Closed-loop user counts, comma-separated."),
+    requests_per_user: int = typer.Option(4, min=1, max=1000, help="Requests each closed-loop user sends."),
+    max_tokens: int = typer.Option(32, min=1, max=4096, help="max_tokens of every request."),
+    rate: float = typer.Option(4.0, min=0.01, max=10_000, help="Open loop: Poisson arrivals per second."),
+    arrivals: int = typer.Option(48, min=1, max=10_000, help="Open loop: how many requests arrive."),
+    modes: str = typer.Option(
+        "batch,sequential,no-prefix-cache,transformers", help="Servers to load, comma-separated."
+    ),
+    transformers_python: Path = typer.Option(
+        None, help="Python with transformers' serving extras (default: .bench-venv/bin/python, `make bench-env`)."
+    ),
+    timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for a server to be ready."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/load.json."),
+) -> None:
+    """Many chat users at once on one server: TTFT, inter-token latency, tokens/s and
+    requests/s, side by side for preheat batching, one at a time, prefix caching off and
+    `transformers serve --continuous-batching`."""
+    from preheat.cli.bench import load as bench
+
+    bench.main(
+        shape=shape,
+        users=users,
+        requests_per_user=requests_per_user,
+        max_tokens=max_tokens,
+        rate=rate,
+        arrivals=arrivals,
+        modes=modes,
+        transformers_python=transformers_python,
+        timeout=timeout,
+        json_path=json_path,
+    )
+
+
 @app.command("fanout")
 def fanout_command(
     workers: str = typer.Option("1,2,4", help="Worker counts to measure, comma-separated."),

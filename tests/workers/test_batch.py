@@ -1,0 +1,212 @@
+"""Many requests at once through the batching scheduler, on real dev models: every answer
+token-identical to the same request run alone, a closed stream freeing its row, a full
+queue refused, one request's failure its own."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import workers.batch as batch_module
+from tests.conftest import SUPPORT_PROMPT, load_resident
+from workers.batch import BatchLimits, QueueFullError, Scheduler
+from workers.chat import TemplatePrefix
+from workers.device import DeviceOutOfMemory
+from workers.generate import PrefixEngine
+from workers.kvcache import CacheBudget, KVCacheManager
+from workers.sampling import SamplingParams
+
+SYSTEM_PROMPTS = [
+    SUPPORT_PROMPT,
+    "You summarise documents in three bullet points. Keep every number exactly as written.",
+    "You are a code reviewer. Point out bugs first, style last. Quote the line you mean.",
+]
+USER_INPUTS = ["Where is my parcel?", "", "Summarise: " + "the quarterly numbers went up. " * 12, "Ünïcødé ✓", "ok"]
+
+
+def greedy(max_tokens: int, stop: tuple[str, ...] = ()) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop)
+
+
+def new_engine() -> PrefixEngine:
+    return PrefixEngine(KVCacheManager(CacheBudget(max_entries=64, max_bytes=512 * 1024**2)))
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma3"])
+def resident(request, dev_model):
+    """Llama (grouped KV heads), Mistral (a window shorter than the prompts), Gemma 3
+    (sliding and full layers in one model)."""
+    return load_resident(dev_model(request.param), name=request.param)
+
+
+def prefixes(resident) -> list[TemplatePrefix]:
+    return [TemplatePrefix.of(resident, text) for text in SYSTEM_PROMPTS]
+
+
+def mixed_requests(resident, count: int = 16):
+    """(prompt ids, sampling) of `count` requests: three templates, five user inputs,
+    lengths from 1 to 24 tokens; every third request has a stop string taken from its
+    own answer, so it ends early on a stop string."""
+    known, engine = prefixes(resident), new_engine()
+    for prefix in known:
+        engine.prefill(resident, prefix.ids, key=prefix.key, pin=True)
+    requests = []
+    for i in range(count):
+        prompt_ids = known[i % 3].prompt_ids(resident, USER_INPUTS[i % len(USER_INPUTS)])
+        sampling = greedy(1 + (i * 7) % 24)
+        if i % 3 == 2:
+            text = engine.generate(resident, prompt_ids, sampling).collect().text
+            if len(text) > 6:
+                sampling = greedy(sampling.max_tokens, stop=(text[3:5],))
+        requests.append((prompt_ids, sampling))
+    return known, requests
+
+
+def alone(resident, known, prompt_ids, sampling):
+    """The request on the one-at-a-time engine, its templates pre-filled."""
+    engine = new_engine()
+    for prefix in known:
+        engine.prefill(resident, prefix.ids, key=prefix.key, pin=True)
+    return engine.generate(resident, prompt_ids, sampling).collect()
+
+
+def run_together(scheduler: Scheduler, resident, requests):
+    """Submit every request at once (a thread each, as HTTP handlers do); their completions."""
+    results: list = [None] * len(requests)
+    go = threading.Barrier(len(requests))
+
+    def one(i: int) -> None:
+        go.wait()
+        prompt_ids, sampling = requests[i]
+        results[i] = scheduler.submit(resident, prompt_ids, sampling).collect()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return results
+
+
+def warm_scheduler(resident, known, limits: BatchLimits = BatchLimits()) -> Scheduler:
+    engine = new_engine()
+    for prefix in known:
+        engine.prefill(resident, prefix.ids, key=prefix.key, pin=True)
+    return Scheduler(engine, limits)
+
+
+def test_sixteen_concurrent_greedy_requests_equal_each_run_alone(resident):
+    known, requests = mixed_requests(resident)
+    scheduler = warm_scheduler(resident, known)
+    together = run_together(scheduler, resident, requests)
+    for (prompt_ids, sampling), got in zip(requests, together, strict=True):
+        want = alone(resident, known, prompt_ids, sampling)
+        assert got.token_ids == want.token_ids
+        assert got.text == want.text and got.finish_reason == want.finish_reason
+        assert got.cached_tokens == want.cached_tokens > 0
+    assert any(
+        c.finish_reason == "stop" and c.token_ids and len(c.token_ids) < s.max_tokens
+        for c, (_, s) in zip(together, requests, strict=True)
+    )
+    assert scheduler.rows_stepped / scheduler.steps > 2  # they were decoded together, not in turn
+    assert scheduler.load()["running"] == 0
+    scheduler.close()
+
+
+def test_a_closed_stream_frees_its_row_at_once(resident):
+    known, _ = mixed_requests(resident, 1)
+    scheduler = warm_scheduler(resident, known, BatchLimits(max_running=1))
+    prompt_ids = known[0].prompt_ids(resident, "Where is my parcel?")
+    long_one = scheduler.submit(resident, prompt_ids, SamplingParams(max_tokens=3000, temperature=1.0, seed=3))
+    pieces = iter(long_one)
+    next(pieces)
+    waiting = scheduler.submit(resident, prompt_ids, greedy(3))  # no row for it while the first runs
+    time.sleep(0.2)
+    assert scheduler.load() == {"running": 1, "waiting": 1, "max_running": 1}
+    long_one.close()  # the client went away
+    assert waiting.collect().token_ids == alone(resident, known, prompt_ids, greedy(3)).token_ids
+    assert len(long_one.completion.token_ids) < 3000
+    assert scheduler.load()["running"] == 0
+    scheduler.close()
+
+
+def test_a_full_queue_is_refused_with_when_to_come_back(resident):
+    known, _ = mixed_requests(resident, 1)
+    scheduler = warm_scheduler(resident, known, BatchLimits(max_running=1, max_queued=1))
+    prompt_ids = known[0].prompt_ids(resident, "hello")
+    running = scheduler.submit(resident, prompt_ids, SamplingParams(max_tokens=3000, temperature=1.0, seed=1))
+    next(iter(running))
+    queued = scheduler.submit(resident, prompt_ids, greedy(2))
+    with pytest.raises(QueueFullError, match="PREHEAT_MAX_QUEUED_REQUESTS") as refused:
+        scheduler.submit(resident, prompt_ids, greedy(2))
+    assert 1 <= refused.value.retry_after_s <= 60
+    running.close()
+    assert len(queued.collect().token_ids) == 2
+    scheduler.close()
+
+
+def test_one_requests_failure_is_its_own(resident, monkeypatch):
+    """A sampler that fails (bad input found late) and a decode step out of memory: the
+    request concerned ends with its error, its neighbours' answers are unchanged."""
+    known, requests = mixed_requests(resident, 6)
+    real_sampler_for = batch_module.sampler_for
+
+    def failing_for_seed_13(params, *args):
+        sampler = real_sampler_for(params, *args)
+        if params.seed == 13:
+            sampler.choose = lambda *_: (_ for _ in ()).throw(ValueError("injected: a bad logits row"))
+        return sampler
+
+    monkeypatch.setattr(batch_module, "sampler_for", failing_for_seed_13)
+    real_forward, failed = Scheduler._forward, {"n": 0}
+
+    def out_of_memory_once_at_five(resident, batch):
+        if len(batch.rows) == 5 and not failed["n"]:
+            failed["n"] += 1
+            raise DeviceOutOfMemory("injected: out of memory decoding 5 requests")
+        return real_forward(resident, batch)
+
+    monkeypatch.setattr(Scheduler, "_forward", staticmethod(out_of_memory_once_at_five))
+    bad = (requests[0][0], SamplingParams(max_tokens=5, temperature=0.0, seed=13))
+    requests = [(ids, greedy(20)) for ids, _ in requests[1:]] + [bad]
+    scheduler = warm_scheduler(resident, known)
+    outcomes: list = [None] * len(requests)
+
+    def one(i: int) -> None:
+        try:
+            outcomes[i] = scheduler.submit(resident, *requests[i]).collect()
+        except Exception as exc:
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    errors = [o for o in outcomes if isinstance(o, Exception)]
+    assert any("a bad logits row" in str(e) for e in errors)
+    assert failed["n"] == 1 and any("out of memory" in str(e) for e in errors)
+    assert len(errors) == 2
+    for (prompt_ids, sampling), got in zip(requests, outcomes, strict=True):
+        if not isinstance(got, Exception):
+            assert got.token_ids == alone(resident, known, prompt_ids, sampling).token_ids
+    scheduler.close()
+
+
+def test_a_remembered_turn_is_cached_for_the_next_from_the_batch(resident):
+    known, _ = mixed_requests(resident, 1)
+    scheduler = warm_scheduler(resident, known)
+    prompt_ids = known[0].prompt_ids(resident, "Where is my parcel? It was due on Monday.")
+    first = scheduler.submit(resident, prompt_ids, greedy(6), remember=True).collect()
+    cached = scheduler.engine.cache.acquire_longest(resident.name, prompt_ids[0].numpy(), record=False)
+    assert cached is not None and cached.tokens == prompt_ids.shape[-1]
+    scheduler.engine.cache.release(cached.entry)
+    assert first.cached_tokens == known[0].ids.shape[-1]
+    scheduler.close()
+
+
+def test_limits_are_checked():
+    with pytest.raises(ValueError, match="max_running"):
+        BatchLimits(max_running=0)

@@ -1,0 +1,144 @@
+"""The KV of the requests decoding together, as one left-padded cache.
+
+Each running request (a *row*) started from its own cached prefix and has its own length.
+The batch holds them in one transformers ``DynamicCache`` of batch size B, right-aligned:
+row i's real positions are the last ``lengths[i]`` columns of every full-attention layer
+and the last ``min(lengths[i], window - 1)`` columns of a sliding-window layer; the
+columns before are zeros, masked out by the attention mask this class writes. One decode
+step feeds one token per row and grows every layer by one column (``torch.cat``, as a
+DynamicCache always does), so the step is a single forward pass for all B requests.
+
+A row joins with one copy of its KV into the batch (the prefix entry it came from is
+only read, never written or held), and leaves by an index select; the columns no row
+needs any more are dropped when the longest row leaves. This is bookkeeping over tensors:
+it is tested without a model (tests/workers/test_batchkv.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.prefix import clone_for_request, layers_that_grow_by_concatenation
+
+
+class BatchKV:
+    def __init__(self, shell) -> None:
+        self.cache = shell  # a DynamicCache of batch size 0 (see `like`)
+        self.lengths: list[int] = []
+        self.width = 0  # columns of a full-attention layer: the longest row
+
+    @classmethod
+    def like(cls, row_cache) -> BatchKV:
+        """An empty batch with the layer types (and windows) of `row_cache`."""
+        if not batchable(row_cache):
+            raise TypeError("only caches whose layers grow by concatenation can be batched")
+        shell = clone_for_request(row_cache)
+        for layer in shell.layers:
+            layer.keys, layer.values = layer.keys[:0], layer.values[:0]
+            if _window(layer):
+                layer.cumulative_length = 0
+        return cls(shell)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for layer in self.cache.layers for t in (layer.keys, layer.values))
+
+    def add(self, row_cache, length: int) -> int:
+        """Append a request's KV (batch size 1, `length` positions); returns its row index."""
+        width = max(self.width, length)
+        for layer, row in zip(self.cache.layers, row_cache.layers, strict=True):
+            columns = _columns(layer, width)
+            for name in ("keys", "values"):
+                batch_part = _left_pad(getattr(layer, name), columns)
+                row_part = _left_pad(_last(getattr(row, name), columns), columns)
+                setattr(layer, name, torch.cat([batch_part, row_part.to(batch_part.dtype)], dim=0))
+        self.lengths.append(length)
+        self._set_width(width)
+        return len(self.lengths) - 1
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (in that order); columns no kept row needs are dropped."""
+        width = max((self.lengths[i] for i in rows), default=0)
+        index = torch.tensor(rows, dtype=torch.long, device=self.cache.layers[0].keys.device)
+        for layer in self.cache.layers:
+            columns = _columns(layer, width)
+            for name in ("keys", "values"):
+                setattr(layer, name, _last(getattr(layer, name).index_select(0, index), columns))
+        self.lengths = [self.lengths[i] for i in rows]
+        self._set_width(width)
+
+    def row(self, i: int):
+        """Row i's KV alone (batch size 1, its own storage): what a finished request leaves cached."""
+        single = clone_for_request(self.cache)
+        for layer, mine in zip(single.layers, self.cache.layers, strict=True):
+            own = min(self.lengths[i], mine.keys.shape[-2])
+            layer.keys = _last(mine.keys[i : i + 1], own).clone()
+            layer.values = _last(mine.values[i : i + 1], own).clone()
+            if _window(layer):
+                layer.cumulative_length = self.lengths[i]
+        return single
+
+    def step_inputs(self, next_ids: list[int]) -> dict[str, torch.Tensor]:
+        """What one decode step feeds: each row's next id at its own position, and the mask
+        of every row's real columns plus the one being fed."""
+        device = self.cache.layers[0].keys.device
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
+        columns = torch.arange(self.width + 1)
+        mask = columns[None, :] >= (self.width - lengths)[:, None]
+        return {
+            "input_ids": torch.tensor(next_ids, dtype=torch.long)[:, None].to(device),
+            "attention_mask": mask.to(device=device, dtype=torch.long),
+            "position_ids": lengths[:, None].to(device),
+        }
+
+    def stepped(self) -> None:
+        """After a decode step: every row is one position longer."""
+        self.lengths = [n + 1 for n in self.lengths]
+        self.width += 1
+
+    def snapshot(self) -> list[tuple]:
+        """The layers' state before a step: a step that fails half-way is undone with `restore`."""
+        return [(layer.keys, layer.values, getattr(layer, "cumulative_length", None)) for layer in self.cache.layers]
+
+    def restore(self, snapshot: list[tuple]) -> None:
+        for layer, (keys, values, cumulative) in zip(self.cache.layers, snapshot, strict=True):
+            layer.keys, layer.values = keys, values
+            if cumulative is not None:
+                layer.cumulative_length = cumulative
+
+    def _set_width(self, width: int) -> None:
+        self.width = width
+        for layer in self.cache.layers:
+            if _window(layer):
+                layer.cumulative_length = width
+
+
+def batchable(cache) -> bool:
+    """Whether a request's cache can join a batch: every layer a plain or sliding-window
+    DynamicCache layer (quantized and linear-attention layers keep state of other shapes)."""
+    return all(type(layer) in layers_that_grow_by_concatenation() for layer in cache.layers)
+
+
+def _window(layer) -> int | None:
+    return getattr(layer, "sliding_window", None)
+
+
+def _columns(layer, width: int) -> int:
+    """How many columns a layer holds for a batch `width` positions long."""
+    window = _window(layer)
+    return width if window is None else min(width, window - 1)
+
+
+def _last(tensor: torch.Tensor, columns: int) -> torch.Tensor:
+    return tensor[..., tensor.shape[-2] - min(columns, tensor.shape[-2]) :, :]
+
+
+def _left_pad(tensor: torch.Tensor, columns: int) -> torch.Tensor:
+    missing = columns - tensor.shape[-2]
+    if missing <= 0:
+        return tensor
+    pad = tensor.new_zeros((*tensor.shape[:-2], missing, tensor.shape[-1]))
+    return torch.cat([pad, tensor], dim=-2)
