@@ -16,9 +16,40 @@ it is tested without a model (tests/workers/test_batchkv.py).
 
 from __future__ import annotations
 
+import copy
+
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from workers.prefix import clone_for_request, layers_that_grow_by_concatenation
+
+
+class GrowingLayer(DynamicLayer):
+    """A full-attention layer of the batch that grows in place: its tensors are the batch's
+    own (rows join by copy), so a step writes its one new column into spare capacity instead
+    of copying the whole layer (DynamicLayer's torch.cat: a third of a 16-row step on the
+    135 M model, measured). Capacity grows by half when full; a layer whose tensors were
+    replaced (a row joined or left) is copied into a new buffer at its next step."""
+
+    _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    _views: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        used, new = self.keys.shape[-2], key_states.shape[-2]
+        if self._views is None or self._views[0] is not self.keys or used + new > self._buffers[0].shape[-2]:
+            self._buffers = tuple(_with_room(t, used + new) for t in (self.keys, self.values))
+        for buffer, states in zip(self._buffers, (key_states, value_states), strict=True):
+            buffer[..., used : used + new, :] = states
+        self.keys, self.values = (buffer[..., : used + new, :] for buffer in self._buffers)
+        self._views = (self.keys, self.values)
+        return self.keys, self.values
+
+
+def _with_room(tensor: torch.Tensor, needed: int) -> torch.Tensor:
+    capacity = needed + max(16, needed // 2)
+    buffer = tensor.new_empty((*tensor.shape[:-2], capacity, tensor.shape[-1]))
+    buffer[..., : tensor.shape[-2], :] = tensor
+    return buffer
 
 
 class BatchKV:
@@ -37,6 +68,8 @@ class BatchKV:
             layer.keys, layer.values = layer.keys[:0], layer.values[:0]
             if _window(layer):
                 layer.cumulative_length = 0
+            else:
+                layer.__class__ = GrowingLayer
         return cls(shell)
 
     def __len__(self) -> int:
@@ -44,6 +77,7 @@ class BatchKV:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the batch holds, spare capacity included."""
         return sum(t.untyped_storage().nbytes() for layer in self.cache.layers for t in (layer.keys, layer.values))
 
     def add(self, row_cache, length: int) -> int:
@@ -72,8 +106,13 @@ class BatchKV:
 
     def row(self, i: int):
         """Row i's KV alone (batch size 1, its own storage): what a finished request leaves cached."""
-        single = clone_for_request(self.cache)
+        single = copy.copy(self.cache)
+        single.layers = [copy.copy(layer) for layer in self.cache.layers]
         for layer, mine in zip(single.layers, self.cache.layers, strict=True):
+            if type(layer) is GrowingLayer:
+                layer.__class__ = DynamicLayer  # a cache entry of its own: plain again
+                layer.__dict__.pop("_buffers", None)
+                layer.__dict__.pop("_views", None)
             own = min(self.lengths[i], mine.keys.shape[-2])
             layer.keys = _last(mine.keys[i : i + 1], own).clone()
             layer.values = _last(mine.values[i : i + 1], own).clone()

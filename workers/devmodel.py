@@ -188,6 +188,16 @@ def _write_generation_config(folder: Path, arch: str, tokenizer) -> None:
     (folder / "generation_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def _never_choose_padding(model, real_ids: int) -> None:
+    """Rows past the tokenizer's ids score 0 while real ids' random scores reach well above
+    it, so greedy decoding never picks an id that decodes to nothing (a trained checkpoint's
+    padded rows are never chosen either)."""
+    import torch
+
+    with torch.no_grad():
+        model.get_output_embeddings().weight[real_ids:] = 0
+
+
 def make_model(folder: Path, arch: str = "llama", shape: ModelShape = ModelShape(), seed: int = 0) -> Path:
     """Write a loadable model folder and return it. Deterministic for a given seed."""
     import torch
@@ -204,6 +214,7 @@ def make_model(folder: Path, arch: str = "llama", shape: ModelShape = ModelShape
     config = build_config(arch, shape, tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    _never_choose_padding(model, len(tokenizer))
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from workers.batchkv import BatchKV, batchable
+from workers.batchkv import BatchKV, GrowingLayer, batchable
 
 WINDOW = 4  # a sliding layer holds window - 1 = 3 positions
 
@@ -102,3 +102,26 @@ def test_only_caches_that_grow_by_concatenation_are_batched():
     assert not batchable(cache)
     with pytest.raises(TypeError, match="concatenation"):
         BatchKV.like(cache)
+
+
+def test_a_step_writes_one_column_in_place_and_a_row_leaves_as_a_plain_layer():
+    batch = BatchKV.like(row_cache(1, 0))
+    batch.add(row_cache(3, 100), 3)
+    full = batch.cache.layers[0]
+    assert isinstance(full, GrowingLayer) and type(batch.cache.layers[1]) is DynamicSlidingWindowLayer
+    storages = set()
+    for step in range(5):
+        column = torch.full((1, 2, 1, 3), 500.0 + step)
+        keys, values = full.update(column, -column)
+        assert torch.equal(values[..., -1:, :], -column)
+        storages.add(keys.untyped_storage().data_ptr())
+        assert keys.shape == (1, 2, 4 + step, 3) and torch.equal(keys[..., -1:, :], column)
+    assert len(storages) == 1  # one buffer: no step copied the layer
+    assert full.keys[0, 0, :, 0].tolist() == [100, 101, 102, 500, 501, 502, 503, 504]
+    batch.lengths, batch.width = [8], 8
+    alone = batch.row(0)
+    assert type(alone.layers[0]) is DynamicLayer and batchable(alone)
+    assert alone.layers[0].keys[0, 0, :, 0].tolist() == [100, 101, 102, 500, 501, 502, 503, 504]
+    batch.add(row_cache(2, 700), 2)  # a new row: the layer's tensors are replaced, its next step re-buffers
+    keys, _ = full.update(torch.zeros(2, 2, 1, 3), torch.zeros(2, 2, 1, 3))
+    assert keys[1, 0, :, 0].tolist() == [0, 0, 0, 0, 0, 0, 700, 701, 0]
