@@ -24,13 +24,16 @@ on. A full queue refuses at once (``QueueFullError``: HTTP 429 with Retry-After)
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import queue
 import threading
 import time
+import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +41,7 @@ import torch
 from preheat.errors import PreheatError
 from workers.batchkv import BatchKV, batchable
 from workers.device import out_of_memory_as_error
-from workers.generate import Completion, PrefixEngine, TextStream, stop_token_ids
+from workers.generate import Completion, PrefixEngine, Start, TextStream, stop_token_ids
 from workers.prefix import Prefix, check_context, clone_for_request, forward, truncatable
 from workers.resident import ResidentModel
 from workers.sampling import ModelDefaults, Sampler, SamplingParams, sampler_for
@@ -196,6 +199,7 @@ class Scheduler:
 
     def _start_thread(self) -> None:
         if self._thread is None:
+            _RUNNING.add(self)
             self._thread = threading.Thread(target=self._run, name="preheat-engine", daemon=True)
             self._thread.start()
 
@@ -222,49 +226,110 @@ class Scheduler:
         finally:
             call.finished.set()
 
-    def _next_admissible(self) -> _Row | None:
+    def _next_admissible(self, taken: dict[str, int]) -> _Row | None:
+        """The first waiting request whose model has a free row (`taken`: rows given out in
+        this iteration, not yet in the batch)."""
         with self._wakeup:
             for row in self._waiting:
                 batch = self._batches.get(row.resident.name)
-                if row.cancelled.is_set() or batch is None or len(batch.rows) < self.limits.max_running:
+                running = (len(batch.rows) if batch else 0) + taken.get(row.resident.name, 0)
+                if row.cancelled.is_set() or running < self.limits.max_running:
                     self._waiting.remove(row)
                     return row
         return None
 
     def _admit(self) -> None:
-        budget = self.limits.prefill_tokens_per_step
-        while budget > 0 and (row := self._next_admissible()) is not None:
-            if row.cancelled.is_set():
-                self._finish(row, None)
-                continue
-            budget -= max(1, self._start(row))
+        """Waiting requests join, up to the iteration's prompt-token budget. Those of one
+        model that start from a cache that can be cut (or none) are pre-filled together,
+        in one forward pass; the others (a prompt that is a cached entry, a window past its
+        size) one by one. Each holds its cached entry only until its KV is in the batch."""
+        budget, taken = self.limits.prefill_tokens_per_step, {}
+        groups: dict[str, list[tuple[_Row, Start]]] = {}
+        with ExitStack() as held:
+            while budget > 0 and (row := self._next_admissible(taken)) is not None:
+                if row.cancelled.is_set():
+                    self._finish(row, None)
+                    continue
+                try:
+                    start = held.enter_context(self._begin(row))
+                except Exception as exc:
+                    self._fail(row, exc)
+                    continue
+                taken[row.resident.name] = taken.get(row.resident.name, 0) + 1
+                budget -= max(1, int(start.feed_ids.shape[-1]))
+                if start.logits is None and (start.cache is None or _croppable(start.cache)):
+                    groups.setdefault(row.resident.name, []).append((row, start))
+                else:
+                    self._start_alone(row, start)
+            for group in groups.values():
+                if len(group) > 1 and any(start.cache is not None for _, start in group):
+                    self._prefill_together(group)
+                else:
+                    for row, start in group:
+                        self._start_alone(row, start)
 
-    def _start(self, row: _Row) -> int:
-        """Pre-fill a request from its longest cached prefix and choose its first token;
-        returns how many ids it computed. A failure here is the request's alone."""
+    @contextmanager
+    def _begin(self, row: _Row) -> Iterator[Start]:
         resident = row.resident
+        row.stops = stop_token_ids(resident)
+        row.sampler = sampler_for(
+            row.sampling, ModelDefaults.of(resident.model), len(row.ids), resident.placement.device
+        )
+        with self.engine.start(resident, row.prompt_ids, use_cache=row.use_cache, record=row.record) as start:
+            row.completion.cached_tokens = start.cached_tokens
+            yield start
+
+    def _start_alone(self, row: _Row, start: Start) -> None:
+        """Pre-fill one request from its start and choose its first token. A failure here is
+        the request's alone."""
         try:
-            row.stops = stop_token_ids(resident)
-            row.sampler = sampler_for(
-                row.sampling, ModelDefaults.of(resident.model), len(row.ids), resident.placement.device
-            )
-            with self.engine.start(resident, row.prompt_ids, use_cache=row.use_cache, record=row.record) as start:
-                row.completion.cached_tokens = start.cached_tokens
-                logits, kv = start.logits, start.cache
-                if logits is None:
-                    logits, kv = forward(resident, start.feed_ids, kv)
-                if row.remember and not truncatable(kv):
-                    # Its answer's KV could not be cut back to the prompt: keep the prompt's.
-                    row.prompt_only = Prefix(clone_for_request(kv), logits)
-            computed = int(start.feed_ids.shape[-1])
+            logits, kv = start.logits, start.cache
+            if logits is None:
+                logits, kv = forward(row.resident, start.feed_ids, kv)
+            if row.remember and not truncatable(kv):
+                # Its answer's KV could not be cut back to the prompt: keep the prompt's.
+                row.prompt_only = Prefix(clone_for_request(kv), logits)
             if self._choose(row, logits):
                 self._finish(row, kv)
             else:
                 self._join(row, kv)
         except Exception as exc:
             self._fail(row, exc)
-            return 1
-        return computed
+
+    def _prefill_together(self, group: list[tuple[_Row, Start]]) -> None:
+        """One forward pass pre-fills every request of `group`. All feed as many ids as the
+        longest remaining prompt: a request with fewer left to compute feeds some of its
+        cached ids again (its cache cut back to make room), so each row's positions stay
+        contiguous (workers.batchkv). If the pass fails, each request is started alone, so
+        a failure stays with the request that causes it."""
+        resident = group[0][0].resident
+        longest = max(int(start.feed_ids.shape[-1]) for _, start in group)
+        shell = next(start.cache for _, start in group if start.cache is not None)
+        try:
+            kv, feeds = BatchKV.like(shell), []
+            for row, start in group:
+                keep = max(0, len(row.ids) - longest)
+                kv.add(_cut(start.cache, keep, start.cached_tokens) if keep else shell, keep)
+                feeds.append(row.ids[keep:])
+            logits = self._forward_inputs(resident, kv, kv.prefill_inputs(feeds, 0), len(group))
+            kv.prefilled(feeds)
+        except Exception as exc:
+            log.info("pre-filling %d requests together failed (%s): one by one", len(group), exc)
+            for row, start in group:
+                self._start_alone(row, start)
+            return
+        rows = [row for row, _ in group]
+        for i, row in enumerate(rows):
+            if row.remember and not truncatable(own := kv.row(i)):
+                row.prompt_only = Prefix(own, logits[i].clone())
+        batch = self._batches.get(resident.name)
+        if batch is None:
+            batch = self._batches[resident.name] = _Batch(kv)
+        else:
+            batch.kv.merge(kv)
+        first = len(batch.rows)
+        batch.rows += rows
+        self._drop(batch, [first + i for i, row in enumerate(rows) if self._choose_or_fail(row, logits[i])])
 
     def _join(self, row: _Row, kv) -> None:
         name = row.resident.name
@@ -295,25 +360,22 @@ class Scheduler:
             return
         batch.kv.stepped()
         self.steps, self.rows_stepped = self.steps + 1, self.rows_stepped + len(batch.rows)
-        finished = []
-        for i, row in enumerate(batch.rows):
-            try:
-                if self._choose(row, logits[i]):
-                    finished.append(i)
-            except Exception as exc:
-                self._fail(row, exc)
-                finished.append(i)
-        self._drop(batch, finished)
+        self._drop(batch, [i for i, row in enumerate(batch.rows) if self._choose_or_fail(row, logits[i])])
+
+    @classmethod
+    def _forward(cls, resident: ResidentModel, batch: _Batch) -> torch.Tensor:
+        inputs = batch.kv.step_inputs([row.ids[-1] for row in batch.rows])
+        return cls._forward_inputs(resident, batch.kv, inputs, len(batch.rows))
 
     @staticmethod
-    def _forward(resident: ResidentModel, batch: _Batch) -> torch.Tensor:
-        inputs = batch.kv.step_inputs([row.ids[-1] for row in batch.rows])
-        doing = f"decoding {len(batch.rows)} requests together on {resident.name}"
+    def _forward_inputs(resident: ResidentModel, kv: BatchKV, inputs: dict, rows: int) -> torch.Tensor:
+        """One forward pass over the batch: the next-token logits of every row, [rows, vocab]."""
+        doing = f"running {rows} requests together on {resident.name} ({inputs['input_ids'].shape[-1]} ids each)"
 
         def run():
             with torch.inference_mode():
                 return resident.model(
-                    **inputs, use_cache=True, logits_to_keep=1, **{resident.cache_kwarg: batch.kv.cache}
+                    **inputs, use_cache=True, logits_to_keep=1, **{resident.cache_kwarg: kv.cache}
                 ).logits[:, -1]
 
         return out_of_memory_as_error(resident.placement.device, doing, run)
@@ -332,6 +394,14 @@ class Scheduler:
         batch.rows = [batch.rows[i] for i in keep]
 
     # One row's tokens -----------------------------------------------------------------
+
+    def _choose_or_fail(self, row: _Row, logits: torch.Tensor) -> bool:
+        """_choose; a failure (its sampler's) ends the row with its error. True: it leaves."""
+        try:
+            return self._choose(row, logits)
+        except Exception as exc:
+            self._fail(row, exc)
+            return True
 
     def _choose(self, row: _Row, logits: torch.Tensor) -> bool:
         """The row's next token from its logits, sent to its reader; True when it is its last."""
@@ -387,6 +457,32 @@ class Scheduler:
         """About when a row frees up: the queue ahead, over the rows, times a request's run."""
         waves = (len(self._waiting) + 1) / self.limits.max_running
         return max(1, min(60, math.ceil(waves * self._request_s)))
+
+
+# Schedulers whose thread may still run at interpreter exit: stopped first, as a thread
+# left inside torch while the interpreter tears down aborts the process.
+_RUNNING: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for scheduler in list(_RUNNING):
+        scheduler.close(timeout_s=5.0)
+
+
+def _croppable(cache) -> bool:
+    """Whether a request's starting cache can join a pre-fill together (cut back if need be)."""
+    return batchable(cache) and truncatable(cache)
+
+
+def _cut(cache, keep: int, cached: int):
+    """The first `keep` positions of a request's starting cache (a clone: the start itself
+    stays whole, should the request be started alone after all)."""
+    if keep == cached:
+        return cache
+    cut = clone_for_request(cache)
+    cut.crop(keep - cached)
+    return cut
 
 
 def _since(started: float) -> float:

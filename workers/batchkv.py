@@ -81,17 +81,61 @@ class BatchKV:
         return sum(t.untyped_storage().nbytes() for layer in self.cache.layers for t in (layer.keys, layer.values))
 
     def add(self, row_cache, length: int) -> int:
-        """Append a request's KV (batch size 1, `length` positions); returns its row index."""
+        """Append a request's KV (batch size 1, its last `length` positions; 0: a row of
+        padding only, whose positions the next forward pass feeds); returns its row index."""
         width = max(self.width, length)
         for layer, row in zip(self.cache.layers, row_cache.layers, strict=True):
             columns = _columns(layer, width)
             for name in ("keys", "values"):
-                batch_part = _left_pad(getattr(layer, name), columns)
-                row_part = _left_pad(_last(getattr(row, name), columns), columns)
-                setattr(layer, name, torch.cat([batch_part, row_part.to(batch_part.dtype)], dim=0))
+                row_part = _last(getattr(row, name), min(length, _columns(layer, length)))
+                self._append(layer, name, row_part, columns)
         self.lengths.append(length)
         self._set_width(width)
         return len(self.lengths) - 1
+
+    def merge(self, other: BatchKV) -> None:
+        """Append every row of `other` (rows pre-filled together), after this batch's own."""
+        width = max(self.width, other.width)
+        for layer, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            columns = _columns(layer, width)
+            for name in ("keys", "values"):
+                self._append(layer, name, getattr(theirs, name), columns)
+        self.lengths += other.lengths
+        self._set_width(width)
+
+    @staticmethod
+    def _append(layer, name: str, rows: torch.Tensor, columns: int) -> None:
+        mine = _left_pad(getattr(layer, name), columns)
+        setattr(layer, name, torch.cat([mine, _left_pad(rows, columns).to(mine.dtype)], dim=0))
+
+    def prefill_inputs(self, feeds: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+        """What one forward pass feeds to pre-fill every row at once: row i's `feeds[i]`,
+        left-padded to the longest, right after its own cached positions. Each row's real
+        positions stay contiguous at the right (a row with fewer ids than the longest feed
+        holds no cached position: see Scheduler._prefill_together)."""
+        device = self.cache.layers[0].keys.device
+        width = max(len(feed) for feed in feeds)
+        if any(n and len(feed) < width for n, feed in zip(self.lengths, feeds, strict=True)):
+            raise ValueError("a row with cached positions must feed the longest feed (no gap inside a row)")
+        ids = torch.full((len(feeds), width), pad_id, dtype=torch.long)
+        positions = torch.zeros((len(feeds), width), dtype=torch.long)
+        for i, feed in enumerate(feeds):
+            if feed:
+                ids[i, width - len(feed) :] = torch.tensor(feed, dtype=torch.long)
+            positions[i, width - len(feed) :] = torch.arange(self.lengths[i], self.lengths[i] + len(feed))
+        real = torch.tensor([n + len(feed) for n, feed in zip(self.lengths, feeds, strict=True)])
+        mask = torch.arange(self.width + width)[None, :] >= (self.width + width - real)[:, None]
+        return {
+            "input_ids": ids.to(device),
+            "attention_mask": mask.to(device=device, dtype=torch.long),
+            "position_ids": positions.to(device),
+        }
+
+    def prefilled(self, feeds: list[list[int]]) -> None:
+        """After the pre-fill pass: every row holds its cached positions and its feed."""
+        width = max(len(feed) for feed in feeds)
+        self.lengths = [n + len(feed) for n, feed in zip(self.lengths, feeds, strict=True)]
+        self.width += width
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in that order); columns no kept row needs are dropped."""
