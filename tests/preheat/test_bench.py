@@ -120,3 +120,67 @@ def test_start_times_each_stage_against_the_limit_and_a_warm_store_prefills_noth
 def test_start_refuses_an_unknown_shape(embedded_stack):
     refused = embedded_stack.cli_here("bench", "start", "--shapes", "tiny,7b")
     assert refused.returncode == 2 and "--shapes: expected a comma-separated list of tiny, 135m" in refused.stderr
+
+
+@pytest.mark.slow
+def test_load_runs_every_mode_on_the_same_users_and_reports_side_by_side(embedded_stack, tmp_path):
+    """Batching, one at a time and through Celery, on the tiny model; transformers serve is
+    asked for where this environment lacks its extras: one line says why it was not measured."""
+    out = tmp_path / "load.json"
+    done = subprocess.run(
+        [
+            PREHEAT_CLI,
+            "bench",
+            "load",
+            "--shape",
+            "tiny",
+            "--users",
+            "1,3",
+            "--requests-per-user",
+            "2",
+            "--max-tokens",
+            "4",
+            "--arrivals",
+            "3",
+            "--rate",
+            "20",
+            "--modes",
+            "batch,sequential,celery,transformers",
+            "--transformers-python",
+            str(tmp_path / "no-such-python"),
+            "--json",
+            str(out),
+        ],
+        env=embedded_stack.env,
+        cwd=embedded_stack.home,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "many users at once, tiny dev model" in done.stdout
+    report = json.loads(out.read_text())
+    loads = [(row["mode"], row["load"]) for row in report["rows"]]
+    assert loads == [
+        ("batch", "closed 1 users"),
+        ("batch", "closed 3 users"),
+        ("batch", "poisson 20/s"),
+        ("sequential", "closed 1 users"),
+        ("sequential", "closed 3 users"),
+        ("sequential", "poisson 20/s"),
+        ("celery", "closed 1 users"),
+        ("celery", "closed 3 users"),
+    ]
+    for row in report["rows"]:
+        assert row["errors"] == 0 and row["tokens_per_s"] > 0 and row["ttft_p50_ms"] > 0
+    assert {row["requests"] for row in report["rows"] if row["load"] == "closed 3 users"} == {9}  # 8 at least
+    assert {row["requests"] for row in report["rows"] if row["load"] == "closed 1 users"} == {8}
+    celery = [row for row in report["rows"] if row["mode"] == "celery"]
+    assert all(row["client_p50_ms"] >= row["worker_p50_ms"] > 0 for row in celery)
+    assert "no-such-python not found" in report["not_measured"]["transformers"]
+    assert any(line.startswith("preheat.infer, closed 3 users: the caller waits") for line in report["verdicts"])
+
+
+def test_load_refuses_an_unknown_mode(embedded_stack):
+    refused = embedded_stack.cli_here("bench", "load", "--modes", "batch,vllm")
+    assert refused.returncode == 2 and "--modes: expected a comma-separated list of batch" in refused.stderr

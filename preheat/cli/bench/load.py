@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import json
+import math
 import os
 import random
 import subprocess
@@ -132,7 +133,8 @@ def main(
         try:
             model = server.model
             for count in user_counts:
-                rows.append(closed_loop(mode, server.url, model, system_prompts, count, requests_per_user, max_tokens))
+                turns = _turns(count, requests_per_user)
+                rows.append(closed_loop(mode, server.url, model, system_prompts, count, turns, max_tokens))
                 console.print(_line(rows[-1]), highlight=False)
             rows.append(open_loop(mode, server.url, model, system_prompts, rate, arrivals, max_tokens))
             console.print(_line(rows[-1]), highlight=False)
@@ -216,7 +218,7 @@ def _celery_rows(
     with procs.running(worker):
         procs.wait_for_log(worker, f"model {model_name} takes requests", timeout)
         for count in user_counts:
-            rows.append(celery_loop(app, templates, count, per_user, max_tokens))
+            rows.append(celery_loop(app, templates, count, _turns(count, per_user), max_tokens))
             console.print(_line(rows[-1]), highlight=False)
     return rows
 
@@ -390,6 +392,11 @@ def open_loop(mode, url, model, system_prompts, rate: float, arrivals: int, max_
     return _row(mode, f"poisson {rate:g}/s", 0, answers, time.perf_counter() - began)
 
 
+def _turns(users: int, per_user: int) -> int:
+    """Requests each user sends: at least 8 in all, so a percentile of few users has samples."""
+    return max(per_user, math.ceil(8 / users))
+
+
 def _input(k: int) -> str:
     return f"{USER_INPUTS[k % len(USER_INPUTS)]} (request {k})"
 
@@ -423,10 +430,11 @@ def _row(mode: str, load: str, users: int, answers: list[Answer], wall_s: float)
 
 
 def _pct(values: list[float], p: int) -> float:
+    """The nearest-rank percentile."""
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
 def _line(row: Row) -> str:
@@ -457,9 +465,15 @@ def verdicts(rows: list[Row], skipped: dict[str, str]) -> list[str]:
         return next((r for r in rows if r.mode == mode and r.load == load), None)
 
     lines, target = [], f"closed {TARGET_USERS} users"
+    for row in (r for r in rows if r.mode == "celery" and r.client_p50_ms is not None):
+        limit = 1.5 * row.worker_p50_ms + 20
+        lines.append(
+            f"preheat.infer, {row.load}: the caller waits {row.client_p50_ms:.1f} ms (p50) for the worker's "
+            f"{row.worker_p50_ms:.1f} ms (target ≤ 1.5× + 20 ms = {limit:.1f}: {_met(row.client_p50_ms <= limit)})"
+        )
     ours, single = at("batch", target), at("batch", "closed 1 users")
     if ours is None:
-        return [f"batch at {TARGET_USERS} users not measured: no verdict"]
+        return [*lines, f"batch at {TARGET_USERS} users not measured: no verdict on the targets at that load"]
     if (theirs := at("transformers", target)) is not None:
         ratio = ours.tokens_per_s / theirs.tokens_per_s if theirs.tokens_per_s else float("inf")
         lines.append(
@@ -481,12 +495,6 @@ def verdicts(rows: list[Row], skipped: dict[str, str]) -> list[str]:
     if (alone := at("sequential", target)) is not None and alone.tokens_per_s:
         lines.append(
             f"batching vs one at a time at {TARGET_USERS} users: {ours.tokens_per_s / alone.tokens_per_s:.2f}×"
-        )
-    for row in (r for r in rows if r.mode == "celery" and r.client_p50_ms is not None):
-        limit = 1.5 * row.worker_p50_ms + 20
-        lines.append(
-            f"preheat.infer, {row.load}: the caller waits {row.client_p50_ms:.1f} ms (p50) for the worker's "
-            f"{row.worker_p50_ms:.1f} ms (target ≤ 1.5× + 20 ms = {limit:.1f}: {_met(row.client_p50_ms <= limit)})"
         )
     if (cold := at("no-prefix-cache", target)) is not None and cold.ttft_p50_ms:
         lines.append(
