@@ -297,3 +297,33 @@ def test_a_gated_process_is_ready_only_once_it_takes_the_models_requests(tmp_pat
     assert runtime.preload() == ["model tiny: warm, not taking requests yet"] and warm == ["tiny"]
     runtime.taking_requests("tiny")
     assert runtime.readiness() == [] and runtime.describe()["ready"] is True
+
+
+def test_a_warmup_under_load_runs_between_decode_steps_and_never_stops_the_traffic(runtime):
+    """The warmup's pre-fill and probe runs are calls on the scheduler's thread, between
+    steps: the request decoding meanwhile keeps getting tokens, and the warmup finishes."""
+    import threading
+    import time
+
+    runtime.preload()
+    stream = runtime.generate("support", "Tell me everything.", SamplingParams(max_tokens=400, temperature=0.0))
+    arrivals: list[float] = []
+
+    def read() -> None:
+        for _ in stream:
+            arrivals.append(time.perf_counter())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    while len(arrivals) < 5:
+        time.sleep(0.005)
+    runtime.cache.unpin(runtime._prefixes["support"].key)
+    runtime.cache.remove(runtime._prefixes["support"].key)  # a cold template: the warmup pre-fills it
+    began = time.perf_counter()
+    result = runtime.warm_template("support")
+    ended = time.perf_counter()
+    reader.join(120)
+    assert result.status in ("warm", "degraded") and result.prefill_ms > 0, result.error
+    during = [t for t in arrivals if began <= t <= ended]
+    assert during, "no token reached the request while the warmup ran"
+    assert len(stream.completion.token_ids) == 400 or stream.completion.finish_reason == "stop"
