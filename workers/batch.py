@@ -107,6 +107,16 @@ class _Batch:
 
 
 @dataclass(eq=False)
+class _Prefilling:
+    """A request whose prompt is longer than one iteration's budget: computed a chunk an
+    iteration, with decode steps for the others in between."""
+
+    row: _Row
+    kv: object
+    feed: torch.Tensor  # the ids still to compute, [1, n]
+
+
+@dataclass(eq=False)
 class _Call:
     work: Callable[[], object]
     finished: threading.Event = field(default_factory=threading.Event)
@@ -120,6 +130,7 @@ class Scheduler:
         self._waiting: deque[_Row] = deque()
         self._calls: deque[_Call] = deque()
         self._batches: dict[str, _Batch] = {}
+        self._prefilling: list[_Prefilling] = []
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -180,8 +191,17 @@ class Scheduler:
     def load(self) -> dict[str, int]:
         """Requests running and waiting now (metrics, `preheat workers`)."""
         with self._wakeup:
-            running = sum(len(batch.rows) for batch in list(self._batches.values()))
+            running = sum(len(batch.rows) for batch in list(self._batches.values())) + len(self._prefilling)
             return {"running": running, "waiting": len(self._waiting), "max_running": self.limits.max_running}
+
+    def cancel_all(self) -> None:
+        """Every request taken ends at the next step (the process is exiting)."""
+        with self._wakeup:
+            rows = [*self._waiting, *(p.row for p in self._prefilling)]
+            rows += [row for batch in list(self._batches.values()) for row in batch.rows]
+            for row in rows:
+                row.cancelled.set()
+            self._wakeup.notify()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish what was taken (up to `timeout_s`) and stop the thread; new work starts it again."""
@@ -206,9 +226,9 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._wakeup:
-                while not (self._calls or self._waiting or self._batches or self._stopping):
+                while not (self._calls or self._waiting or self._batches or self._prefilling or self._stopping):
                     self._wakeup.wait()
-                if self._stopping and not (self._calls or self._waiting or self._batches):
+                if self._stopping and not (self._calls or self._waiting or self._batches or self._prefilling):
                     return
                 call = self._calls.popleft() if self._calls else None
             if call is not None:
@@ -243,7 +263,10 @@ class Scheduler:
         model that start from a cache that can be cut (or none) are pre-filled together,
         in one forward pass; the others (a prompt that is a cached entry, a window past its
         size) one by one. Each holds its cached entry only until its KV is in the batch."""
-        budget, taken = self.limits.prefill_tokens_per_step, {}
+        budget = self._continue_prefills(self.limits.prefill_tokens_per_step)
+        taken: dict[str, int] = {}
+        for prefilling in self._prefilling:
+            taken[prefilling.row.resident.name] = taken.get(prefilling.row.resident.name, 0) + 1
         groups: dict[str, list[tuple[_Row, Start]]] = {}
         with ExitStack() as held:
             while budget > 0 and (row := self._next_admissible(taken)) is not None:
@@ -262,11 +285,12 @@ class Scheduler:
                 else:
                     self._start_alone(row, start)
             for group in groups.values():
-                if len(group) > 1 and any(start.cache is not None for _, start in group):
-                    self._prefill_together(group)
-                else:
-                    for row, start in group:
-                        self._start_alone(row, start)
+                for similar in _by_feed_length(group):
+                    if len(similar) > 1 and any(start.cache is not None for _, start in similar):
+                        self._prefill_together(similar)
+                    else:
+                        for row, start in similar:
+                            self._start_alone(row, start)
 
     @contextmanager
     def _begin(self, row: _Row) -> Iterator[Start]:
@@ -280,21 +304,56 @@ class Scheduler:
             yield start
 
     def _start_alone(self, row: _Row, start: Start) -> None:
-        """Pre-fill one request from its start and choose its first token. A failure here is
-        the request's alone."""
+        """Pre-fill one request from its start and choose its first token; a prompt longer
+        than an iteration's budget is computed a chunk an iteration. A failure here is the
+        request's alone."""
         try:
-            logits, kv = start.logits, start.cache
-            if logits is None:
-                logits, kv = forward(row.resident, start.feed_ids, kv)
-            if row.remember and not truncatable(kv):
-                # Its answer's KV could not be cut back to the prompt: keep the prompt's.
-                row.prompt_only = Prefix(clone_for_request(kv), logits)
-            if self._choose(row, logits):
-                self._finish(row, kv)
-            else:
-                self._join(row, kv)
+            if start.logits is not None:
+                self._first_token(row, start.logits, start.cache)
+                return
+            prefilling = _Prefilling(row, start.cache, start.feed_ids)
+            if not self._advance(prefilling, self.limits.prefill_tokens_per_step):
+                self._prefilling.append(prefilling)
         except Exception as exc:
             self._fail(row, exc)
+
+    def _continue_prefills(self, budget: int) -> int:
+        """Each long prompt under way gets its next chunk, while the budget lasts; returns
+        what is left of it."""
+        under_way = []
+        for prefilling in self._prefilling:
+            if prefilling.row.cancelled.is_set():
+                self._finish(prefilling.row, None)
+            elif budget <= 0:
+                under_way.append(prefilling)
+            else:
+                chunk = min(budget, int(prefilling.feed.shape[-1]))
+                budget -= chunk
+                try:
+                    if not self._advance(prefilling, chunk):
+                        under_way.append(prefilling)
+                except Exception as exc:
+                    self._fail(prefilling.row, exc)
+        self._prefilling = under_way
+        return budget
+
+    def _advance(self, prefilling: _Prefilling, tokens: int) -> bool:
+        """Compute the next `tokens` ids of a prompt; True once its first token is chosen."""
+        piece, prefilling.feed = prefilling.feed[:, :tokens], prefilling.feed[:, tokens:]
+        logits, prefilling.kv = forward(prefilling.row.resident, piece, prefilling.kv)
+        if prefilling.feed.shape[-1]:
+            return False
+        self._first_token(prefilling.row, logits, prefilling.kv)
+        return True
+
+    def _first_token(self, row: _Row, logits: torch.Tensor, kv) -> None:
+        if row.remember and not truncatable(kv):
+            # Its answer's KV could not be cut back to the prompt: keep the prompt's.
+            row.prompt_only = Prefix(clone_for_request(kv), logits)
+        if self._choose(row, logits):
+            self._finish(row, kv)
+        else:
+            self._join(row, kv)
 
     def _prefill_together(self, group: list[tuple[_Row, Start]]) -> None:
         """One forward pass pre-fills every request of `group`. All feed as many ids as the
@@ -467,7 +526,23 @@ _RUNNING: weakref.WeakSet[Scheduler] = weakref.WeakSet()
 @atexit.register
 def _stop_all() -> None:
     for scheduler in list(_RUNNING):
+        scheduler.cancel_all()
         scheduler.close(timeout_s=5.0)
+
+
+def _by_feed_length(group: list[tuple[_Row, Start]]) -> list[list[tuple[_Row, Start]]]:
+    """`group` split so that every request feeds at least half as many ids as the longest
+    of its part: a pass pre-filling rows together computes rows x longest positions, so a
+    long prompt beside short ones would mostly compute padding."""
+    ordered = sorted(group, key=lambda pair: -int(pair[1].feed_ids.shape[-1]))
+    parts: list[list[tuple[_Row, Start]]] = []
+    for pair in ordered:
+        feed = int(pair[1].feed_ids.shape[-1])
+        if parts and 2 * feed >= int(parts[-1][0][1].feed_ids.shape[-1]):
+            parts[-1].append(pair)
+        else:
+            parts.append([pair])
+    return parts
 
 
 def _croppable(cache) -> bool:

@@ -210,3 +210,38 @@ def test_a_remembered_turn_is_cached_for_the_next_from_the_batch(resident):
 def test_limits_are_checked():
     with pytest.raises(ValueError, match="max_running"):
         BatchLimits(max_running=0)
+
+
+def test_requests_are_pre_filled_together_only_beside_feeds_of_similar_length():
+    """A pass over rows together computes rows × the longest feed: a 3,000-id prompt beside
+    30-id turns goes alone, turns of 20 to 40 ids go together."""
+    import torch
+
+    from workers.batch import _by_feed_length
+    from workers.generate import Start
+
+    def start(ids: int) -> tuple[str, Start]:
+        return f"r{ids}", Start(None, torch.zeros((1, ids), dtype=torch.long), None, 0, 0.0)
+
+    parts = _by_feed_length([start(n) for n in (30, 3000, 20, 40, 1600, 9)])
+    assert [[name for name, _ in part] for part in parts] == [["r3000", "r1600"], ["r40", "r30", "r20"], ["r9"]]
+
+
+def test_a_long_prompt_is_pre_filled_a_chunk_a_step_while_the_others_decode(resident):
+    known, _ = mixed_requests(resident, 1)
+    scheduler = warm_scheduler(resident, known, BatchLimits(prefill_tokens_per_step=8))
+    running = scheduler.submit(resident, known[0].prompt_ids(resident, "hi"), greedy(2000))
+    pieces = iter(running)
+    next(pieces)
+    long_ids = known[1].prompt_ids(resident, "Summarise: " + "the quarterly numbers went up. " * 12)
+    before = scheduler.steps
+    late = scheduler.submit(resident, long_ids, SamplingParams(max_tokens=6, temperature=0.0), use_cache=False)
+    first = next(iter(late))  # its first piece: all of its prompt computed, 8 ids an iteration
+    assert first.text is not None
+    assert scheduler.steps - before >= long_ids.shape[-1] // 8 - 2  # a decode step between every chunk
+    late_answer = late.collect()
+    engine = new_engine()
+    want = engine.generate(resident, long_ids, SamplingParams(max_tokens=6, temperature=0.0), use_cache=False)
+    assert late_answer.token_ids == want.collect().token_ids
+    running.close()
+    scheduler.close()
