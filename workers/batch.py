@@ -414,7 +414,6 @@ class Scheduler:
             # Undone for all; the newest row (the one that made the batch this large) leaves.
             batch.kv.restore(before)
             self._fail(batch.rows[-1], exc)
-            batch.rows[-1].done = True
             self._drop(batch, [len(batch.rows) - 1])
             return
         batch.kv.stepped()
@@ -446,7 +445,9 @@ class Scheduler:
         for i in rows:
             row = batch.rows[i]
             if not row.done:
-                self._finish(row, batch.kv.row(i) if row.remember else None)
+                # Its KV is copied out only when it is what stays cached (see _remember).
+                wanted = row.remember and row.prompt_only is None
+                self._finish(row, batch.kv.row(i) if wanted else None)
         leaving = set(rows)
         keep = [i for i in range(len(batch.rows)) if i not in leaving]
         batch.kv.keep(keep)

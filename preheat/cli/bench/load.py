@@ -387,7 +387,8 @@ def open_loop(mode, url, model, system_prompts, rate: float, arrivals: int, max_
         time.sleep(max(0.0, began + at - time.perf_counter()))
         threads.append(threading.Thread(target=one, args=(k,)))
         threads[-1].start()
-    _run_threads(threads, started=True)
+    for thread in threads:
+        thread.join()
     client.close()
     return _row(mode, f"poisson {rate:g}/s", 0, answers, time.perf_counter() - began)
 
@@ -401,10 +402,9 @@ def _input(k: int) -> str:
     return f"{USER_INPUTS[k % len(USER_INPUTS)]} (request {k})"
 
 
-def _run_threads(threads: list[threading.Thread], started: bool = False) -> None:
+def _run_threads(threads: list[threading.Thread]) -> None:
     for thread in threads:
-        if not started:
-            thread.start()
+        thread.start()
     for thread in threads:
         thread.join()
 
