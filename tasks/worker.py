@@ -85,6 +85,11 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
                 )
             )
         check_concurrency(pool, worker.concurrency, get_settings())
+        # The models load from here on, while Celery builds its pool and consumer: torch and
+        # transformers (2-3 s, imported lazily: beat and the CLI import the task modules too),
+        # then each model's own classes and weights. Pre-fills wait for start(), which sets
+        # the gate they open.
+        threading.Thread(target=_load_models, name="preheat-load", daemon=True).start()
 
     def start(self, worker) -> None:
         global _HUB
@@ -156,6 +161,10 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         if self.health is not None:
             self.health.stop()
             self.health = None
+
+
+def _load_models() -> None:
+    get_runtime().load_models()
 
 
 class Activity:

@@ -95,6 +95,10 @@ class WorkerRuntime:
     # worker is still starting waits, instead of racing it on the same model and device
     # (which would pre-fill twice and skew both measurements).
     _work_lock: threading.RLock = field(default_factory=threading.RLock)
+    # The start-up load runs once, early or from preload, whichever comes first; later
+    # warmups retry a failed model themselves.
+    _models_loading: threading.Lock = field(default_factory=threading.Lock)
+    _models_loaded: bool = False
 
     @classmethod
     def from_settings(cls, settings) -> WorkerRuntime:
@@ -144,8 +148,17 @@ class WorkerRuntime:
         log.info("preload done: %s", "ready" if not reasons else "; ".join(reasons))
         return reasons
 
+    def load_models(self, max_parallel: int = 4) -> None:
+        """Every catalog model resident (in parallel), nothing pre-filled: what a worker
+        starts on before its gate is set up. Failures are kept, as in preload. Once: a
+        second call waits for the first."""
+        with self._models_loading:
+            if not self._models_loaded:
+                self.resident_models.preload([self.source(name) for name in self.catalog.models], max_parallel)
+                self._models_loaded = True
+
     def _preload(self, max_parallel: int) -> None:
-        self.resident_models.preload([self.source(name) for name in self.catalog.models], max_parallel)
+        self.load_models(max_parallel)
         for template in self.catalog.templates:
             if self.catalog.template(template).model in self.resident_models.resident:
                 try:

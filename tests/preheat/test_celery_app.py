@@ -187,3 +187,18 @@ def test_celery_refuses_to_start_on_a_malformed_broker_url(command, apply_env):
         done.stderr.strip()
         == "preheat: invalid setting PREHEAT_BROKER_URL: has no host (expected e.g. redis://127.0.0.1:6379/0)"
     )
+
+
+def test_beat_and_the_cli_load_the_task_modules_without_torch(settings):
+    """Beat and the watchers import every task module (Celery's `include`) to send them: the
+    runtime behind the tasks, with torch and transformers, is imported by a worker alone. A
+    beat that took 3-8 s to import them on busy cores missed the slot it restarted for."""
+    probe = (
+        "import sys\n"
+        "from preheat.celery import app\n"
+        "app.loader.init_worker(); app.finalize()\n"  # what `celery beat` does before it runs
+        "assert 'preheat.warm_worker' in app.tasks and 'preheat.infer' in app.tasks\n"
+        "print('HEAVY', [m for m in ('torch', 'transformers', 'workers.runtime') if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=os.environ)
+    assert "HEAVY []" in done.stdout, done.stdout + done.stderr
