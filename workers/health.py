@@ -84,7 +84,11 @@ class HealthServer:
     def __init__(self, target: Observable, host: str = "0.0.0.0", port: int = 0) -> None:
         self._server = ThreadingHTTPServer((host, port), _handler_for(target))
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="preheat-health", daemon=True)
+        # shutdown() waits for the serving loop to see it, once per poll interval: at the
+        # default 0.5 s that was half of the 1 s an idle worker has to stop after SIGTERM.
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="preheat-health", daemon=True
+        )
 
     @property
     def port(self) -> int:
