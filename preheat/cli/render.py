@@ -263,7 +263,8 @@ def start_table(report: dict) -> Table:
     table = Table(
         title="worker start-up, stage by stage, against the limit measured in this run",
         title_justify="left",
-        caption=f"seconds from launch, median of {report['rounds']} launch(es); limit = interpreter, + a worker's "
+        caption=f"seconds from launch, median of {report['rounds']} launch(es) and limit(s), one of each per round; "
+        "limit = interpreter, + a worker's "
         "imports + reading the weight files (resident), + the pre-fill itself (prefixes); stop = SIGTERM to exit, idle",
         caption_justify="left",
     )
