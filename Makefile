@@ -44,13 +44,17 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# The tests start a few hundred Python processes (workers, beats, CLI calls): where the
+# environment turns bytecode caching off, each would compile the project's modules again.
+BYTECODE_ON := PYTHONDONTWRITEBYTECODE=
+
 ## Every test, slow end-to-end ones included (real Redis, Postgres, worker processes).
 test: install browser lint
-	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(BYTECODE_ON) $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 ## The quick loop: skips tests marked slow.
 test-fast: install lint
-	$(BIN)/python -m pytest $(XDIST) --skip-slow $(PYTEST_ARGS)
+	$(BYTECODE_ON) $(BIN)/python -m pytest $(XDIST) --skip-slow $(PYTEST_ARGS)
 
 clean:
 	rm -rf .preheat .pytest_cache .hypothesis

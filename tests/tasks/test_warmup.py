@@ -22,7 +22,7 @@ def worker(stack, tmp_path):
         yield proc
 
 
-def test_warm_wait_records_what_the_worker_measured(stack, worker):
+def test_warm_wait_records_what_the_worker_measured_and_the_model_stays_resident(stack, worker):
     done = stack.cli("warm", "--wait", "--json", "--timeout", "120")
     assert done.returncode == 0, done.stderr + worker.log()[-3000:]
     printed = json.loads(done.stdout)
@@ -41,13 +41,10 @@ def test_warm_wait_records_what_the_worker_measured(stack, worker):
     assert job.cached_tokens > 20 and job.cache_bytes > 0
     assert f"preheat.warm_worker[{job.celery_task_id}]" in worker.log()
 
-
-def test_the_model_stays_resident_across_warmups(stack, worker):
-    first = stack.cli("warm", "--wait", "--json")
+    # The second warmup, of one template on one worker, finds the model resident and its prefix cached.
     second = stack.cli("warm", "--wait", "--json", "--template", "support", "--worker", WORKER)
-    assert first.returncode == second.returncode == 0, second.stderr
-    first_job, second_job = json.loads(first.stdout)["jobs"][0], json.loads(second.stdout)["jobs"][0]
-    assert first_job["load_ms"] > 0 and first_job["prefill_ms"] > 0
+    assert second.returncode == 0, second.stderr
+    first_job, second_job = printed["jobs"][0], json.loads(second.stdout)["jobs"][0]
     assert second_job["load_ms"] == 0.0 and second_job["prefill_ms"] == 0.0
     assert second_job["cache_bytes"] == first_job["cache_bytes"]
 

@@ -72,7 +72,8 @@ def _traffic(model: str, template: str):
 
 
 @pytest.mark.slow
-def test_a_worker_with_a_broken_model_starts_serves_the_others_and_says_why_not_ready(stack, tmp_path):
+def test_a_worker_with_a_broken_model_starts_serves_the_others_and_says_why_not_ready(services_stack, tmp_path):
+    stack = services_stack  # what /health/ready says does not depend on the broker: one is enough
     with stack.catalog.open("a") as catalog:
         catalog.write(
             '\n[models.gone]\npath = "does/not/exist"\n'
@@ -99,7 +100,8 @@ def test_only_pools_that_run_tasks_in_the_worker_process_hold_models(pool, in_pr
 
 
 @pytest.mark.slow
-def test_a_prefork_pool_is_refused_in_one_line(stack):
+def test_a_prefork_pool_is_refused_in_one_line(embedded_stack):
+    stack = embedded_stack  # refused before any broker is reached
     done = subprocess.run(
         procs.celery_command("worker", "--pool=processes", "-n", "bad@preheat-test"),
         env=stack.env,
@@ -116,7 +118,8 @@ def test_a_prefork_pool_is_refused_in_one_line(stack):
 
 
 @pytest.mark.slow
-def test_a_health_port_in_use_stops_the_worker_in_one_line(stack, tmp_path):
+def test_a_health_port_in_use_stops_the_worker_in_one_line(embedded_stack, tmp_path):
+    stack = embedded_stack  # refused before any broker is reached
     import socket
 
     with socket.socket() as taken:
@@ -210,9 +213,11 @@ def test_a_busy_worker_finishes_its_request_before_it_stops(embedded_stack, tmp_
 
 
 @pytest.mark.slow
-def test_many_requests_at_once_are_decoded_together_and_answer_as_each_alone(stack, tmp_path):
+def test_many_requests_at_once_are_decoded_together_and_answer_as_each_alone(services_stack, tmp_path):
     """The threads pool hands every `preheat.infer` to the engine, which decodes them in
-    one batch: the same greedy answers as one at a time, in far fewer steps."""
+    one batch: the same greedy answers as one at a time, in far fewer steps. On Redis: the
+    broker whose reconnect the threads pool once crashed (preheat.consumer)."""
+    stack = services_stack
     worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
     with procs.running(worker):
         procs.wait_for_log(worker, "model tiny takes requests", 90)
