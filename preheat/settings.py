@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     database_url: SecretStr | None = Field(None, description="History DB; default: SQLite in home.")
     timezone: str = "UTC"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # How weights are read (workers/weights.py): transformers' own loading, or the Run:ai
+    # Model Streamer (the fast-load extra); auto takes the streamer for CUDA where installed.
+    weight_loader: Literal["auto", "transformers", "runai-streamer"] = "auto"
     # The longest warmup we expect; Redis redelivers unacked messages after the visibility
     # timeout, so it must be larger or a slow warmup runs twice.
     warmup_time_limit_s: int = Field(1800, gt=0, le=31_536_000)

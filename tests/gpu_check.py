@@ -21,11 +21,13 @@ import torch
 
 from preheat.errors import DeviceOutOfMemory
 from workers.chat import TemplatePrefix, conversation, render
+from workers.device import pick_placement
 from workers.devmodel import make_model
 from workers.generate import PrefixEngine
 from workers.kvcache import CacheBudget, KVCacheManager
 from workers.resident import ModelSource, ResidentModels
 from workers.warmup import probe
+from workers.weights import streamer_installed
 
 SYSTEM = (
     "You are the support assistant of Acme Parcel. Be concise and polite. Always ask for the tracking number "
@@ -95,7 +97,8 @@ def check(out: Path) -> dict:
 
 
 def load_bandwidth() -> dict:
-    """Weights loaded onto the GPU (the registry's path, straight to the device) in GB/s,
+    """Weights loaded onto the GPU (the registry's path, straight to the device) in GB/s, by
+    transformers and, where installed, by the Run:ai Model Streamer (`auto` takes it on CUDA),
     against the host-to-device copy bandwidth of pinned memory: how far loading is from
     the bus. A 135 M-shaped model, so the figure is not all fixed costs."""
     from workers.devmodel import ModelShape
@@ -106,10 +109,15 @@ def load_bandwidth() -> dict:
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     for path in folder.glob("*.safetensors"):
         path.read_bytes()  # in the page cache, as on a node that ran the model before
-    started = time.perf_counter()
-    resident, _ = ResidentModels("auto").ensure(ModelSource("m135", str(folder)))
-    torch.cuda.synchronize()
-    load_s = time.perf_counter() - started
+    loads = {}
+    for loader in ("transformers", "runai-streamer") if streamer_installed() else ("transformers",):
+        started = time.perf_counter()
+        resident, _ = ResidentModels("auto", loader).ensure(ModelSource(f"m135-{loader}", str(folder)))
+        torch.cuda.synchronize()
+        loads[loader] = time.perf_counter() - started
+        del resident
+        torch.cuda.empty_cache()
+    load_s = loads["transformers"]
     host = torch.empty(size // 4, dtype=torch.float32).pin_memory()
     device = torch.empty_like(host, device="cuda")
     device.copy_(host, non_blocking=True)  # a first copy pays one-off costs
@@ -121,8 +129,10 @@ def load_bandwidth() -> dict:
     h2d_gbps = 5 * size / (time.perf_counter() - started) / 1e9
     return {
         "weight_bytes": size,
-        "placement": resident.placement.describe(),
+        "placement": pick_placement("auto").describe(),
         "load_s": load_s,
+        "load_s_by_loader": loads,
+        "load_gbps_by_loader": {loader: size / seconds / 1e9 for loader, seconds in loads.items()},
         "load_gbps": size / load_s / 1e9,
         "host_to_device_gbps": h2d_gbps,
         "load_over_bus": (size / load_s / 1e9) / h2d_gbps,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from preheat.errors import ModelLoadError
 from workers import attention
 from workers.device import Placement, pick_placement
+from workers.weights import load_weights, pick_loader
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class ResidentModel:
     cache_kwarg: str = "past_key_values"
     max_context: int = 0
     chat_template_source: str = "the model's own"
+    weight_loader: str = "transformers"  # workers/weights.py
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class ResidentModels:
     parallel, a second caller for the same model waits for the first load."""
 
     device_preference: str = "auto"
+    weight_loader: str = "auto"  # PREHEAT_WEIGHT_LOADER (workers/weights.py)
     _models: dict[str, ResidentModel] = field(default_factory=dict)
     _errors: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -79,7 +82,8 @@ class ResidentModels:
                 return self._models[source.name], 0.0
             started = time.perf_counter()
             try:
-                resident = _load(source, pick_placement(self.device_preference, source.dtype))
+                placement = pick_placement(self.device_preference, source.dtype)
+                resident = _load(source, placement, pick_loader(self.weight_loader, placement))
             except Exception as exc:
                 self._errors[source.name] = f"{type(exc).__name__}: {exc}"
                 raise ModelLoadError(
@@ -89,7 +93,11 @@ class ResidentModels:
             self._models[source.name] = resident
             self._errors.pop(source.name, None)
             log.info(
-                "model %s resident on %s after %.0f ms", source.name, resident.placement.describe(), resident.load_ms
+                "model %s resident on %s after %.0f ms (weights read by %s)",
+                source.name,
+                resident.placement.describe(),
+                resident.load_ms,
+                resident.weight_loader,
             )
             return resident, resident.load_ms
 
@@ -125,9 +133,9 @@ class ResidentModels:
 _IMPORT_LOCK = threading.Lock()
 
 
-def _load(source: ModelSource, placement: Placement) -> ResidentModel:
+def _load(source: ModelSource, placement: Placement, loader: str = "transformers") -> ResidentModel:
     with _IMPORT_LOCK:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 (resolved here, once)
         from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -138,7 +146,7 @@ def _load(source: ModelSource, placement: Placement) -> ResidentModel:
         tokenizer.chat_template = source.chat_template
     elif not tokenizer.chat_template:
         tokenizer.chat_template, template_source = DEFAULT_CHAT_TEMPLATE, DEFAULT_CHAT_TEMPLATE_NAME
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=placement.dtype, **_onto(placement), **pinned)
+    model = load_weights(source.path, placement, loader, _onto(placement), pinned)
     if placement.device.type == "cpu" and model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(attention.register())
     model.to(placement.device).eval()
@@ -154,6 +162,7 @@ def _load(source: ModelSource, placement: Placement) -> ResidentModel:
         cache_kwarg="cache" if "cache" in forward_params else "past_key_values",
         max_context=_max_context(model.config),
         chat_template_source=template_source,
+        weight_loader=loader,
     )
 
 

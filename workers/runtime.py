@@ -52,6 +52,7 @@ class ResolvedTemplate:
 class WorkerRuntime:
     catalog: Catalog
     device_preference: str = "auto"
+    weight_loader: str = "auto"  # see Settings.weight_loader
     probe_repeats: int = 3
     cache_budget: CacheBudget = DEFAULT_BUDGET
     prefix_store: PrefixStore | None = None  # pre-filled prefixes kept on disk (workers/prefixstore.py)
@@ -106,6 +107,7 @@ class WorkerRuntime:
         return cls(
             catalog=load_catalog(settings.catalog),
             device_preference=settings.device,
+            weight_loader=settings.weight_loader,
             probe_repeats=settings.probe_repeats,
             warm_factor=settings.warm_factor,
             engine_kind=settings.engine,
@@ -124,7 +126,7 @@ class WorkerRuntime:
         )
 
     def __post_init__(self) -> None:
-        self.resident_models = ResidentModels(self.device_preference)
+        self.resident_models = ResidentModels(self.device_preference, self.weight_loader)
         self.cache = KVCacheManager(self.cache_budget)
         self.engine = PrefixEngine(self.cache, self.prefix_store)
         if self.engine_kind not in ("batch", "sequential"):
@@ -489,6 +491,7 @@ class WorkerRuntime:
                 name: {
                     "device": m.placement.describe(),
                     "load_ms": round(m.load_ms, 1),
+                    "weight_loader": m.weight_loader,
                     "chat_template": m.chat_template_source,
                 }
                 for name, m in self.resident_models.resident.items()

@@ -361,7 +361,7 @@ def workers_table(records: list[tuple[WorkerRecord, bool]]) -> Table:
         table.add_column(header, justify="right" if header.startswith(("cache", "hit", "outbox")) else "left")
     for record, live in records:
         state, cache = record.state or {}, (record.state or {}).get("cache", {})
-        models = ", ".join(f"{name} ({spec['device']})" for name, spec in state.get("models", {}).items()) or "-"
+        models = ", ".join(_model_cell(name, spec) for name, spec in state.get("models", {}).items()) or "-"
         lookups = cache.get("hits", 0) + cache.get("misses", 0)
         table.add_row(
             record.nodename,
@@ -375,6 +375,12 @@ def workers_table(records: list[tuple[WorkerRecord, bool]]) -> Table:
             "; ".join(state.get("reasons", [])) or "-",
         )
     return table
+
+
+def _model_cell(name: str, spec: dict) -> str:
+    """A resident model: its device and dtype, and what read its weights (workers/weights.py)."""
+    loader = spec.get("weight_loader")  # absent from heartbeats of workers before the streamer
+    return f"{name} ({spec['device']}{f', {loader}' if loader else ''})"
 
 
 def outbox_cell(counts: dict | None) -> str:

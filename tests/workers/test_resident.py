@@ -11,10 +11,10 @@ def record_loads(monkeypatch) -> list[tuple[str, float, float]]:
     """Wrap the real loader to note which thread loaded what, and when."""
     calls, real = [], models._load
 
-    def load(source, placement):
+    def load(source, placement, loader):
         started = time.monotonic()
         try:
-            return real(source, placement)
+            return real(source, placement, loader)
         finally:
             calls.append((source.name, started, time.monotonic()))
 

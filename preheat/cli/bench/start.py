@@ -66,6 +66,23 @@ print(json.dumps({"imports_s": imported - started, "read_s": done_reading - impo
                   "prefill_s": prefill}))
 """
 
+# In a process of its own: each loader's time for the model's weights, its imports paid first.
+WEIGHTS_SCRIPT = r"""
+import json, statistics, sys, time
+from workers.resident import ModelSource, ResidentModels
+from workers.weights import streamer_installed
+ResidentModels("cpu", "transformers").ensure(ModelSource("imports", sys.argv[1]))
+seconds = {}
+for loader in ("transformers", "runai-streamer") if streamer_installed() else ("transformers",):
+    runs = []
+    for _ in range(3):
+        started = time.perf_counter()
+        ResidentModels("cpu", loader).ensure(ModelSource(loader, sys.argv[1]))
+        runs.append(time.perf_counter() - started)
+    seconds[loader] = statistics.median(runs)
+print(json.dumps(seconds))
+"""
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -114,7 +131,7 @@ def main(shapes: str, rounds: int, timeout: float, json_path: Path) -> None:
         catalog.template(template).probe,
     )
     folder = settings.home / "bench" / "start"
-    rows, limits = [], {}
+    rows, limits, loads = [], {}, {}
     for shape in wanted:
         model_dir = _dev_model(folder / "models" / shape, shape, console)
         bench_catalog = _catalog(folder / f"{shape}.toml", model, model_dir, template, system_prompt, probe)
@@ -132,7 +149,8 @@ def main(shapes: str, rounds: int, timeout: float, json_path: Path) -> None:
                     launch(shape, kind, bench_catalog, store, (model, template, probe), folder / "logs", timeout)
                 )
         limits[shape] = median_limit(measured)
-    report = _report(rows, limits, rounds)
+        loads[shape] = measure_loaders(model_dir)
+    report = _report(rows, limits, rounds, loads)
     console.print(render.start_table(report))
     for line in report["verdicts"]:
         console.print(line, highlight=False)
@@ -177,6 +195,14 @@ def measure_limit(model_dir: Path, system_prompt: str) -> Limit:
     )
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     return Limit(interpreter_s, measured["imports_s"], measured["read_s"], measured["prefill_s"], measured["bytes"])
+
+
+def measure_loaders(model_dir: Path) -> dict[str, float]:
+    """Seconds to a resident model by each weight loader installed here (workers/weights.py)."""
+    done = subprocess.run(
+        [sys.executable, "-c", WEIGHTS_SCRIPT, str(model_dir)], check=True, capture_output=True, text=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def median_limit(measured: list[Limit]) -> Limit:
@@ -250,9 +276,15 @@ def _counter(metrics: str, name: str, model: str) -> float:
     return 0.0
 
 
-def _report(rows: list[Launch], limits: dict[str, Limit], rounds: int) -> dict:
+def _report(rows: list[Launch], limits: dict[str, Limit], rounds: int, loads: dict[str, dict[str, float]]) -> dict:
     summary, verdicts = [], []
     for shape, limit in limits.items():
+        by_loader = ", ".join(
+            f"{loader} {seconds:.2f} s ({limit.weight_bytes / seconds / 1e9:.1f} GB/s)"
+            for loader, seconds in loads[shape].items()
+        )
+        missing = "" if "runai-streamer" in loads[shape] else "; runai-streamer: not installed (preheat[fast-load])"
+        verdicts.append(f"{shape}, weights to a resident model, page cache warm: {by_loader}{missing}")
         for kind in ("empty", "warm"):
             mine = [r for r in rows if r.shape == shape and r.store == kind]
             median = {
@@ -283,6 +315,7 @@ def _report(rows: list[Launch], limits: dict[str, Limit], rounds: int) -> dict:
         "host": {**host(), "cpus_usable": len(os.sched_getaffinity(0))},
         "rounds": rounds,
         "limits": {shape: {**asdict(limit), "total_s": limit.total_s} for shape, limit in limits.items()},
+        "weight_loaders_s": loads,
         "rows": summary,
         "launches": [asdict(r) for r in rows],
         "verdicts": verdicts,
