@@ -16,4 +16,4 @@ RUN pip install ${TORCH_INDEX:+--index-url $TORCH_INDEX} "$TORCH_SPEC" && pip in
 USER preheat
 # The worker's health server: /health/live, /health/ready, /metrics (PREHEAT_HEALTH_PORT).
 EXPOSE 9440
-CMD ["celery", "-A", "preheat", "worker", "--pool=solo", "--loglevel=INFO"]
+CMD ["preheat-worker", "--pool=threads", "--loglevel=INFO"]

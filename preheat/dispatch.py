@@ -47,8 +47,7 @@ def _choose_targets(requested: list[str] | None, live: list[str]) -> list[str]:
         return sorted(set(requested))
     if not live:
         raise NoWorkersError(
-            "no live preheat worker (none sent a heartbeat lately); "
-            "start one with `celery -A preheat worker --pool=threads`"
+            "no live preheat worker (none sent a heartbeat lately); start one with `preheat-worker --pool=threads`"
         )
     return live
 

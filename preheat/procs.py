@@ -56,10 +56,13 @@ def start(name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: P
     return Proc(name, popen, log_path)
 
 
+def worker_command(*args: str) -> list[str]:
+    """`preheat-worker` of this interpreter's environment (preheat/worker_command.py)."""
+    return [sys.executable, "-m", "preheat.worker_command", *args]
+
+
 def start_worker(nodename: str, env: dict[str, str], log_dir: Path, cwd: Path | None = None) -> Proc:
-    argv = celery_command(
-        "worker", "--pool=threads", "-n", nodename, "--loglevel=INFO", "--without-gossip", "--without-mingle"
-    )
+    argv = worker_command("--pool=threads", "-n", nodename, "--loglevel=INFO", "--without-gossip", "--without-mingle")
     return start(nodename.split("@")[0], argv, env, log_dir, cwd)
 
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 import yaml
 
+from preheat import procs
 from tests.conftest import PREHEAT_CLI, REPO
 
 SERVICES = {"redis", "postgres", "migrate", "gpu-worker", "beat", "watch-workers", "flower"}
@@ -33,10 +34,12 @@ def test_the_services_are_all_there(compose):
 @pytest.mark.parametrize("service", ["migrate", "gpu-worker", "beat", "watch-workers", "flower"])
 def test_each_command_is_a_real_command_with_real_options(compose, service, embedded_stack):
     argv = compose["services"][service]["command"]
-    assert argv[0] in {"celery", "preheat"}
+    assert argv[0] in {"celery", "preheat", "preheat-worker"}
     if argv[0] == "celery":
-        assert argv[1:3] == ["-A", "preheat"] and argv[3] in {"worker", "beat", "flower"}
+        assert argv[1:3] == ["-A", "preheat"] and argv[3] in {"beat", "flower"}
         full = [sys.executable, "-m", "celery", *argv[1:]]
+    elif argv[0] == "preheat-worker":
+        full = procs.worker_command(*argv[1:])
     else:
         full = [PREHEAT_CLI, *argv[1:]]
     # The variables compose requires, with stand-in values.
@@ -47,7 +50,7 @@ def test_each_command_is_a_real_command_with_real_options(compose, service, embe
     assert "Usage:" in done.stdout
 
 
-def test_gpu_worker_is_solo_with_an_nvidia_reservation(compose):
+def test_gpu_worker_runs_the_threads_pool_with_an_nvidia_reservation(compose):
     worker = compose["services"]["gpu-worker"]
     outbox = worker["environment"]["PREHEAT_OUTBOX_DIR"]
     assert f"outbox:{outbox}" in worker["volumes"] and "outbox" in compose["volumes"]

@@ -10,6 +10,7 @@ import httpx
 import pytest
 import yaml
 
+from preheat import procs
 from tests.conftest import PREHEAT_CLI, REPO
 
 K8S = REPO / "deploy" / "k8s"
@@ -143,7 +144,10 @@ def test_each_command_is_a_real_command_with_real_options(manifests, component, 
         arg.replace("$(POD_NAME)", "pod-0").replace("$(POD_NAMESPACE)", "preheat")
         for arg in _containers(doc)[0]["command"]
     ]
-    full = [sys.executable, "-m", "celery", *argv[1:]] if argv[0] == "celery" else [PREHEAT_CLI, *argv[1:]]
+    full = {
+        "celery": [sys.executable, "-m", "celery", *argv[1:]],
+        "preheat-worker": procs.worker_command(*argv[1:]),
+    }.get(argv[0], [PREHEAT_CLI, *argv[1:]])
     env = {**embedded_stack.env, "FLOWER_BASIC_AUTH": "ci:long-enough"}
     done = subprocess.run([*full, "--help"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -202,3 +202,25 @@ def test_beat_and_the_cli_load_the_task_modules_without_torch(settings):
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=os.environ)
     assert "HEAVY []" in done.stdout, done.stdout + done.stderr
+
+
+def test_preheat_worker_is_celerys_worker_command_without_the_umbrella_cli(settings):
+    """`preheat-worker` takes every option of `celery worker` (Celery parses them) and
+    loads none of the umbrella's subcommands or plugins."""
+    probe = (
+        "import sys\n"
+        "from preheat.worker_command import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('LOADED', [m for m in ('flower', 'click_repl', 'celery.bin.celery', 'torch') if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=os.environ)
+    assert "LOADED []" in done.stdout, done.stdout + done.stderr
+    assert "Usage: preheat-worker [OPTIONS]" in done.stdout and "--pool" in done.stdout and "--hostname" in done.stdout
+    refused = subprocess.run(
+        [sys.executable, "-m", "preheat.worker_command", "--pool=threads", "--no-such-option"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ,
+    )
+    assert refused.returncode == 2 and "No such option '--no-such-option'" in refused.stderr
