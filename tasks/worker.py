@@ -93,7 +93,11 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
 
     def start(self, worker) -> None:
         global _HUB
-        settings, runtime = get_settings(), get_runtime()
+        settings = get_settings()
+        try:
+            runtime = get_runtime()
+        except ConfigError as exc:
+            exit_with(exc)  # e.g. a catalog that is not valid TOML: one line, exit 2
         consumer = worker.consumer
         _HUB = worker.hub  # the event loop of brokers that have one (Redis, AMQP); None for the embedded
 
@@ -164,7 +168,11 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
 
 
 def _load_models() -> None:
-    get_runtime().load_models()
+    try:
+        runtime = get_runtime()
+    except ConfigError:
+        return  # a catalog or setting that cannot be used: start() says so, in one line
+    runtime.load_models()
 
 
 class Activity:

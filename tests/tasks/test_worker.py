@@ -141,6 +141,24 @@ def test_a_health_port_in_use_stops_the_worker_in_one_line(embedded_stack, tmp_p
     ) in done.stderr
 
 
+@pytest.mark.slow
+def test_a_catalog_that_is_not_toml_stops_the_worker_in_one_line(embedded_stack, tmp_path):
+    stack = embedded_stack
+    broken = tmp_path / "broken.toml"
+    broken.write_text("this is [ not toml")
+    done = subprocess.run(
+        procs.worker_command("--pool=threads", "-n", "broken@preheat-test", "--without-mingle", "--without-gossip"),
+        env={**stack.env, "PREHEAT_CATALOG": str(broken), "PREHEAT_HEALTH_PORT": "0"},
+        cwd=stack.home,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"preheat: catalog {broken}: not valid TOML" in done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+
+
 def _counter(health: str, name: str) -> float:
     for line in httpx.get(f"{health}/metrics", timeout=5).text.splitlines():
         if line.startswith((f'{name}{{model="tiny"}} ', f"{name} ")):
