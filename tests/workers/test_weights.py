@@ -43,3 +43,13 @@ def test_the_streamer_refuses_a_pinned_revision_and_a_folder_without_safetensors
     with pytest.raises(ModelLoadError, match=r"has no \.safetensors files: the streamer reads safetensors only"):
         registry.ensure(ModelSource("bare", str(bare)))
     assert set(registry.unavailable) == {"pinned", "bare"}  # each kept as the reason it is not resident
+
+
+def test_a_loader_asked_for_and_not_installed_leaves_the_model_unavailable_with_the_reason(monkeypatch, tiny_model):
+    # This environment has the fast-load extra; a host without it is one where it cannot be found.
+    monkeypatch.setattr(weights, "streamer_installed", lambda: False)
+    registry = ResidentModels("cpu", "runai-streamer")
+    with pytest.raises(ModelLoadError, match=r"not installed \(pip install 'preheat\[fast-load\]'\)"):
+        registry.ensure(ModelSource("m", str(tiny_model)))
+    assert "PREHEAT_WEIGHT_LOADER=runai-streamer" in registry.unavailable["m"] and not registry.resident
+    assert weights.pick_loader("auto", CPU) == "transformers"
