@@ -41,7 +41,7 @@ import torch
 from preheat.errors import PreheatError
 from workers.batchkv import BatchKV, batchable
 from workers.device import out_of_memory_as_error
-from workers.generate import Completion, PrefixEngine, Start, TextStream, stop_token_ids
+from workers.generate import Completion, PrefixEngine, Start, TextStream, ms_since, stop_token_ids
 from workers.prefix import Prefix, check_context, clone_for_request, forward, truncatable
 from workers.resident import ResidentModel
 from workers.sampling import ModelDefaults, Sampler, SamplingParams, sampler_for
@@ -469,7 +469,7 @@ class Scheduler:
         row.ids.append(token)
         row.last_logits = logits
         if row.generated == 1:
-            row.completion.ttft_ms = _since(row.started)
+            row.completion.ttft_ms = ms_since(row.started)
             if row.on_first_token is not None:
                 row.on_first_token(row.completion)
         row.out.put((token, logprob))
@@ -480,7 +480,7 @@ class Scheduler:
 
     def _finish(self, row: _Row, kv) -> None:
         row.done = True
-        row.completion.total_ms = _since(row.started)
+        row.completion.total_ms = ms_since(row.started)
         self._request_s = 0.9 * self._request_s + 0.1 * row.completion.total_ms / 1000
         try:
             self._remember(row, kv)
@@ -496,7 +496,7 @@ class Scheduler:
     @staticmethod
     def _fail(row: _Row, exc: Exception) -> None:
         row.done = True
-        row.completion.total_ms = _since(row.started)
+        row.completion.total_ms = ms_since(row.started)
         log.warning("request on %s failed: %s", row.resident.name, exc)
         row.out.put(exc)
 
@@ -559,10 +559,6 @@ def _cut(cache, keep: int, cached: int):
     cut = clone_for_request(cache)
     cut.crop(keep - cached)
     return cut
-
-
-def _since(started: float) -> float:
-    return (time.perf_counter() - started) * 1000
 
 
 class OnSchedulerThread:

@@ -237,20 +237,20 @@ class PrefixEngine:
     def _start_from(match: Match | None, prompt_ids: torch.Tensor, started: float) -> Start:
         num_tokens = prompt_ids.shape[-1]
         if match is None:
-            return Start(None, prompt_ids, None, 0, _since(started))
+            return Start(None, prompt_ids, None, 0, ms_since(started))
         entry, prefix = match.entry, match.entry.payload
         if match.tokens == entry.num_tokens == num_tokens:
             # The prompt is the entry: its stored logits answer, nothing is computed or cut.
             kv = clone_for_request(prefix.cache)
-            return Start(kv, prompt_ids[:, num_tokens:], prefix.logits, num_tokens, _since(started))
+            return Start(kv, prompt_ids[:, num_tokens:], prefix.logits, num_tokens, ms_since(started))
         # At least the prompt's last id is computed: it yields the logits to decode from.
         use = min(match.tokens, num_tokens - 1)
         if use < 1:
-            return Start(None, prompt_ids, None, 0, _since(started))
+            return Start(None, prompt_ids, None, 0, ms_since(started))
         kv = clone_for_request(prefix.cache)
         if use < entry.num_tokens:
             kv.crop(use - entry.num_tokens)  # a truncatable entry (see KVCacheManager)
-        return Start(kv, prompt_ids[:, use:], None, use, _since(started))
+        return Start(kv, prompt_ids[:, use:], None, use, ms_since(started))
 
     def first_token(
         self, resident: ResidentModel, prompt_ids: torch.Tensor, *, use_cache: bool = True, record: bool = False
@@ -325,7 +325,7 @@ class PrefixEngine:
                     last_logits, logits = logits, None
                     ids.append(token)
                     if step == 0:
-                        completion.ttft_ms = _since(request.started)
+                        completion.ttft_ms = ms_since(request.started)
                         if on_first_token is not None:
                             on_first_token(completion)
                     yield token, logprob
@@ -336,7 +336,7 @@ class PrefixEngine:
         except GeneratorExit:
             pass  # the stream stopped early (a stop string, a client gone): what ran is kept
         finally:
-            completion.total_ms = _since(request.started)
+            completion.total_ms = ms_since(request.started)
         if prompt_only is not None:
             self.remember(resident, ids[:prompt_length], prompt_only)
         elif request.remember and kv is not None:
@@ -355,5 +355,6 @@ class PrefixEngine:
             log.debug("conversation not cached: %s", exc)
 
 
-def _since(started: float) -> float:
+def ms_since(started: float) -> float:
+    """Milliseconds from a time.perf_counter() reading to now."""
     return (time.perf_counter() - started) * 1000
