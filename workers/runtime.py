@@ -253,12 +253,13 @@ class WorkerRuntime:
         if known is None or resident is None or self.cache.peek(known.key) is None:
             return
         prompt_ids = known.prompt_ids(resident, spec.probe)
-        stream = self.engine.generate(resident, prompt_ids, EXERCISE, record=False)
-        self._on_model_thread(stream.collect)
-
-    def _on_model_thread(self, work, *args):
-        """`work` on the thread that runs the forward passes: the scheduler's, or the caller's."""
-        return self.scheduler.call(work, *args) if self.scheduler is not None else work(*args)
+        # The path a request takes: through the scheduler's batch on its thread, or (the
+        # sequential engine) on the calling thread, the one that will serve.
+        if self.scheduler is not None:
+            stream = self.scheduler.submit(resident, prompt_ids, EXERCISE, record=False)
+        else:
+            stream = self.engine.generate(resident, prompt_ids, EXERCISE, record=False)
+        stream.collect()
 
     def exercise(self, model: str) -> None:
         """One off-the-books request per template of `model`, on the calling thread: the
