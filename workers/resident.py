@@ -133,7 +133,7 @@ class ResidentModels:
 _IMPORT_LOCK = threading.Lock()
 
 
-def _load(source: ModelSource, placement: Placement, loader: str = "transformers") -> ResidentModel:
+def _load(source: ModelSource, placement: Placement, loader: str) -> ResidentModel:
     with _IMPORT_LOCK:
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 (resolved here, once)
         from transformers.utils import logging as hf_logging

@@ -73,6 +73,7 @@ class WorkerRuntime:
     cache: KVCacheManager = field(init=False)
     engine: PrefixEngine = field(init=False)
     scheduler: Scheduler | None = field(init=False)
+    submit: Callable[..., TextStream] = field(init=False)
     metrics: RuntimeMetrics = field(init=False)
     # template -> None once pre-filled, or the reason it is not
     _templates: dict[str, str | None] = field(init=False)
@@ -134,6 +135,8 @@ class WorkerRuntime:
         self.scheduler = Scheduler(self.engine, self.batch_limits) if self.engine_kind == "batch" else None
         # What pre-fills and probes call: on the scheduler's thread when there is one.
         self.model_work = OnSchedulerThread(self.engine, self.scheduler) if self.scheduler else self.engine
+        # Where a request goes: into the scheduler's batch, or decoded on the calling thread.
+        self.submit = self.scheduler.submit if self.scheduler else self.engine.generate
         self.metrics = RuntimeMetrics(self.cache, self.resident_models, lambda: not self.readiness())
         if self.scheduler is not None:
             self.metrics.collectors.register(EngineCollector(self.scheduler))
@@ -253,19 +256,14 @@ class WorkerRuntime:
         if known is None or resident is None or self.cache.peek(known.key) is None:
             return
         prompt_ids = known.prompt_ids(resident, spec.probe)
-        # The path a request takes: through the scheduler's batch on its thread, or (the
-        # sequential engine) on the calling thread, the one that will serve.
-        if self.scheduler is not None:
-            stream = self.scheduler.submit(resident, prompt_ids, EXERCISE, record=False)
-        else:
-            stream = self.engine.generate(resident, prompt_ids, EXERCISE, record=False)
-        stream.collect()
+        self.submit(resident, prompt_ids, EXERCISE, record=False).collect()  # the path requests take
 
     def exercise(self, model: str) -> None:
-        """One off-the-books request per template of `model`, on the calling thread: the
-        thread that will serve requests pays its own first-call costs here (torch's
-        per-thread OpenMP pool is built by the first parallel op a thread runs). Best
-        effort: a failure here is logged, and must not keep the model from its requests."""
+        """One off-the-books request per template of `model`, the way requests go: through
+        the scheduler's batch, or (sequential engine) on the calling thread, which will serve
+        them. That thread pays its own first-call costs here (torch's per-thread OpenMP pool
+        is built by the first parallel op a thread runs). Best effort: a failure here is
+        logged, and must not keep the model from its requests."""
         for name in self.catalog.templates_of(model):
             if self._templates[name] is None:
                 try:
@@ -453,8 +451,7 @@ class WorkerRuntime:
         *,
         remember: bool = False,
     ) -> TextStream:
-        run = self.scheduler.submit if self.scheduler is not None else self.engine.generate
-        return run(
+        return self.submit(
             resident,
             prompt_ids,
             sampling,

@@ -1,10 +1,11 @@
 """How a model's weights reach memory: transformers' own loading, or the Run:ai Model Streamer.
 
 transformers maps each safetensors file and copies tensors out of the mapping: from the page
-cache that is as fast as memory (651 MB in 0.09 s on the 2-core CPU machine). The streamer
+cache that is as fast as memory (651 MB in 0.09-0.15 s on the 2-core CPU machine). The streamer
 (`pip install 'preheat[fast-load]'`) reads the files with many threads at once, which is what
 network volumes and object storage need, and is what GPU hosts use it for; from the page cache
-on the CPU it is slower (1.7 s for the same 651 MB), so `auto` takes it only for a CUDA device.
+on the CPU it is slower (0.53-0.79 s for the same 651 MB, `preheat bench start`), so `auto` takes
+it only for a CUDA device.
 The model built from streamed weights is the same model: same classes, same config, same
 generation_config.json (tested against transformers' loading, logits compared exactly).
 """

@@ -184,13 +184,14 @@ def _empty(store: Path) -> None:
 
 
 def measure_limit(model_dir: Path, system_prompt: str) -> Limit:
+    env = as_installed(os.environ)
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "pass"], check=True, env=as_installed(os.environ))
+    subprocess.run([sys.executable, "-c", "pass"], check=True, env=env)
     interpreter_s = time.perf_counter() - started
     done = subprocess.run(
         [sys.executable, "-c", LIMIT_SCRIPT, str(model_dir), system_prompt],
         check=True,
-        env=as_installed(os.environ),
+        env=env,
         capture_output=True,
         text=True,
     )
