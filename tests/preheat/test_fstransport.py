@@ -65,7 +65,13 @@ def test_a_wait_for_a_message_holds_its_timeout_and_ends_when_woken(tmp_path):
     import threading
 
     fstransport.install()
-    options = {"data_folder_in": str(tmp_path), "data_folder_out": str(tmp_path), "polling_interval": 0.01}
+    options = {
+        "data_folder_in": str(tmp_path),
+        "data_folder_out": str(tmp_path),
+        # kombu's default is "control" under the working directory: the checkout, once.
+        "control_folder": str(tmp_path),
+        "polling_interval": 0.01,
+    }
     with Connection("filesystem://", transport_options=options) as connection:
         queue = connection.SimpleQueue("idle")
         queue.put({"n": 1})
