@@ -78,9 +78,10 @@ class Settings(BaseSettings):
     prefix_store_max_bytes: ByteSize = Field(
         ByteSize(16 * 1024**3), gt=0, description="Byte budget of the prefix store on disk (e.g. 16GiB)."
     )
-    # The engine (workers/batch.py): requests decoded together, each from its cached prefix.
-    # "sequential" is the one-at-a-time engine, kept to measure what batching gives.
-    engine: Literal["batch", "sequential"] = "batch"
+    # Retired: every request goes through the scheduler (workers/scheduler.py). Refused by
+    # name, so a deployment that still sets it learns what replaced it.
+    engine: str | None = None
+    # The scheduler: requests decoded together, each from its cached prefix.
     max_running_requests: int = Field(16, ge=1, le=4096, description="Requests decoded together, per model.")
     max_queued_requests: int = Field(64, ge=1, le=1_000_000, description="Requests waiting; more get a 429.")
     prefill_tokens_per_step: int = Field(
@@ -148,6 +149,15 @@ class Settings(BaseSettings):
         if url.drivername not in DATABASE_DRIVERS:
             raise ValueError(f"driver {url.drivername!r} is not one of {sorted(DATABASE_DRIVERS)}")
         return value
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_is_retired(cls, value: str | None) -> None:
+        if value is not None:
+            raise ValueError(
+                "was removed: every request goes through the batching scheduler; "
+                "PREHEAT_MAX_RUNNING_REQUESTS=1 decodes one request at a time"
+            )
 
     @field_validator("timezone")
     @classmethod

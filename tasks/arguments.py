@@ -72,10 +72,11 @@ class InferArguments(_Arguments):
         return self
 
     def sampling(self):
-        from workers.sampling import SamplingParams
+        """The decoding asked, through the one mapping every path shares (workers.protocol)."""
+        from workers.protocol import sampling_of
 
-        fields = self.model_dump(exclude={"template", "user_input", "max_new_tokens", "stop"})
-        return SamplingParams(max_tokens=self.max_new_tokens, stop=tuple(self.stop), **fields)
+        fields = self.model_dump(exclude={"template", "user_input", "max_new_tokens"})
+        return sampling_of({**fields, "max_tokens": self.max_new_tokens})
 
 
 class WarmFleetArguments(_Arguments):

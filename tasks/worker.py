@@ -47,8 +47,6 @@ def check_concurrency(pool: str, concurrency: int, settings) -> None:
     """The pool's threads against the engine's rows: each request holds a thread while the
     engine decodes it, so fewer threads than rows leave rows idle (said once, at start), and
     more threads than rows and queue would take messages the engine must refuse."""
-    if settings.engine == "sequential":
-        return
     rows, queued = settings.max_running_requests, settings.max_queued_requests
     if pool == "solo" or concurrency < 2:
         log.warning(
@@ -109,9 +107,8 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
             soon(consumer.add_task_queue, infer_queue(model))
 
         def serve_once_warm(model: str) -> None:
-            # The thread that runs the forward passes (the engine's scheduler, or the
-            # consumer's with the sequential engine on the solo pool) pays its own first-call
-            # costs, measured at 4x steady, before the first request does.
+            # The scheduler's thread, which runs every forward pass, pays its own first-call
+            # costs (measured at 4x steady) before the first request does.
             def on_serving_thread() -> None:
                 runtime.exercise(model)
                 consumer.add_task_queue(infer_queue(model))
@@ -120,8 +117,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
             soon(on_serving_thread)
 
         if settings.gate_inference:
-            runtime.gate_requests = True
-            runtime.on_model_warm = serve_once_warm
+            runtime.announce_to(serve_once_warm)
         else:
             log.warning("PREHEAT_GATE_INFERENCE is off: requests are taken before the models are warm")
             for model in runtime.catalog.models:

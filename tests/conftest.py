@@ -53,6 +53,25 @@ def pytest_addoption(parser):
     parser.addoption("--skip-slow", action="store_true", help="skip end-to-end tests that start processes")
 
 
+# What a broker or a worker writes where it runs: a test that leaves one in the checkout
+# (kombu's filesystem transport defaults to folders under the working directory) fails the run.
+RUNTIME_OUTPUT = ("control", "queue", "processed")
+_FOUND_BEFORE = pytest.StashKey[set]()
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_FOUND_BEFORE] = {name for name in RUNTIME_OUTPUT if (REPO / name).exists()}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controlling process looks, once every worker is done
+    left = {name for name in RUNTIME_OUTPUT if (REPO / name).exists()} - session.config.stash[_FOUND_BEFORE]
+    if left:
+        print(f"\ntests left runtime output in the checkout: {', '.join(sorted(left))}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--skip-slow"):
         skip = pytest.mark.skip(reason="--skip-slow")
@@ -101,6 +120,46 @@ def support_request(resident, user_input: str):
 
     prefix = TemplatePrefix.of(resident, SUPPORT_PROMPT)
     return prefix.ids, prefix.prompt_ids(resident, user_input)
+
+
+def greedy(max_tokens: int, **more):
+    from workers.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **more)
+
+
+def reference_generate(resident, prompt_ids, max_new_tokens: int, **options) -> list[int]:
+    """transformers' own generate, from scratch, with no prefix anywhere: the ground truth."""
+    import torch
+
+    options = {"do_sample": False, **options}
+    with torch.inference_mode():
+        out = resident.model.generate(
+            input_ids=prompt_ids,
+            attention_mask=torch.ones_like(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            pad_token_id=resident.tokenizer.pad_token_id,
+            **options,
+        )
+    return out[0, prompt_ids.shape[-1] :].tolist()
+
+
+def new_scheduler(store=None, limits=None, *, max_entries: int = 64, max_bytes: int = 512 * 1024**2):
+    """The production scheduler over a prefix cache of its own (and a prefix store, if given)."""
+    from workers.kvcache import CacheBudget, KVCacheManager
+    from workers.prefixcache import PrefixCache
+    from workers.scheduler import BatchLimits, Scheduler
+
+    prefixes = PrefixCache(KVCacheManager(CacheBudget(max_entries=max_entries, max_bytes=max_bytes)), store)
+    return Scheduler(prefixes, limits or BatchLimits())
+
+
+@pytest.fixture
+def scheduler():
+    """A scheduler for one test, stopped after it."""
+    made = new_scheduler()
+    yield made
+    made.close()
 
 
 def load_resident(model_dir: Path, name: str = "tiny"):

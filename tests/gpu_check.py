@@ -23,9 +23,10 @@ from preheat.errors import DeviceOutOfMemory
 from workers.chat import TemplatePrefix, conversation, render
 from workers.device import pick_placement
 from workers.devmodel import make_model
-from workers.generate import PrefixEngine
 from workers.kvcache import CacheBudget, KVCacheManager
+from workers.prefixcache import PrefixCache
 from workers.resident import ModelSource, ResidentModels
+from workers.scheduler import Scheduler
 from workers.warmup import probe
 from workers.weights import streamer_installed
 
@@ -45,13 +46,13 @@ def check(out: Path) -> dict:
     registry = ResidentModels("auto")
     resident, _ = registry.ensure(ModelSource("tiny", str(folder)))
     report["placement"] = resident.placement.describe()
-    engine = PrefixEngine(KVCacheManager(CacheBudget(16, 2**30)))
+    scheduler = Scheduler(PrefixCache(KVCacheManager(CacheBudget(16, 2**30))))
 
     prefix = TemplatePrefix.of(resident, SYSTEM)
-    prefilled = engine.prefill(resident, prefix.ids, label="support", pin=True)
+    prefilled = scheduler.prefill(resident, prefix.ids, label="support", pin=True)
     entry, prefill_ms = prefilled.entry, prefilled.prefill_ms
     measured = probe(
-        engine,
+        scheduler,
         resident,
         prefix.prompt_ids(resident, "Where is my parcel?"),
         render(resident, conversation(None, "Where is my parcel?")),
@@ -76,7 +77,7 @@ def check(out: Path) -> dict:
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 2**20) / total)
     started, message = time.perf_counter(), None
     try:
-        engine.prefill(resident, long_ids, label="handbook")
+        scheduler.prefill(resident, long_ids, label="handbook")
     except DeviceOutOfMemory as exc:
         message = str(exc)
     # Measured once the error is gone, as a worker's next step would see it.
@@ -85,12 +86,13 @@ def check(out: Path) -> dict:
         "message": message,
         "ms": (time.perf_counter() - started) * 1000,
         "allocated_after_minus_before": torch.cuda.memory_allocated() - baseline,
-        "cache_entries_after": engine.cache.stats().entries,
+        "cache_entries_after": scheduler.prefixes.cache.stats().entries,
     }
     torch.cuda.set_per_process_memory_fraction(1.0)
-    again = engine.prefill(resident, long_ids, label="handbook")
+    again = scheduler.prefill(resident, long_ids, label="handbook")
     again, again_ms = again.entry, again.prefill_ms
     report["after_oom"] = {"prefilled_tokens": again.num_tokens, "prefill_ms": again_ms}
+    scheduler.close()
     report["load"] = load_bandwidth()
     out.write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -4,25 +4,29 @@ conversation's second turn with and without its first turn cached. Every prompt 
 rendered with the model's chat template, as a real request is.
 
 The three are measured side by side (`workers.warmup.side_by_side`: interleaved, each
-timed call after an untimed one of its kind), as a warmup job probes. Each figure is a
-median. What reuse costs (lookup, id check, clone) is timed inside the warm path and
-reported against the warm TTFT.
+timed call after an untimed one of its kind), as a warmup job probes: each is a request
+through the scheduler, the path a served request takes. Each figure is a median. What
+reuse costs (lookup, id check, clone) is timed inside the warm path and reported against
+the warm TTFT.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from workers.chat import TemplatePrefix, conversation, render
-from workers.generate import PrefixEngine
 from workers.kvcache import CacheBudget, KVCacheManager
 from workers.prefix import encode
+from workers.prefixcache import PrefixCache
 from workers.prefixstore import PrefixStore
 from workers.resident import ResidentModel
 from workers.sampling import SamplingParams
-from workers.warmup import side_by_side
+from workers.scheduler import Scheduler
+from workers.warmup import first_token, side_by_side
 
 USER_INPUT = "My parcel was due on Tuesday and it still has not arrived. What can I do?"
 
@@ -76,26 +80,31 @@ def system_prompt_text(resident: ResidentModel, num_tokens: int, text: str) -> s
     return resident.tokenizer.decode(ids[0, :num_tokens])
 
 
-def _engine() -> PrefixEngine:
-    return PrefixEngine(KVCacheManager(CacheBudget(max_entries=4, max_bytes=2**62)))
+@contextmanager
+def _scheduler() -> Iterator[Scheduler]:
+    """A scheduler over a cache of its own, for one measurement."""
+    scheduler = Scheduler(PrefixCache(KVCacheManager(CacheBudget(max_entries=4, max_bytes=2**62))))
+    try:
+        yield scheduler
+    finally:
+        scheduler.close()
 
 
 def measure_ttft(
     resident: ResidentModel, system_prompt: str, repeats: int, user_input: str = USER_INPUT, system_tokens: int = 0
 ) -> TTFTRow:
-    engine = _engine()
     prefix = TemplatePrefix.of(resident, system_prompt)
     prompt_ids = prefix.prompt_ids(resident, user_input)
     bare_ids = render(resident, conversation(None, user_input))
-    prefilled = engine.prefill(resident, prefix.ids, key=prefix.key, label=f"{prefix.ids.shape[-1]} tokens")
-    entry, prefill_ms = prefilled.entry, prefilled.prefill_ms
-
-    ways = {
-        "cold": lambda: engine.first_token(resident, prompt_ids, use_cache=False),
-        "warm": lambda: engine.first_token(resident, prompt_ids),
-        "bare": lambda: engine.first_token(resident, bare_ids, use_cache=False),
-    }
-    runs = side_by_side(ways, repeats)
+    with _scheduler() as scheduler:
+        prefilled = scheduler.prefill(resident, prefix.ids, key=prefix.key, label=f"{prefix.ids.shape[-1]} tokens")
+        entry, prefill_ms = prefilled.entry, prefilled.prefill_ms
+        ways = {
+            "cold": lambda: first_token(scheduler, resident, prompt_ids, use_cache=False),
+            "warm": lambda: first_token(scheduler, resident, prompt_ids),
+            "bare": lambda: first_token(scheduler, resident, bare_ids, use_cache=False),
+        }
+        runs = side_by_side(ways, repeats)
 
     def median_ms(name: str) -> float:
         return statistics.median(run.ms for run in runs[name])
@@ -161,22 +170,29 @@ def measure_turn_two(
     """Turn one is `turn_one_input` (a pasted document, say) answered with `answer_tokens`;
     turn two a short follow-up. The remembered turn spares turn two its first turn's tokens."""
     prefix = TemplatePrefix.of(resident, system_prompt)
-    remembered, prefix_only = _engine(), _engine()
-    for engine in (remembered, prefix_only):
-        engine.prefill(resident, prefix.ids, key=prefix.key, pin=True)
     turn_one = conversation(system_prompt, turn_one_input)
-    answer = remembered.generate(
-        resident, render(resident, turn_one), SamplingParams(max_tokens=answer_tokens, temperature=0.0), remember=True
-    ).collect()
-    turn_two = [*turn_one, {"role": "assistant", "content": answer.text}, {"role": "user", "content": TURN_TWO}]
-    ids = render(resident, turn_two)
-    runs = side_by_side(
-        {
-            "remembered": lambda: remembered.first_token(resident, ids),
-            "prefix_only": lambda: prefix_only.first_token(resident, ids),
-        },
-        repeats,
-    )
+    # One scheduler, as a worker has: two threads taking turns at forward passes would each
+    # keep a team of OpenMP threads spinning, and slow both (1.7x measured).
+    with _scheduler() as scheduler:
+        cache = scheduler.prefixes.cache
+        scheduler.prefill(resident, prefix.ids, key=prefix.key, pin=True)
+        greedy = SamplingParams(max_tokens=answer_tokens, temperature=0.0)
+        answer = scheduler.submit(resident, render(resident, turn_one), greedy, remember=True).collect()
+        [remembered] = [entry for entry in cache.entries() if entry.label == "conversation"]
+        turn_two = [*turn_one, {"role": "assistant", "content": answer.text}, {"role": "user", "content": TURN_TWO}]
+        ids = render(resident, turn_two)
+
+        def with_turn_one(cached: bool):
+            """Turn two's first token with turn one cached or not (the entry put back or taken out)."""
+            if cached and remembered.key not in cache:
+                cache.insert(resident.name, remembered.token_ids, remembered.payload, remembered.nbytes)
+            elif not cached and remembered.key in cache:
+                cache.remove(remembered.key)
+            return first_token(scheduler, resident, ids)
+
+        runs = side_by_side(
+            {"remembered": lambda: with_turn_one(True), "prefix_only": lambda: with_turn_one(False)}, repeats
+        )
     return TurnTwoRow(
         system_tokens=int(prefix.ids.shape[-1]),
         turn_one_tokens=int(render(resident, turn_one).shape[-1]),

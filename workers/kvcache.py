@@ -21,11 +21,10 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -114,8 +113,6 @@ class CacheEntry:
     ref_count: int = 0
     pinned: bool = False
     access_count: int = 0
-    created_at: float = field(default_factory=time.monotonic)
-    last_access: float = field(default_factory=time.monotonic)
 
     @property
     def num_tokens(self) -> int:
@@ -159,11 +156,6 @@ class CacheStats:
     pinned_entries: int = 0
     pinned_bytes: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        """Token hit rate, as vLLM reports it: hit tokens / queried tokens."""
-        return self.tokens_hit / self.tokens_queried if self.tokens_queried else 0.0
-
 
 class KVCacheManager:
     """Thread-safe: the health server reads stats while a task uses the cache."""
@@ -173,11 +165,9 @@ class KVCacheManager:
         budget: CacheBudget,
         *,
         on_evict: Callable[[CacheEntry], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.budget = budget
         self._on_evict = on_evict
-        self._clock = clock
         self._lock = threading.RLock()
         self._entries: OrderedDict[CacheKey, CacheEntry] = OrderedDict()  # least recently used first
         self._counts = dict.fromkeys(
@@ -269,7 +259,6 @@ class KVCacheManager:
 
     def _touch(self, entry: CacheEntry) -> None:
         entry.access_count += 1
-        entry.last_access = self._clock()
         self._entries.move_to_end(entry.key)
 
     # Changing -----------------------------------------------------------------------
@@ -308,8 +297,7 @@ class KVCacheManager:
             self._check_fits_budget(key, nbytes, label)
             for victim in self._victims_for(nbytes, key, label):
                 self._drop(victim, evicted=True)
-            now = self._clock()
-            entry = CacheEntry(key, ids, nbytes, payload, label, truncatable, created_at=now, last_access=now)
+            entry = CacheEntry(key, ids, nbytes, payload, label, truncatable)
             self._entries[key] = entry
             self._bytes += nbytes
             self._counts["inserts"] += 1

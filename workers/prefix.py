@@ -101,10 +101,14 @@ def encode(resident: ResidentModel, text: str, *, with_bos: bool) -> torch.Tenso
     return resident.tokenizer(text, add_special_tokens=with_bos, return_tensors="pt")["input_ids"]
 
 
+class ContextLengthError(ValueError):
+    """A prompt and the tokens it asks for do not fit the model's context."""
+
+
 def check_context(resident: ResidentModel, num_tokens: int, what: str, new_tokens: int = 1) -> None:
     """A prompt plus the tokens it will generate must fit the model's context."""
     if resident.max_context and num_tokens + new_tokens > resident.max_context:
-        raise ValueError(
+        raise ContextLengthError(
             f"{what} is {num_tokens} tokens (+{new_tokens} to generate); model {resident.name!r} has a context "
             f"of {resident.max_context}"
         )

@@ -7,6 +7,7 @@ unavailable with its error, so one broken model never takes the worker down.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import threading
@@ -46,6 +47,19 @@ class ResidentModel:
     chat_template_source: str = "the model's own"
     weight_loader: str = "transformers"  # workers/weights.py
 
+    @functools.cached_property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Every end-of-sequence id: the tokenizer's and all of generation_config.json's."""
+        ids = {self.tokenizer.eos_token_id}
+        generation_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+        return frozenset(i for i in ids if i is not None)
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """How many ids the model's logits score (padded rows included)."""
+        return int(self.model.config.get_text_config().vocab_size)
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -72,6 +86,8 @@ class ResidentModels:
     _errors: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _loading: dict[str, threading.Lock] = field(default_factory=dict)
+    _preloading: threading.Lock = field(default_factory=threading.Lock)
+    _preloaded: bool = False
 
     def ensure(self, source: ModelSource) -> tuple[ResidentModel, float]:
         """Return the resident model and the milliseconds this call spent loading it (0 if resident)."""
@@ -114,6 +130,15 @@ class ResidentModels:
                 failures[name] = str(future.exception())
                 log.error("%s; the worker serves the other models", future.exception())
         return failures
+
+    def preload_once(self, sources: list[ModelSource], max_parallel: int = 4) -> None:
+        """`preload`, once: a worker starts it early, as Celery builds its pool, and its
+        start-up pre-fill asks again; a second call waits for the first. Later warmups load
+        a model that failed themselves (`ensure`)."""
+        with self._preloading:
+            if not self._preloaded:
+                self.preload(sources, max_parallel)
+                self._preloaded = True
 
     def get(self, name: str) -> ResidentModel | None:
         return self._models.get(name)

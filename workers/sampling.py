@@ -208,7 +208,8 @@ def sampler_for(params: SamplingParams, defaults: ModelDefaults, prompt_length: 
         do_sample = temperature > 0
     processors: list = []
     if params.logit_bias:
-        processors.append(SequenceBiasLogitsProcessor([[[token], bias] for token, bias in params.logit_bias]))
+        # OpenAI's own examples give integers ({"50256": -100}); transformers takes floats only.
+        processors.append(SequenceBiasLogitsProcessor([[[token], float(bias)] for token, bias in params.logit_bias]))
     repetition = params.repetition_penalty or defaults.repetition_penalty
     if repetition is not None and repetition != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(repetition))

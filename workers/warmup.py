@@ -1,15 +1,35 @@
-"""What a warmup measures for one template: the history job's columns, and the probes."""
+"""Warmup jobs on one worker: what each measures (the history job's columns), the probes,
+the verdict, and the bookkeeping a later warmup is judged against.
+
+A warmup makes a template warm (its model resident, its prefix pre-filled and pinned) and
+proves it: probes are one-token greedy requests through the scheduler, the path requests
+take, so `warm` compares like with like.
+"""
 
 from __future__ import annotations
 
+import logging
 import statistics
+import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
-from workers.generate import FirstToken, PrefixEngine
+from workers.chat import conversation, render
+from workers.kvcache import CacheKey
+from workers.prefixcache import Prefilled
 from workers.resident import ResidentModel
+from workers.sampling import SamplingParams
+from workers.scheduler import Scheduler
+from workers.templates import TEMPLATE_ERRORS, Templates
+
+log = logging.getLogger(__name__)
+
+# A probe: the first token, greedy, as a request that is not counted as cache traffic.
+PROBE = SamplingParams(max_tokens=1, temperature=0.0)
+SERVED_KEPT = 50  # served requests' TTFTs kept per template: the steady state
 
 
 @dataclass
@@ -34,6 +54,23 @@ class TemplateWarmup:
 
     def as_record(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("model", "template")}
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    token_id: int
+    ms: float
+    cached_tokens: int = 0
+    reuse_ms: float = 0.0
+
+
+def first_token(
+    scheduler: Scheduler, resident: ResidentModel, prompt_ids: torch.Tensor, *, use_cache: bool = True
+) -> FirstToken:
+    """Time to the first greedy token of `prompt_ids`, through the scheduler as a request:
+    from the longest cached prefix, or (use_cache=False) cold."""
+    done = scheduler.submit(resident, prompt_ids, PROBE, use_cache=use_cache, record=False).collect()
+    return FirstToken(done.token_ids[0], done.ttft_ms, done.cached_tokens, done.reuse_ms)
 
 
 def side_by_side(ways: dict[str, Callable[[], FirstToken]], repeats: int) -> dict[str, list[FirstToken]]:
@@ -70,7 +107,7 @@ class Probe:
 
 
 def probe(
-    engine: PrefixEngine,
+    scheduler: Scheduler,
     resident: ResidentModel,
     prompt_ids: torch.Tensor,
     bare_ids: torch.Tensor,
@@ -80,9 +117,9 @@ def probe(
     counted as cache traffic."""
     runs = side_by_side(
         {
-            "bare": lambda: engine.first_token(resident, bare_ids, use_cache=False),
-            "cold": lambda: engine.first_token(resident, prompt_ids, use_cache=False),
-            "warm": lambda: engine.first_token(resident, prompt_ids),
+            "bare": lambda: first_token(scheduler, resident, bare_ids, use_cache=False),
+            "cold": lambda: first_token(scheduler, resident, prompt_ids, use_cache=False),
+            "warm": lambda: first_token(scheduler, resident, prompt_ids),
         },
         repeats,
     )
@@ -139,3 +176,105 @@ def verdict(
         )
     else:
         result.status = "warm"
+
+
+class Warmups:
+    """The warmup jobs of one worker, and what they are judged against: the TTFT of the
+    requests it served from each template (its steady state) and the best warm probe each
+    prefix had here. The start-up's load and pre-fill times are reported by the first job
+    after them, once."""
+
+    def __init__(
+        self,
+        templates: Templates,
+        scheduler: Scheduler,
+        *,
+        probe_repeats: int,
+        warm_factor: float,
+        on_warm: Callable[[str], None],
+    ) -> None:
+        self._templates, self._scheduler, self._on_warm = templates, scheduler, on_warm
+        self._probe_repeats, self._warm_factor = probe_repeats, warm_factor
+        # Held by the start-up preload and by each warmup: a warmup that arrives while the
+        # worker is still starting waits, instead of racing it on the same model and device
+        # (which would pre-fill twice and skew both measurements).
+        self.lock = threading.RLock()
+        self._served_ms: dict[str, deque[float]] = {}
+        self._best_warm_ms: dict[CacheKey, float] = {}
+        self._unreported_prefill: dict[CacheKey, Prefilled] = {}
+        self._load_reported: set[str] = set()
+        self.last: dict[str, dict] = {}  # template -> what its latest warmup reported
+
+    def started_with(self, prefilled: Prefilled) -> None:
+        """A prefix computed or restored at start: the first job that uses it reports how."""
+        if prefilled.source != "cached":
+            self._unreported_prefill[prefilled.entry.key] = prefilled
+
+    def observe(self, template: str, ttft_ms: float) -> None:
+        """A served request that started from its template's cached prefix."""
+        self._served_ms.setdefault(template, deque(maxlen=SERVED_KEPT)).append(ttft_ms)
+
+    def steady_ttft_ms(self, template: str, min_samples: int = 5) -> float | None:
+        """Median TTFT of this template's latest served cache-hit requests, once there are enough."""
+        served = self._served_ms.get(template)
+        return statistics.median(served) if served and len(served) >= min_samples else None
+
+    def warm(self, template: str, only_if_cold: bool = False) -> TemplateWarmup:
+        """Model resident, prefix pre-filled, probes measured. Never raises for a broken
+        model, prompt or budget: the failure is the measurement. With `only_if_cold`, a
+        template already warm here is `skipped` (a worker-online trigger after the
+        worker's own start-up warmup)."""
+        result = TemplateWarmup(model="", template=template, status="failed")
+        try:
+            result.model = self._templates.catalog.template(template).model
+            with self.lock:
+                if only_if_cold and self._templates.is_warm(template):
+                    result.status, result.error = "skipped", "already warm: prefix cached and pinned"
+                else:
+                    self._warm(template, result)
+        except TEMPLATE_ERRORS as exc:
+            result.status, result.error = "failed", str(exc)
+            log.warning("warmup of %s failed: %s", template, exc)
+        self.last[template] = {"status": result.status, **result.as_record()}
+        return result
+
+    def _warm(self, template: str, result: TemplateWarmup) -> None:
+        resolved, prefilled = self._templates.prefill(template)
+        resident, prefix = resolved.resident, resolved.prefix
+        result.load_ms = self._unreported_load_ms(resident)
+        result.device = resident.placement.describe()
+        if prefilled.source == "cached":  # done at start: the first job reports how
+            prefilled = self._unreported_prefill.pop(prefilled.entry.key, prefilled)
+        entry = prefilled.entry
+        result.cached_tokens, result.cache_bytes = entry.num_tokens, entry.nbytes
+        result.prefill_ms, result.prefix_source = prefilled.prefill_ms, prefilled.source
+        result.restore_ms = prefilled.restore_ms if prefilled.source == "restored" else None
+        probe_text = resolved.spec.probe
+        measured = probe(
+            self._scheduler,
+            resident,
+            prefix.prompt_ids(resident, probe_text),
+            render(resident, conversation(None, probe_text)),
+            self._probe_repeats,
+        )
+        best_ms = self._best_warm_ms.get(prefix.key)
+        if measured.warm.cached_tokens and measured.warm_fastest_ms:
+            self._best_warm_ms[prefix.key] = min(best_ms or measured.warm_fastest_ms, measured.warm_fastest_ms)
+        verdict(
+            result,
+            measured,
+            result.cached_tokens,
+            steady_ms=self.steady_ttft_ms(template),
+            best_ms=best_ms,
+            warm_factor=self._warm_factor,
+        )
+        if result.status == "warm":
+            self._on_warm(result.model)
+
+    def _unreported_load_ms(self, resident: ResidentModel) -> float:
+        """The model's load time, reported once, by the first job after the load (the
+        start-up's goes to the first warmup); 0 after that."""
+        if resident.name in self._load_reported:
+            return 0.0
+        self._load_reported.add(resident.name)
+        return resident.load_ms

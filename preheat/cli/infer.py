@@ -64,12 +64,14 @@ def infer(
 
 
 def _check_decoding(kwargs: dict) -> None:
-    """The values the worker would refuse, refused here (message, exit 2), before sending."""
-    from workers.sampling import SamplingError, SamplingParams
+    """The values the worker would refuse, refused here (message, exit 2), before sending:
+    the same mapping the worker applies (workers.protocol)."""
+    from workers.protocol import sampling_of
+    from workers.sampling import SamplingError
 
-    fields = {k: v for k, v in kwargs.items() if k not in ("template", "user_input", "max_new_tokens", "stop")}
+    fields = {k: v for k, v in kwargs.items() if k not in ("template", "user_input", "max_new_tokens")}
     try:
-        SamplingParams(max_tokens=kwargs["max_new_tokens"], stop=tuple(kwargs.get("stop", ())), **fields)
+        sampling_of({**fields, "max_tokens": kwargs["max_new_tokens"]})
     except SamplingError as exc:
         option, why = exc.parameter.replace("_", "-"), str(exc).removeprefix(f"{exc.parameter}: ")
         raise ConfigError(f"--{option}: {why}") from None

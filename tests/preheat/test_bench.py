@@ -148,7 +148,7 @@ def test_load_runs_every_mode_on_the_same_users_and_reports_side_by_side(embedde
             "--rate",
             "20",
             "--modes",
-            "batch,sequential,celery,transformers",
+            "batch,one-at-a-time,celery,transformers",
             "--transformers-python",
             str(tmp_path / "no-such-python"),
             "--json",
@@ -167,8 +167,8 @@ def test_load_runs_every_mode_on_the_same_users_and_reports_side_by_side(embedde
     assert loads == [
         ("batch", "closed 3 users"),
         ("batch", "poisson 20/s"),
-        ("sequential", "closed 3 users"),
-        ("sequential", "poisson 20/s"),
+        ("one-at-a-time", "closed 3 users"),
+        ("one-at-a-time", "poisson 20/s"),
         ("celery", "closed 3 users"),
     ]
     for row in report["rows"]:

@@ -110,7 +110,6 @@ def test_the_pool_is_checked_against_the_engine_at_start(settings, pool, concurr
     with caplog.at_level("WARNING"):
         check_concurrency(pool, concurrency, settings)
     assert ("decodes up to PREHEAT_MAX_RUNNING_REQUESTS=16 together" in caplog.text) == (outcome == "warned")
-    check_concurrency(pool, concurrency, load_settings(engine="sequential"))  # one at a time anyway: no word
 
 
 def test_beat_uses_the_database_scheduler_and_keeps_no_state_file(settings):

@@ -45,6 +45,12 @@ def test_services_come_from_the_environment(monkeypatch):
             "invalid setting PREHEAT_PROBE_REPEATS: Input should be greater than or equal to 1",
         ),
         (
+            "PREHEAT_ENGINE",
+            "sequential",
+            "invalid setting PREHEAT_ENGINE: was removed: every request goes through the batching scheduler; "
+            "PREHEAT_MAX_RUNNING_REQUESTS=1 decodes one request at a time (got 'sequential')",
+        ),
+        (
             "PREHEAT_VISIBILITY_TIMEOUT_S",
             "60",
             "invalid setting PREHEAT_VISIBILITY_TIMEOUT_S (60) must exceed PREHEAT_WARMUP_TIME_LIMIT_S (1800)",

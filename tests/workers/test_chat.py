@@ -11,7 +11,7 @@ from tests.conftest import SUPPORT_PROMPT, load_resident, write_catalog
 from workers.chat import ChatTemplateError, TemplatePrefix, conversation, render
 from workers.devmodel import ARCHITECTURES
 from workers.resident import DEFAULT_CHAT_TEMPLATE_NAME, ModelSource, ResidentModels
-from workers.runtime import WorkerRuntime
+from workers.runtime import RuntimeConfig, WorkerRuntime
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Where is my parcel?"}],
@@ -56,7 +56,7 @@ def test_the_catalog_replaces_a_models_template_inline_or_from_a_file(dev_model,
     path = tmp_path / "preheat.toml"
     path.write_text(f'[models.tiny]\npath = "{dev_model("qwen3")}"\nchat_template_file = "plain.jinja"\n')
     catalog = load_catalog(path)
-    runtime = WorkerRuntime(catalog, device_preference="cpu")
+    runtime = WorkerRuntime(catalog, RuntimeConfig(device="cpu"))
     resident, _ = runtime.resident_models.ensure(runtime.source("tiny"))
     assert resident.tokenizer.decode(render(resident, conversation("S", "U"))[0]) == "[system] S\n[user] U\n>"
     assert resident.chat_template_source == f"the catalog ({tmp_path / 'plain.jinja'})"

@@ -6,13 +6,13 @@ import pytest
 from preheat.catalog import load_catalog
 from tests.conftest import write_catalog
 from workers.health import PATHS, HealthServer
-from workers.runtime import WorkerRuntime
+from workers.runtime import RuntimeConfig, WorkerRuntime
 from workers.sampling import SamplingParams
 
 
 @pytest.fixture
 def served(tmp_path, tiny_model):
-    runtime = WorkerRuntime(load_catalog(write_catalog(tmp_path, tiny_model)), "cpu", probe_repeats=1)
+    runtime = WorkerRuntime(load_catalog(write_catalog(tmp_path, tiny_model)), RuntimeConfig("cpu", probe_repeats=1))
     server = HealthServer(runtime, "127.0.0.1", 0).start()
     with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=10) as client:
         yield runtime, client

@@ -1,13 +1,13 @@
-"""The OpenAI parameters `preheat serve` reads: every one honoured (it reaches the sampling
-parameters with its value) or refused by name, never ignored. Pure parsing, no model:
+"""The OpenAI protocol: every parameter honoured (it reaches the sampling parameters with
+its value) or refused by name, never ignored. Pure parsing, no model:
 tests/workers/test_serve.py sends them to a real server."""
 
 from __future__ import annotations
 
 import pytest
 
+from workers.protocol import ApiError, parse_body, parse_chat, parse_completion
 from workers.sampling import SamplingParams
-from workers.serve import ApiError, parse_chat, parse_completion
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -86,12 +86,19 @@ def test_the_messages_are_passed_as_the_template_takes_them():
         ({"n": 0}, "n: must be an integer from 1 to 16"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop: at most 4 sequences"),
         ({"stop": [1]}, "stop: must be a string or a list of strings"),
+        ({"stop": ""}, "stop: must be a string or a list of non-empty strings"),
+        ({"stop": ["x", ""]}, "stop: must be a string or a list of non-empty strings"),
         ({"logprobs": 3}, "logprobs: must be true or false"),
         ({"top_logprobs": 3}, "top_logprobs: needs logprobs: true"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs: must be an integer from 0 to 20"),
         ({"logit_bias": {"x": 1}}, "logit_bias: must map token ids"),
         ({"logit_bias": {"5": 101}}, "logit_bias: must be in [-100, 100]"),
-        ({"max_tokens": 0}, "max_tokens must be an integer from 1"),
+        ({"max_tokens": 0}, "max_tokens: must be an integer from 1"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens: must be an integer from 1"),
+        ({"stream": "false"}, "stream: must be true or false (got 'false')"),
+        ({"stream": 1}, "stream: must be true or false (got 1)"),
+        ({"stream_options": {"include_usage": "no"}}, "stream_options.include_usage: must be true or false"),
+        ({"logit_bias": {"5": "up"}}, "logit_bias: must be a number"),
         ({"response_format": {"type": "json_object"}}, 'response_format: only {"type": "text"} is served'),
         ({"tools": [{"type": "function"}]}, "tools: tool calls are not served"),
         ({"tool_choice": "auto"}, "tool_choice: tool calls are not served"),
@@ -135,3 +142,20 @@ def test_a_completions_parameter_not_honoured_is_a_400_naming_it(fields, named):
 def test_the_completions_parameters_honoured():
     asked = parse_completion(completion(echo=False, best_of=2, n=2, suffix=None, logprobs=2, stop="."))
     assert asked.prompt == "Once" and asked.sampling == SamplingParams(n=2, logprobs=2, stop=(".",))
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "named"),
+    [
+        (b"[" * 100_000, 400, "body is nested deeper than 64 levels"),
+        (b'{"a": ' + b"[" * 990 + b"]" * 990 + b"}", 400, "body is nested deeper than 64 levels"),
+        (b"{nope", 400, "body is not JSON"),
+        (b"[1]", 400, "body must be a JSON object"),
+        (b'{"x": "\\ud800"}', 400, "body is not valid text"),
+        (b" " * (1024**2 + 1), 413, "the limit is 1048576"),
+    ],
+)
+def test_a_body_the_api_cannot_take_is_a_4xx_naming_why(raw, status, named):
+    with pytest.raises(ApiError) as refused:
+        parse_body(raw, 1024**2)
+    assert refused.value.status == status and named in refused.value.message, refused.value.message

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import load_resident, support_request
-from workers.generate import PrefixEngine
-from workers.kvcache import CacheBudget, KVCacheManager
+from tests.conftest import load_resident, new_scheduler, support_request
 from workers.prefixstore import PrefixStore
 from workers.sampling import SamplingParams
+from workers.scheduler import Scheduler
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
 
-def engine_with(store: PrefixStore | None) -> PrefixEngine:
-    return PrefixEngine(KVCacheManager(CacheBudget(max_entries=4, max_bytes=256 * 1024**2)), store)
+def engine_with(store: PrefixStore | None) -> Scheduler:
+    """A worker's scheduler over this prefix store: what a (re)started process has."""
+    return new_scheduler(store, max_entries=4, max_bytes=256 * 1024**2)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])  # full attention; sliding windows past their window
@@ -39,8 +39,8 @@ def test_a_restored_prefix_answers_token_for_token_like_a_computed_one(arch, dev
     assert again.entry.nbytes == first.entry.nbytes and again.entry.truncatable == first.entry.truncatable
     for ours, theirs in zip(again.entry.payload.cache.layers, first.entry.payload.cache.layers, strict=True):
         assert torch.equal(ours.keys, theirs.keys) and ours.get_seq_length() == theirs.get_seq_length()
-    want = computed.generate(resident, prompt_ids, GREEDY).collect()
-    got = restarted.generate(resident, prompt_ids, GREEDY).collect()
+    want = computed.submit(resident, prompt_ids, GREEDY).collect()
+    got = restarted.submit(resident, prompt_ids, GREEDY).collect()
     assert got.token_ids == want.token_ids and got.cached_tokens == want.cached_tokens == prefix_ids.shape[-1]
     assert restarted.prefill(resident, prefix_ids).source == "cached"
 

@@ -9,7 +9,7 @@ from preheat.errors import UnknownNameError
 from tests.conftest import SUPPORT_PROMPT, write_catalog
 from workers.chat import conversation
 from workers.kvcache import CacheBudget, CacheBudgetError
-from workers.runtime import WorkerRuntime
+from workers.runtime import RuntimeConfig, WorkerRuntime
 from workers.sampling import SamplingParams
 
 SUMMARY = '\n[templates.summarise]\nmodel = "tiny"\nsystem_prompt = "Summarise the text in three bullet points."\n'
@@ -18,11 +18,15 @@ BROKEN = (
 )
 
 
-def make_runtime(tmp_path, model_dir, extra="", **kwargs) -> WorkerRuntime:
+FILED = '\n[templates.filed]\nmodel = "tiny"\nsystem_prompt_file = "filed.txt"\nprobe = "Where is it?"\n'
+
+
+def make_runtime(tmp_path, model_dir, extra="", prefix_store=None, **config) -> WorkerRuntime:
     # The verdict's timing rule is tested with exact numbers in test_warmup; here a shared
     # machine's noise must not turn `warm` into `degraded` (see conftest: 12x was seen).
-    kwargs.setdefault("warm_factor", 100.0)
-    return WorkerRuntime(load_catalog(write_catalog(tmp_path, model_dir, extra)), "cpu", probe_repeats=2, **kwargs)
+    config = {"device": "cpu", "probe_repeats": 2, "warm_factor": 100.0, **config}
+    catalog = load_catalog(write_catalog(tmp_path, model_dir, extra))
+    return WorkerRuntime(catalog, RuntimeConfig(**config), prefix_store)
 
 
 @pytest.fixture
@@ -32,7 +36,7 @@ def runtime(tmp_path, tiny_model):
 
 def test_preload_loads_what_it_can_prefills_and_pins_its_templates_and_says_why_not_ready(runtime):
     warm_models = []
-    runtime.on_model_warm = warm_models.append
+    runtime.announce_to(warm_models.append, gated=False)
     # Grouped by model: each model's own reason, then its templates'.
     assert runtime.readiness() == [
         "model tiny not loaded yet",
@@ -81,34 +85,28 @@ def test_a_warmup_without_preload_loads_and_prefills(runtime):
     assert result.status == "warm" and result.load_ms > 0 and result.prefill_ms > 0
 
 
-def test_a_changed_system_prompt_is_prefilled_again(runtime):
-    first = runtime.warm_template("support")
-    runtime.catalog = runtime.catalog.model_copy(
-        update={
-            "templates": {
-                **runtime.catalog.templates,
-                "support": runtime.catalog.templates["support"].model_copy(update={"system_prompt": "Be brief."}),
-            }
-        }
-    )
-    result = runtime.warm_template("support")
+def test_a_prompt_file_edited_on_disk_is_prefilled_again_by_the_next_warmup(tmp_path, tiny_model):
+    (tmp_path / "filed.txt").write_text(SUPPORT_PROMPT)
+    runtime = make_runtime(tmp_path, tiny_model, FILED)
+    first = runtime.warm_template("filed")
+    (tmp_path / "filed.txt").write_text("Be brief.")
+    assert runtime.infer("filed", "Hi", SamplingParams(max_tokens=2)).cached_tokens == first.cached_tokens
+    old = runtime.cache.peek(runtime.templates.known("filed").key)
+    result = runtime.warm_template("filed")  # a warmup reads the file again; a request does not
     assert result.prefill_ms > 0 and result.cached_tokens < first.cached_tokens
+    assert old.pinned is False  # the old version is an LRU entry now: it holds no pinned budget
+    assert runtime.cache.peek(runtime.templates.known("filed").key).pinned
 
 
-def test_the_serving_threads_exercise_uses_the_prefix_as_prefilled_not_a_prompt_edited_since(runtime):
-    """The worker's serving thread exercises the warm templates once before taking requests;
-    a prompt file edited between the preload and then is pre-filled by a warmup, not there
-    (an out-of-memory there once kept a model from its requests for good)."""
+def test_the_serving_threads_exercise_uses_the_prefix_as_prefilled_not_a_prompt_edited_since(tmp_path, tiny_model):
+    """The process exercises the warm templates once before taking requests; a prompt file
+    edited between the preload and then is pre-filled by a warmup, not there (an
+    out-of-memory there once kept a model from its requests for good)."""
+    (tmp_path / "filed.txt").write_text(SUPPORT_PROMPT)
+    runtime = make_runtime(tmp_path, tiny_model, FILED)
     runtime.preload()
     inserts = runtime.cache.stats().inserts
-    runtime.catalog = runtime.catalog.model_copy(
-        update={
-            "templates": {
-                **runtime.catalog.templates,
-                "support": runtime.catalog.templates["support"].model_copy(update={"system_prompt": "Be brief."}),
-            }
-        }
-    )
+    (tmp_path / "filed.txt").write_text("Be brief.")
     runtime.exercise("tiny")
     assert runtime.cache.stats().inserts == inserts
 
@@ -178,7 +176,7 @@ def test_a_budget_smaller_than_one_prefix_fails_clearly_and_leaves_the_cache_con
     # which it shares with the other template's prefix, is too short to be worth a cut).
     assert runtime.infer("support", "Hello", SamplingParams(max_tokens=2)).cached_tokens == 0
     with pytest.raises(CacheBudgetError):
-        runtime.prefill_template("support")
+        runtime.templates.prefill("support")
 
 
 def test_a_system_prompt_longer_than_the_context_fails_the_warmup(tmp_path, tiny_model):
@@ -203,12 +201,12 @@ def test_only_if_cold_skips_a_template_already_warm_and_warms_a_cold_one(runtime
 
 def test_served_cache_hits_become_the_steady_state_a_warmup_is_judged_against(runtime):
     runtime.preload()
-    assert runtime.steady_ttft_ms("support") is None
+    assert runtime.warmups.steady_ttft_ms("support") is None
     served = [runtime.infer("support", f"question {i}", SamplingParams(max_tokens=1)) for i in range(5)]
     assert all(c.cached_tokens for c in served)
-    assert runtime.steady_ttft_ms("support") == pytest.approx(sorted(c.ttft_ms for c in served)[2])
+    assert runtime.warmups.steady_ttft_ms("support") == pytest.approx(sorted(c.ttft_ms for c in served)[2])
     result = runtime.warm_template("support")
-    assert result.ttft_steady_ms == pytest.approx(runtime.steady_ttft_ms("support"))
+    assert result.ttft_steady_ms == pytest.approx(runtime.warmups.steady_ttft_ms("support"))
 
 
 def test_chat_requests_with_a_template_prompt_use_its_pinned_prefix_and_are_remembered(runtime):
@@ -251,15 +249,13 @@ def test_a_warmup_and_a_request_resolve_their_template_once_and_hash_nothing_twi
 
     calls.update(dict.fromkeys(calls, 0))
     assert runtime.infer("support", "Hello", SamplingParams(max_tokens=2)).cached_tokens == result.cached_tokens
-    assert calls == {"system_prompt": 1, "ensure": 0, "digest": 0}  # resident, key known: no load, no hash
+    assert calls == {"system_prompt": 0, "ensure": 0, "digest": 0}  # resolved: no file, no load, no hash
 
 
 def test_a_prompt_file_emptied_since_the_start_is_not_warm(tmp_path, tiny_model):
     prompt = tmp_path / "filed.txt"
     prompt.write_text("You answer questions about parcels.")
-    runtime = make_runtime(
-        tmp_path, tiny_model, '\n[templates.filed]\nmodel = "tiny"\nsystem_prompt_file = "filed.txt"\n'
-    )
+    runtime = make_runtime(tmp_path, tiny_model, FILED)
     assert runtime.warm_template("filed").status == "warm"
     prompt.write_text("")
     result = runtime.warm_template("filed")
@@ -291,9 +287,9 @@ def test_a_restarted_runtime_restores_its_prefixes_and_prefills_nothing(tmp_path
 
 
 def test_a_gated_process_is_ready_only_once_it_takes_the_models_requests(tmp_path, tiny_model):
-    runtime = make_runtime(tmp_path, tiny_model, gate_requests=True)
+    runtime = make_runtime(tmp_path, tiny_model)
     warm = []
-    runtime.on_model_warm = warm.append
+    runtime.announce_to(warm.append)
     assert runtime.preload() == ["model tiny: warm, not taking requests yet"] and warm == ["tiny"]
     runtime.taking_requests("tiny")
     assert runtime.readiness() == [] and runtime.describe()["ready"] is True
@@ -317,8 +313,8 @@ def test_a_warmup_under_load_runs_between_decode_steps_and_never_stops_the_traff
     reader.start()
     while len(arrivals) < 5:
         time.sleep(0.005)
-    runtime.cache.unpin(runtime._prefixes["support"].key)
-    runtime.cache.remove(runtime._prefixes["support"].key)  # a cold template: the warmup pre-fills it
+    runtime.cache.unpin(runtime.templates.known("support").key)
+    runtime.cache.remove(runtime.templates.known("support").key)  # a cold template: the warmup pre-fills it
     began = time.perf_counter()
     result = runtime.warm_template("support")
     ended = time.perf_counter()

@@ -86,3 +86,11 @@ def test_a_value_that_cannot_be_honoured_is_refused_naming_its_parameter(fields,
     with pytest.raises(SamplingError) as refused:
         SamplingParams(**fields)
     assert refused.value.parameter == named and str(refused.value).startswith(f"{named}: ")
+
+
+def test_an_integer_bias_forces_or_forbids_as_openais_own_examples_write_it():
+    logits = torch.zeros(10)
+    forced = sampler_for(SamplingParams(temperature=0, logit_bias=((3, 100), (0, -100))), GREEDY_MODEL, 0, "cpu")
+    assert forced.choose(logits, [1, 2])[0] == 3
+    forbidden = sampler_for(SamplingParams(temperature=0, logit_bias=((0, -100),)), GREEDY_MODEL, 0, "cpu")
+    assert forbidden.choose(logits, [1, 2])[0] != 0

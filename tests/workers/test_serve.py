@@ -123,7 +123,7 @@ def test_bad_input_is_a_4xx_with_a_reason(server):
         ({"model": "tiny", "messages": user, "tools": []}, 400, "tools: tool calls are not served"),
         ({"model": "tiny", "messages": user, "temprature": 0}, 400, "temprature: not a parameter"),
         ({"model": "tiny", "messages": []}, 400, "messages must be a non-empty list"),
-        ({"model": "tiny", "messages": user, "max_tokens": 0}, 400, "max_tokens must be an integer from 1"),
+        ({"model": "tiny", "messages": user, "max_tokens": 0}, 400, "max_tokens: must be an integer from 1"),
         ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "role must be one of"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 5000}]}, 400, "has a context of"),
     ]

@@ -12,13 +12,12 @@ import threading
 import httpx
 import pytest
 
-import workers.batch as batch
-import workers.generate as generate
+import workers.scheduler as scheduler
 from preheat import procs
 from preheat.catalog import load_catalog
 from tests.conftest import SUPPORT_PROMPT, write_catalog
-from workers.batch import BatchLimits
-from workers.runtime import WorkerRuntime
+from workers.runtime import RuntimeConfig, WorkerRuntime
+from workers.scheduler import BatchLimits
 from workers.serve import ServeConfig, Server, listen
 
 BODY = {
@@ -42,7 +41,7 @@ def served_one_row(tmp_path, tiny_model):
 
 def _serve(tmp_path, tiny_model, limits: BatchLimits = BatchLimits()):
     catalog = load_catalog(write_catalog(tmp_path, tiny_model))
-    runtime = WorkerRuntime(catalog, device_preference="cpu", probe_repeats=1, batch_limits=limits)
+    runtime = WorkerRuntime(catalog, RuntimeConfig(device="cpu", probe_repeats=1, batch_limits=limits))
     server = Server(runtime, ServeConfig())
     runtime.preload()
     bound, started = {}, threading.Event()
@@ -69,7 +68,7 @@ def _serve(tmp_path, tiny_model, limits: BatchLimits = BatchLimits()):
 
 def fail_after(monkeypatch, calls: int) -> None:
     """Every forward pass after the first `calls` (a request's pre-fill, a batch's decode
-    step) raises, on whichever engine runs it."""
+    step) raises."""
     seen = {"n": 0}
 
     def failing(real):
@@ -81,9 +80,8 @@ def fail_after(monkeypatch, calls: int) -> None:
 
         return run
 
-    monkeypatch.setattr(generate, "forward", failing(generate.forward))
-    monkeypatch.setattr(batch, "forward", failing(batch.forward))
-    monkeypatch.setattr(batch.Scheduler, "_forward", staticmethod(failing(batch.Scheduler._forward)))
+    monkeypatch.setattr(scheduler, "forward", failing(scheduler.forward))
+    monkeypatch.setattr(scheduler.Scheduler, "_forward", staticmethod(failing(scheduler.Scheduler._forward)))
 
 
 def test_a_failure_mid_stream_ends_it_with_an_error_event_and_done(served, monkeypatch):

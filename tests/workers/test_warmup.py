@@ -3,8 +3,7 @@ gave full prefill's token, and was as fast as the worker's steady state."""
 
 import pytest
 
-from workers.generate import FirstToken
-from workers.warmup import Probe, TemplateWarmup, median_of, side_by_side, verdict
+from workers.warmup import FirstToken, Probe, TemplateWarmup, median_of, side_by_side, verdict
 
 PREFIX_TOKENS = 200
 

@@ -65,7 +65,7 @@ def load_command(
     rate: float = typer.Option(4.0, min=0.01, max=10_000, help="Open loop: Poisson arrivals per second."),
     arrivals: int = typer.Option(48, min=1, max=10_000, help="Open loop: how many requests arrive."),
     modes: str = typer.Option(
-        "batch,sequential,no-prefix-cache,transformers", help="Servers to load, comma-separated."
+        "batch,one-at-a-time,no-prefix-cache,transformers", help="Servers to load, comma-separated."
     ),
     transformers_python: Path = typer.Option(
         None, help="Python with transformers' serving extras (default: .bench-venv/bin/python, `make bench-env`)."

@@ -20,8 +20,7 @@ import typer
 from sqlalchemy import delete, select
 
 from preheat import procs
-from preheat.cli.bench.common import host, prepare, write_report
-from preheat.cli.bench.fleet import _nodename, _worker_env, ensure_no_live_workers
+from preheat.cli.bench.common import ensure_no_live_workers, host, prepare, worker_env, worker_name, write_report
 from preheat.db import aware, session_scope, utcnow
 from preheat.errors import ConfigError
 from preheat.models import Schedule, ScheduleSlot, SlotStatus, WarmupRun
@@ -77,8 +76,8 @@ def run(
 
     ensure_no_live_workers("bench beat starts its own worker")
     ensure_no_beat()
-    env = _worker_env(PREHEAT_BEAT_LEASE_S=f"{lease_s:g}")
-    nodename = _nodename("beat")
+    env = worker_env(PREHEAT_BEAT_LEASE_S=f"{lease_s:g}")
+    nodename = worker_name("beat")
     worker = procs.start_worker(nodename, env, log_dir)
     beat_argv = procs.celery_command("beat", "--loglevel=INFO")
     prefix = f"bench-beat-{uuid.uuid4().hex[:6]}"

@@ -1,11 +1,14 @@
-"""What every benchmark shares: its set-up, its host description, its JSON report, and
-the parsing of list options."""
+"""What every benchmark shares: its set-up, its host description, its JSON report, the
+processes it starts (their environment and names), the dev models it measures on, and the
+parsing of list options."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import socket
+import uuid
 from pathlib import Path
 
 import typer
@@ -31,10 +34,49 @@ def prepare(console, *, exclusive: str | None = None, database: bool = True, mod
     if database:
         migrate.upgrade(settings.database)
     if exclusive:
-        from preheat.cli.bench.fleet import ensure_no_live_workers
-
         ensure_no_live_workers(exclusive)
     return settings, catalog
+
+
+def ensure_no_live_workers(why: str) -> None:
+    """A benchmark's requests must reach only the workers it started."""
+    from preheat import registry
+    from preheat.cli.lazy import get_settings
+    from preheat.db import session_scope
+    from preheat.errors import ConfigError
+
+    with session_scope() as session:
+        live = [w.nodename for w in registry.live_workers(session, get_settings().worker_dead_after_s)]
+    if live:
+        raise ConfigError(
+            f"{why}, but live worker(s) would take part: {', '.join(live)}; stop them or point "
+            f"PREHEAT_HOME / the broker at a separate stack"
+        )
+
+
+def worker_env(**overrides: str) -> dict[str, str]:
+    """The environment of a worker a benchmark starts: a free health port each, as several
+    workers share this machine."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PREHEAT_HEALTH_PORT": "0", **overrides}
+
+
+def worker_name(kind: str) -> str:
+    """A worker name of its own per benchmark process."""
+    return f"bench-{kind}-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
+
+
+def dev_model(folder: Path, shape: str, console) -> Path:
+    """The dev model of `shape` (tiny, or SmolLM-135M's: 30 layers of 576, 9 heads over 3 KV
+    heads, 49,152 embedding rows) in `folder`, built there if it is not yet. The path is
+    absolute: the catalogs that name it resolve relative paths against their own folder."""
+    from workers.devmodel import ModelShape, make_model
+
+    folder = folder.resolve()
+    if (folder / "config.json").exists():
+        return folder
+    console.print(f"building the {shape} dev model in {folder} …")
+    dims = ModelShape(576, 1536, 30, 9, 3, 2048, padded_vocab=49152) if shape == "135m" else ModelShape()
+    return make_model(folder, shape=dims)
 
 
 def write_report(report: dict, path: Path, console) -> None:

@@ -9,7 +9,6 @@ broker, the history writes and the process start that users see.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 import uuid
@@ -17,30 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from preheat import history, procs, registry
+from preheat.cli.bench.common import worker_env, worker_name
 from preheat.cli.lazy import get_settings
 from preheat.db import session_scope
-from preheat.errors import ConfigError
-
-
-def _worker_env(**overrides: str) -> dict[str, str]:
-    # A free health port each: several workers share this machine.
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PREHEAT_HEALTH_PORT": "0", **overrides}
-
-
-def _nodename(kind: str) -> str:
-    return f"bench-{kind}-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
-
-
-def ensure_no_live_workers(why: str) -> None:
-    """A benchmark's requests must reach only the workers it started."""
-    with session_scope() as session:
-        live = [w.nodename for w in registry.live_workers(session, get_settings().worker_dead_after_s)]
-    if live:
-        raise ConfigError(
-            f"{why}, but live worker(s) would take part: {', '.join(live)}; stop them or point "
-            f"PREHEAT_HOME / the broker at a separate stack"
-        )
-
 
 # First request -------------------------------------------------------------------------
 
@@ -71,8 +49,8 @@ def first_request_round(
         )
         return pending.get(timeout=timeout_s)
 
-    env = _worker_env(PREHEAT_GATE_INFERENCE="true" if gated else "false")
-    nodename = _nodename("gated" if gated else "ungated")
+    env = worker_env(PREHEAT_GATE_INFERENCE="true" if gated else "false")
+    nodename = worker_name("gated" if gated else "ungated")
     launched = time.perf_counter()
     worker = procs.start_worker(nodename, env, log_dir)
     with procs.running(worker):
@@ -132,11 +110,11 @@ class FanoutRow:
 def fanout_round(count: int, templates: list[str] | None, log_dir: Path, timeout_s: float) -> FanoutRow:
     from preheat.dispatch import dispatch_warmup, prime_dispatch
 
-    names = [_nodename(f"fan{count}") for _ in range(count)]
+    names = [worker_name(f"fan{count}") for _ in range(count)]
     # Each worker gets its share of the CPUs, as a pod gets its CPU request: N processes
     # each spinning up every core's worth of OpenMP threads measure oversubscription.
     threads = str(max(1, (os.cpu_count() or 1) // count))
-    workers = [procs.start_worker(name, _worker_env(OMP_NUM_THREADS=threads), log_dir) for name in names]
+    workers = [procs.start_worker(name, worker_env(OMP_NUM_THREADS=threads), log_dir) for name in names]
     with procs.running(*workers):
         procs.poll(lambda: _all_ready(names), timeout_s, 0.2, f"{count} worker(s) ready")
         prime_dispatch()  # a dispatcher's connections are open before the warmup it sends

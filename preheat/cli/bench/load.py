@@ -1,8 +1,8 @@
 """`preheat bench load`: many chat users at once against one server, side by side.
 
 Each mode is a fresh server on the same dev model and the same templates' system prompts:
-preheat's batching engine, its one-at-a-time engine (PREHEAT_ENGINE=sequential), batching
-with prefix caching off, and `transformers serve --continuous-batching` where its serving
+preheat's scheduler, the same scheduler one request at a time (PREHEAT_MAX_RUNNING_REQUESTS=1),
+batching with prefix caching off, and `transformers serve --continuous-batching` where its serving
 extras are installed (`make bench-env`). Every mode gets the same load: closed loops of 1,
 4, 16, 64 users (each sends its next request when its answer is complete), then an open
 loop of Poisson arrivals. Requests are streamed chat completions, greedy, as a client
@@ -27,15 +27,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from preheat.cli.bench.common import host, prepare, write_report
-from preheat.cli.bench.start import _dev_model
+from preheat.cli.bench.common import dev_model, host, prepare, worker_env, worker_name, write_report
 from preheat.errors import ConfigError
 
-MODES = ("batch", "sequential", "no-prefix-cache", "transformers", "celery")
+MODES = ("batch", "one-at-a-time", "no-prefix-cache", "transformers", "celery")
 SERVER_ENV = {
-    "batch": {"PREHEAT_ENGINE": "batch"},
-    "sequential": {"PREHEAT_ENGINE": "sequential"},
-    "no-prefix-cache": {"PREHEAT_ENGINE": "batch", "PREHEAT_PREFIX_CACHING": "false"},
+    "batch": {},
+    "one-at-a-time": {"PREHEAT_MAX_RUNNING_REQUESTS": "1"},
+    "no-prefix-cache": {"PREHEAT_PREFIX_CACHING": "false"},
 }
 USER_INPUTS = (
     "Where is my parcel? It was due on Monday.",
@@ -105,7 +104,7 @@ def main(
     templates = catalog.templates_of(model_name)
     system_prompts = [catalog.system_prompt(name) for name in templates]
     folder = settings.home / "bench" / "load"
-    model_dir = _dev_model(folder / "models" / shape, shape, console)
+    model_dir = dev_model(folder / "models" / shape, shape, console)
     python = transformers_python or Path(".bench-venv/bin/python")
     rows, skipped = [], {}
     for mode in wanted_modes:
@@ -206,14 +205,13 @@ def _celery_rows(
     """One worker on the configured stack; each user sends `preheat.infer` and waits for it."""
     from preheat import procs
     from preheat.celery import app
-    from preheat.cli.bench.fleet import _nodename, _worker_env
 
     console.print("celery: starting a worker …")
-    env = _worker_env(
+    env = worker_env(
         PREHEAT_CATALOG=str(_bench_catalog(folder, model_name, model_dir, templates, catalog)),
         PREHEAT_PREFIX_STORE="off",
     )
-    worker = procs.start_worker(_nodename("load"), env, folder / "logs")
+    worker = procs.start_worker(worker_name("load"), env, folder / "logs")
     rows = []
     with procs.running(worker):
         procs.wait_for_log(worker, f"model {model_name} takes requests", timeout)
@@ -492,7 +490,7 @@ def verdicts(rows: list[Row], skipped: dict[str, str]) -> list[str]:
             f"TTFT p50 at {TARGET_USERS} users: {ours.ttft_p50_ms:.1f} ms = {ratio:.2f}× the single user's "
             f"{single.ttft_p50_ms:.1f} ms (target ≤ {TTFT_P50_TARGET}: {_met(ratio <= TTFT_P50_TARGET)})"
         )
-    if (alone := at("sequential", target)) is not None and alone.tokens_per_s:
+    if (alone := at("one-at-a-time", target)) is not None and alone.tokens_per_s:
         lines.append(
             f"batching vs one at a time at {TARGET_USERS} users: {ours.tokens_per_s / alone.tokens_per_s:.2f}×"
         )

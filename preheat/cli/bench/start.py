@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from preheat.cli.bench.common import host, prepare, write_report
+from preheat.cli.bench.common import dev_model, host, prepare, worker_env, worker_name, write_report
 from preheat.errors import ConfigError
 
 START_TARGET = 1.3  # launch -> ready, against the limit
@@ -133,7 +133,7 @@ def main(shapes: str, rounds: int, timeout: float, json_path: Path) -> None:
     folder = settings.home / "bench" / "start"
     rows, limits, loads = [], {}, {}
     for shape in wanted:
-        model_dir = _dev_model(folder / "models" / shape, shape, console)
+        model_dir = dev_model(folder / "models" / shape, shape, console)
         bench_catalog = _catalog(folder / f"{shape}.toml", model, model_dir, template, system_prompt, probe)
         console.print(f"{shape}: {rounds} round(s) × the limit, an empty and a warm prefix store …")
         store = folder / "prefixes" / shape
@@ -155,17 +155,6 @@ def main(shapes: str, rounds: int, timeout: float, json_path: Path) -> None:
     for line in report["verdicts"]:
         console.print(line, highlight=False)
     write_report(report, json_path or settings.home / "bench" / "start.json", console)
-
-
-def _dev_model(folder: Path, shape: str, console) -> Path:
-    from workers.devmodel import ModelShape, make_model
-
-    if (folder / "config.json").exists():
-        return folder
-    console.print(f"building the {shape} dev model in {folder} …")
-    # 135m: SmolLM-135M's shape: 30 layers of 576, 9 heads over 3 KV heads, 49,152 embedding rows.
-    dims = ModelShape(576, 1536, 30, 9, 3, 2048, padded_vocab=49152) if shape == "135m" else ModelShape()
-    return make_model(folder, shape=dims)
 
 
 def _catalog(path: Path, model: str, model_dir: Path, template: str, system_prompt: str, probe: str) -> Path:
@@ -237,12 +226,11 @@ def launch(
 
     from preheat import procs
     from preheat.celery import app
-    from preheat.cli.bench.fleet import _nodename, _worker_env
 
     model, template, probe = request
-    env = as_installed(_worker_env(PREHEAT_CATALOG=str(catalog), PREHEAT_PREFIX_STORE=str(store)))
+    env = as_installed(worker_env(PREHEAT_CATALOG=str(catalog), PREHEAT_PREFIX_STORE=str(store)))
     launched_wall, launched = time.time(), time.perf_counter()
-    worker = procs.start_worker(_nodename(f"start-{shape}"), env, logs)
+    worker = procs.start_worker(worker_name(f"start-{shape}"), env, logs)
     with procs.running(worker), httpx.Client(timeout=5) as client:
         health = procs.health_url(worker, timeout)
         # Every 50 ms, on one connection: polled every 10 ms with a connection each, the probe

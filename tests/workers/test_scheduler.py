@@ -1,6 +1,7 @@
-"""Many requests at once through the batching scheduler, on real dev models: every answer
-token-identical to the same request run alone, a closed stream freeing its row, a full
-queue refused, one request's failure its own."""
+"""Many requests at once through the scheduler, on real dev models: every answer
+token-identical to the same request run alone (and, greedy, to transformers), a closed
+stream freeing its row, a full queue refused, one request's failure its own, a cache that
+cannot be batched run as a batch of one."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ import time
 
 import pytest
 
-import workers.batch as batch_module
-from tests.conftest import SUPPORT_PROMPT, load_resident
-from workers.batch import BatchLimits, QueueFullError, Scheduler
+import workers.request as request_module
+import workers.scheduler as scheduler_module
+from tests.conftest import SUPPORT_PROMPT, greedy, load_resident, new_scheduler, reference_generate
 from workers.chat import TemplatePrefix
 from workers.device import DeviceOutOfMemory
-from workers.generate import PrefixEngine
-from workers.kvcache import CacheBudget, KVCacheManager
 from workers.sampling import SamplingParams
+from workers.scheduler import BatchLimits, QueueFullError, Scheduler
 
 SYSTEM_PROMPTS = [
     SUPPORT_PROMPT,
@@ -24,14 +24,6 @@ SYSTEM_PROMPTS = [
     "You are a code reviewer. Point out bugs first, style last. Quote the line you mean.",
 ]
 USER_INPUTS = ["Where is my parcel?", "", "Summarise: " + "the quarterly numbers went up. " * 12, "Ünïcødé ✓", "ok"]
-
-
-def greedy(max_tokens: int, stop: tuple[str, ...] = ()) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop)
-
-
-def new_engine() -> PrefixEngine:
-    return PrefixEngine(KVCacheManager(CacheBudget(max_entries=64, max_bytes=512 * 1024**2)))
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "gemma3"])
@@ -49,15 +41,14 @@ def mixed_requests(resident, count: int = 16):
     """(prompt ids, sampling) of `count` requests: three templates, five user inputs,
     lengths from 1 to 24 tokens; every third request has a stop string taken from its
     own answer, so it ends early on a stop string."""
-    known, engine = prefixes(resident), new_engine()
-    for prefix in known:
-        engine.prefill(resident, prefix.ids, key=prefix.key, pin=True)
+    known = prefixes(resident)
     requests = []
     for i in range(count):
         prompt_ids = known[i % 3].prompt_ids(resident, USER_INPUTS[i % len(USER_INPUTS)])
         sampling = greedy(1 + (i * 7) % 24)
         if i % 3 == 2:
-            text = engine.generate(resident, prompt_ids, sampling).collect().text
+            answer = reference_generate(resident, prompt_ids, sampling.max_tokens)
+            text = resident.tokenizer.decode(answer, skip_special_tokens=True)
             if len(text) > 6:
                 sampling = greedy(sampling.max_tokens, stop=(text[3:5],))
         requests.append((prompt_ids, sampling))
@@ -65,11 +56,12 @@ def mixed_requests(resident, count: int = 16):
 
 
 def alone(resident, known, prompt_ids, sampling):
-    """The request on the one-at-a-time engine, its templates pre-filled."""
-    engine = new_engine()
-    for prefix in known:
-        engine.prefill(resident, prefix.ids, key=prefix.key, pin=True)
-    return engine.generate(resident, prompt_ids, sampling).collect()
+    """The request on a scheduler of one row, its templates pre-filled."""
+    scheduler = warm_scheduler(resident, known, BatchLimits(max_running=1))
+    try:
+        return scheduler.submit(resident, prompt_ids, sampling).collect()
+    finally:
+        scheduler.close()
 
 
 def run_together(scheduler: Scheduler, resident, requests):
@@ -91,10 +83,10 @@ def run_together(scheduler: Scheduler, resident, requests):
 
 
 def warm_scheduler(resident, known, limits: BatchLimits = BatchLimits()) -> Scheduler:
-    engine = new_engine()
+    scheduler = new_scheduler(limits=limits)
     for prefix in known:
-        engine.prefill(resident, prefix.ids, key=prefix.key, pin=True)
-    return Scheduler(engine, limits)
+        scheduler.prefill(resident, prefix.ids, key=prefix.key, pin=True)
+    return scheduler
 
 
 def test_sixteen_concurrent_greedy_requests_equal_each_run_alone(resident):
@@ -106,6 +98,8 @@ def test_sixteen_concurrent_greedy_requests_equal_each_run_alone(resident):
         assert got.token_ids == want.token_ids
         assert got.text == want.text and got.finish_reason == want.finish_reason
         assert got.cached_tokens == want.cached_tokens > 0
+        truth = reference_generate(resident, prompt_ids, sampling.max_tokens)
+        assert got.token_ids == truth[: len(got.token_ids)]  # a stop string ends it early, never elsewhere
     assert any(
         c.finish_reason == "stop" and c.token_ids and len(c.token_ids) < s.max_tokens
         for c, (_, s) in zip(together, requests, strict=True)
@@ -151,7 +145,7 @@ def test_one_requests_failure_is_its_own(resident, monkeypatch):
     """A sampler that fails (bad input found late) and a decode step out of memory: the
     request concerned ends with its error, its neighbours' answers are unchanged."""
     known, requests = mixed_requests(resident, 6)
-    real_sampler_for = batch_module.sampler_for
+    real_sampler_for = request_module.sampler_for
 
     def failing_for_seed_13(params, *args):
         sampler = real_sampler_for(params, *args)
@@ -159,11 +153,11 @@ def test_one_requests_failure_is_its_own(resident, monkeypatch):
             sampler.choose = lambda *_: (_ for _ in ()).throw(ValueError("injected: a bad logits row"))
         return sampler
 
-    monkeypatch.setattr(batch_module, "sampler_for", failing_for_seed_13)
+    monkeypatch.setattr(request_module, "sampler_for", failing_for_seed_13)
     real_forward, failed = Scheduler._forward, {"n": 0}
 
     def out_of_memory_once_at_five(resident, batch):
-        if len(batch.rows) == 5 and not failed["n"]:
+        if len(batch.requests) == 5 and not failed["n"]:
             failed["n"] += 1
             raise DeviceOutOfMemory("injected: out of memory decoding 5 requests")
         return real_forward(resident, batch)
@@ -200,9 +194,9 @@ def test_a_remembered_turn_is_cached_for_the_next_from_the_batch(resident):
     scheduler = warm_scheduler(resident, known)
     prompt_ids = known[0].prompt_ids(resident, "Where is my parcel? It was due on Monday.")
     first = scheduler.submit(resident, prompt_ids, greedy(6), remember=True).collect()
-    cached = scheduler.engine.cache.acquire_longest(resident.name, prompt_ids[0].numpy(), record=False)
+    cached = scheduler.prefixes.cache.acquire_longest(resident.name, prompt_ids[0].numpy(), record=False)
     assert cached is not None and cached.tokens == prompt_ids.shape[-1]
-    scheduler.engine.cache.release(cached.entry)
+    scheduler.prefixes.cache.release(cached.entry)
     assert first.cached_tokens == known[0].ids.shape[-1]
     scheduler.close()
 
@@ -217,8 +211,8 @@ def test_requests_are_pre_filled_together_only_beside_feeds_of_similar_length():
     30-id turns goes alone, turns of 20 to 40 ids go together."""
     import torch
 
-    from workers.batch import _by_feed_length
-    from workers.generate import Start
+    from workers.prefixcache import Start
+    from workers.scheduler import _by_feed_length
 
     def start(ids: int) -> tuple[str, Start]:
         return f"r{ids}", Start(None, torch.zeros((1, ids), dtype=torch.long), None, 0, 0.0)
@@ -240,8 +234,50 @@ def test_a_long_prompt_is_pre_filled_a_chunk_a_step_while_the_others_decode(resi
     assert first.text is not None
     assert scheduler.steps - before >= long_ids.shape[-1] // 8 - 2  # a decode step between every chunk
     late_answer = late.collect()
-    engine = new_engine()
-    want = engine.generate(resident, long_ids, SamplingParams(max_tokens=6, temperature=0.0), use_cache=False)
-    assert late_answer.token_ids == want.collect().token_ids
+    assert late_answer.token_ids == reference_generate(resident, long_ids, 6)[: len(late_answer.token_ids)]
     running.close()
+    scheduler.close()
+
+
+def test_a_cache_that_cannot_be_batched_runs_as_a_batch_of_one_beside_the_batch(resident, monkeypatch):
+    """Layers of a type the batch does not know (written in place, or of other shapes) are
+    never batched: each such request decodes alone, between the batch's steps, and answers
+    as transformers does."""
+    known, requests = mixed_requests(resident, 8)
+    scheduler = warm_scheduler(resident, known)
+    entry = scheduler.prefixes.cache.peek(known[0].key)
+    for layer in entry.payload.cache.layers:
+        layer.__class__ = type(f"InPlace{type(layer).__name__}", (type(layer),), {})
+    alone_steps = {"n": 0}
+    real_step_single = Scheduler._step_single
+
+    def counted(self, single):
+        alone_steps["n"] += 1
+        return real_step_single(self, single)
+
+    monkeypatch.setattr(Scheduler, "_step_single", counted)
+    together = run_together(scheduler, resident, requests)
+    for (prompt_ids, sampling), got in zip(requests, together, strict=True):
+        assert got.cached_tokens > 0
+        assert got.token_ids == reference_generate(resident, prompt_ids, sampling.max_tokens)[: len(got.token_ids)]
+    assert alone_steps["n"] > 0 and scheduler.rows_stepped / scheduler.steps > 1
+    assert scheduler.load()["running"] == 0
+    scheduler.close()
+
+
+def test_a_long_prompt_with_nothing_else_to_run_is_computed_in_one_pass(resident, monkeypatch):
+    """Chunks make room for other rows' decode steps; alone, a prompt is one pass."""
+    known, _ = mixed_requests(resident, 1)
+    scheduler = warm_scheduler(resident, known, BatchLimits(prefill_tokens_per_step=8))
+    fed, real_forward = [], scheduler_module.forward
+
+    def counted(resident, ids, cache=None):
+        fed.append(int(ids.shape[-1]))
+        return real_forward(resident, ids, cache)
+
+    monkeypatch.setattr(scheduler_module, "forward", counted)
+    long_ids = known[1].prompt_ids(resident, "Summarise: " + "the quarterly numbers went up. " * 12)
+    answer = scheduler.submit(resident, long_ids, greedy(1), use_cache=False).collect()
+    assert fed == [long_ids.shape[-1]]
+    assert answer.token_ids == reference_generate(resident, long_ids, 1)
     scheduler.close()

@@ -1,0 +1,474 @@
+"""The OpenAI protocol, apart from any transport: requests checked, answers shaped.
+
+Every path that takes decoding fields reads them here, by their OpenAI names (and the
+extras vLLM serves: top_k, min_p, repetition_penalty): the bodies of ``/v1/chat/completions``
+and ``/v1/completions`` (``preheat serve``), the arguments of ``preheat.infer``, the options
+of ``preheat infer``. A field is honoured or refused by name, never ignored: one the API
+does not have (a typo) and one preheat does not serve are each a 400 naming it.
+
+``workers.serve`` is the HTTP transport over this; nothing here imports Tornado or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from preheat.errors import DeviceOutOfMemory, PreheatError, UnknownNameError
+from preheat.text import not_text_at
+from workers.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams, TokenLogprob
+
+MAX_TOKENS_LIMIT = 4096
+DEFAULT_MAX_TOKENS = 64
+ROLES = ("system", "developer", "user", "assistant")
+# A body nested deeper than this is refused before Python's own recursion limit is met.
+MAX_NESTING = 64
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape: {"error": {"message", "type", "code"}}."""
+
+    def __init__(
+        self, status: HTTPStatus, message: str, code: str | None = None, retry_after_s: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.retry_after_s = status, message, code, retry_after_s
+
+    def body(self) -> dict:
+        return {
+            "error": {"message": self.message, "type": self.status.phrase.lower().replace(" ", "_"), "code": self.code}
+        }
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One generation request, parsed and checked."""
+
+    model: str
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    messages: tuple[dict, ...] = ()  # /v1/chat/completions
+    prompt: str | None = None  # /v1/completions
+
+    @property
+    def chat(self) -> bool:
+        return self.prompt is None
+
+
+# Honour or refuse, never ignore: the request fields each route reads.
+COMMON_FIELDS = {
+    "model",
+    "max_tokens",
+    "stream",
+    "stream_options",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+    "logprobs",
+    "logit_bias",
+}
+ROUTE_FIELDS = {
+    "chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format"},
+    "completions": COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"},
+}
+# Fields of the API preheat does not serve: refused by name, with why.
+NOT_SERVED = {
+    "tools": "tool calls are not served",
+    "tool_choice": "tool calls are not served",
+    "parallel_tool_calls": "tool calls are not served",
+    "functions": "function calls are not served",
+    "function_call": "function calls are not served",
+    "user": "per-user attribution is not recorded",
+    "metadata": "stored completions are not served",
+    "store": "stored completions are not served",
+    "service_tier": "service tiers are not served",
+    "modalities": "only text is served",
+    "audio": "only text is served",
+    "prediction": "predicted outputs are not served",
+    "reasoning_effort": "reasoning effort is not served",
+    "web_search_options": "web search is not served",
+}
+STREAM_OPTIONS = {"include_usage"}
+MAX_COMPLETION_LOGPROBS = 5  # the completions API's own limit
+
+
+def _refuse(name: str, why: str) -> ApiError:
+    return ApiError(HTTPStatus.BAD_REQUEST, f"{name}: {why}", "unsupported_parameter")
+
+
+def _invalid(name: str, why: str) -> ApiError:
+    return ApiError(HTTPStatus.BAD_REQUEST, f"{name}: {why}", "invalid_value")
+
+
+# The body ------------------------------------------------------------------------------
+
+
+def parse_body(raw: bytes, max_bytes: int) -> dict:
+    """A request body as the API takes it: at most `max_bytes`, UTF-8, a JSON object of
+    text (JSON may escape half a UTF-16 pair, "\\ud800": valid JSON, but no text a tokenizer
+    or a UTF-8 database column can take), nested no deeper than MAX_NESTING."""
+    if len(raw) > max_bytes:
+        raise ApiError(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body is {len(raw)} bytes; the limit is {max_bytes}", "body_too_large"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "body is not UTF-8", "invalid_json") from None
+    if _nesting(text) > MAX_NESTING:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"body is nested deeper than {MAX_NESTING} levels", "invalid_json")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc.msg} at {exc.pos}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "body must be a JSON object", "invalid_json")
+    if (where := not_text_at(body)) is not None:
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST, f"body is not valid text: a lone surrogate in {where or 'it'}", "invalid_json"
+        )
+    return body
+
+
+def _nesting(text: str) -> int:
+    """How deep the brackets of a JSON text go (those inside strings too: an over-count is
+    a refusal of a body no client sends, never a crash)."""
+    deepest = depth = 0
+    for char in text:
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+# Decoding fields -----------------------------------------------------------------------
+
+
+def int_field(fields: dict, name: str, default: int | None, low: int, high: int) -> int | None:
+    value = fields.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise SamplingError(name, f"must be an integer from {low} to {high} (got {value!r})")
+    return value
+
+
+def _bool_field(fields: dict, name: str) -> bool:
+    value = fields.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise SamplingError(name, f"must be true or false (got {value!r})")
+    return value
+
+
+def _stop_of(fields: dict) -> tuple[str, ...]:
+    stop = fields.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)  # an empty one is refused by SamplingParams: it would end every answer at once
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise SamplingError("stop", "must be a string or a list of strings")
+    return tuple(stop)
+
+
+def _logit_bias_of(fields: dict) -> tuple[tuple[int, float], ...]:
+    bias = fields.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() for k in bias):
+        raise SamplingError("logit_bias", "must map token ids (as strings) to numbers")
+    return tuple((int(token), value) for token, value in bias.items())
+
+
+def _logprobs_of(fields: dict, route: str) -> int | None:
+    if route == "completions":  # an integer: how many alternatives per token
+        return int_field(fields, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+    top = fields.get("top_logprobs")
+    if not _bool_field(fields, "logprobs"):
+        if top is not None:
+            raise SamplingError("top_logprobs", "needs logprobs: true")
+        return None
+    return 0 if top is None else int_field(fields, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+
+
+def _max_tokens_of(fields: dict) -> int:
+    newer = int_field(fields, "max_completion_tokens", None, 1, MAX_TOKENS_LIMIT)
+    return newer or int_field(fields, "max_tokens", DEFAULT_MAX_TOKENS, 1, MAX_TOKENS_LIMIT)
+
+
+def sampling_of(fields: dict, route: str = "chat") -> SamplingParams:
+    """The one mapping of decoding fields to `SamplingParams`, for every path (a body of
+    /v1/*, preheat.infer's arguments, preheat infer's options); a value that cannot be
+    honoured is a SamplingError naming its field. `route` says which shape logprobs has
+    (chat: a boolean and top_logprobs; completions: an integer)."""
+    top_k = fields.get("top_k")
+    return SamplingParams(
+        max_tokens=_max_tokens_of(fields),
+        temperature=fields.get("temperature"),
+        top_p=fields.get("top_p"),
+        top_k=None if top_k == -1 else top_k,  # -1: vLLM's "off"
+        min_p=fields.get("min_p"),
+        repetition_penalty=fields.get("repetition_penalty"),
+        presence_penalty=_or_zero(fields, "presence_penalty"),
+        frequency_penalty=_or_zero(fields, "frequency_penalty"),
+        seed=fields.get("seed"),
+        stop=_stop_of(fields),
+        n=fields.get("n") if fields.get("n") is not None else 1,
+        logprobs=_logprobs_of(fields, route),
+        logit_bias=_logit_bias_of(fields),
+    )
+
+
+def _or_zero(fields: dict, name: str):
+    value = fields.get(name)
+    return 0.0 if value is None else value
+
+
+# Routes --------------------------------------------------------------------------------
+
+
+def check_fields(body: dict, route: str) -> None:
+    """Every field is one this route reads, and one it can honour; else a 400 naming it."""
+    for name in body:
+        if name in NOT_SERVED:
+            raise _refuse(name, NOT_SERVED[name])
+        if name not in ROUTE_FIELDS[route]:
+            raise _refuse(name, f"not a parameter of /v1/{'chat/completions' if route == 'chat' else 'completions'}")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise _refuse("response_format", 'only {"type": "text"} is served')
+    for name, default in (("echo", False), ("suffix", None)):
+        if name in body and body[name] not in (default, None):
+            raise _refuse(name, f"only {default!r} is served")
+    if body.get("best_of") not in (None, 1, body.get("n") or 1):
+        raise _refuse("best_of", "only best_of equal to n is served (no ranking of extra candidates)")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _invalid("stream_options", "must be an object")
+    if options and (extra := set(options) - STREAM_OPTIONS):
+        raise _refuse(f"stream_options.{sorted(extra)[0]}", "only include_usage is served")
+
+
+def _common(body: dict, route: str) -> dict:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "model is required (a catalog model name)", "invalid_value")
+    check_fields(body, route)
+    try:
+        return {
+            "model": model,
+            "sampling": sampling_of(body, route),
+            "stream": _bool_field(body, "stream"),
+            "include_usage": _bool_field(body.get("stream_options") or {}, "include_usage"),
+        }
+    except SamplingError as exc:
+        name = f"stream_options.{exc.parameter}" if exc.parameter == "include_usage" else exc.parameter
+        raise _invalid(name, str(exc).removeprefix(f"{exc.parameter}: ")) from None
+
+
+def _text_of(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(part.get("text", "")) for part in content)
+    raise ApiError(
+        HTTPStatus.BAD_REQUEST, f"{where}: content must be a string or a list of text parts", "invalid_value"
+    )
+
+
+def parse_chat(body: dict) -> Ask:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "messages must be a non-empty list", "invalid_value")
+    system, turns = [], []
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ROLES:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].role must be one of {list(ROLES)}", "invalid_value")
+        if extra := sorted(set(message) - {"role", "content", "name"}):
+            raise _refuse(f"messages[{i}].{extra[0]}", "not served (text messages only)")
+        text = _text_of(message.get("content"), f"messages[{i}]")
+        if role in ("system", "developer"):
+            if turns:
+                raise ApiError(HTTPStatus.BAD_REQUEST, "system messages must come first", "invalid_value")
+            system.append(text)
+        else:
+            turns.append({"role": role, "content": text})
+    if not turns or turns[-1]["role"] != "user":
+        raise ApiError(HTTPStatus.BAD_REQUEST, "the last message must be the user's", "invalid_value")
+    # Leading system (and developer) messages are one system turn: every template knows that.
+    head = [{"role": "system", "content": "\n".join(system)}] if system else []
+    return Ask(messages=(*head, *turns), **_common(body, "chat"))
+
+
+def parse_completion(body: dict) -> Ask:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "prompt must be a non-empty string", "invalid_value")
+    return Ask(prompt=prompt, **_common(body, "completions"))
+
+
+def api_error(exc: Exception) -> ApiError | None:
+    """What a request's failure is for the client; None: a fault of the server's own."""
+    from workers.chat import ChatTemplateError
+    from workers.prefix import ContextLengthError
+    from workers.scheduler import QueueFullError
+
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, UnknownNameError):
+        return ApiError(HTTPStatus.NOT_FOUND, str(exc), "model_not_found")
+    if isinstance(exc, ContextLengthError):
+        return ApiError(HTTPStatus.BAD_REQUEST, str(exc), "context_length_exceeded")
+    if isinstance(exc, SamplingError):
+        return _invalid(exc.parameter, str(exc).removeprefix(f"{exc.parameter}: "))
+    if isinstance(exc, ChatTemplateError):
+        return ApiError(HTTPStatus.BAD_REQUEST, str(exc), "invalid_value")
+    if isinstance(exc, QueueFullError):
+        return ApiError(HTTPStatus.TOO_MANY_REQUESTS, str(exc), "queue_full", retry_after_s=exc.retry_after_s)
+    if isinstance(exc, DeviceOutOfMemory):
+        return ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "out_of_memory", retry_after_s=5)
+    if isinstance(exc, PreheatError):
+        return ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "model_unavailable")
+    if isinstance(exc, ValueError):  # what the request asked could not be done
+        return ApiError(HTTPStatus.BAD_REQUEST, str(exc), "invalid_value")
+    return None
+
+
+# Answers -------------------------------------------------------------------------------
+
+
+def usage_of(completions: list) -> dict:
+    """One prompt, n answers: the prompt and its reuse counted once, the answers summed."""
+    first, generated = completions[0], sum(len(c.token_ids) for c in completions)
+    return {
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": generated,
+        "total_tokens": first.prompt_tokens + generated,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+    }
+
+
+class LogprobShapes:
+    """Log probabilities in the two shapes of the API, token texts decoded one by one."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def _text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        text = self._text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def chat(self, logprobs: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict:
+        return {
+            "content": [
+                {
+                    **self._chat_entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [self._chat_entry(t, v) for t, v in lp.top],
+                }
+                for lp in logprobs
+            ]
+        }
+
+    def completion(self, logprobs: tuple[TokenLogprob, ...] | list[TokenLogprob], offset: int = 0) -> dict:
+        tokens = [self._text(lp.token_id) for lp in logprobs]
+        offsets, at = [], offset
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self._text(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def of(self, ask: Ask, logprobs) -> dict | None:
+        if ask.sampling.logprobs is None:
+            return None
+        return self.chat(logprobs) if ask.chat else self.completion(logprobs)
+
+
+def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None = None, **choice) -> dict:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, **choice}],
+    }
+
+
+def text_chunk(request_id: str, model: str, text: str, finish_reason: str | None = None, **choice) -> dict:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, **choice}],
+    }
+
+
+def stream_event(ask: Ask, request_id: str, shapes: LogprobShapes, kind: str, index: int, value) -> dict | None:
+    """The chunk of a streamed answer for one event of choice `index`: its start (chat
+    sends the role first), a piece, or its end (the finish reason)."""
+    chunk = chat_chunk if ask.chat else text_chunk
+    if kind == "start":
+        return (
+            chat_chunk(request_id, ask.model, {"role": "assistant", "content": ""}, index=index) if ask.chat else None
+        )
+    if kind == "end":
+        return chunk(request_id, ask.model, {} if ask.chat else "", value.finish_reason, index=index)
+    logprobs = shapes.of(ask, value.logprobs)
+    return chunk(
+        request_id, ask.model, {"content": value.text} if ask.chat else value.text, index=index, logprobs=logprobs
+    )
+
+
+def usage_chunk(ask: Ask, request_id: str, completions: list) -> dict:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk" if ask.chat else "text_completion",
+        "created": int(time.time()),
+        "model": ask.model,
+        "choices": [],
+        "usage": usage_of(completions),
+    }
+
+
+def whole_answer(ask: Ask, request_id: str, completions: list, shapes: LogprobShapes) -> dict:
+    """The answer not streamed: every choice, the usage, and preheat's own timings."""
+    choices = []
+    for index, completion in enumerate(completions):
+        said = {"message": {"role": "assistant", "content": completion.text}} if ask.chat else {"text": completion.text}
+        logprobs = shapes.of(ask, completion.logprobs)
+        choices.append({"index": index, **said, "logprobs": logprobs, "finish_reason": completion.finish_reason})
+    first = completions[0]
+    return {
+        "id": request_id,
+        "object": "chat.completion" if ask.chat else "text_completion",
+        "created": int(time.time()),
+        "model": ask.model,
+        "choices": choices,
+        "usage": usage_of(completions),
+        "preheat": {"ttft_ms": first.ttft_ms, "total_ms": first.total_ms},
+    }

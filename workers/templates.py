@@ -1,0 +1,159 @@
+"""A worker's templates as its requests and warmups use them.
+
+A template is resolved once: its prompt file read, its system prompt rendered with the
+model's chat template and its prefix ids hashed (``workers.chat.TemplatePrefix``). Requests
+use what was resolved and read no file; a warmup reads the prompt file again, so a prompt
+edited on disk is pre-filled by the next warmup. Each template carries the reason it is
+not ready (None once its prefix is pre-filled and pinned), which readiness reports.
+
+System prompts that are no template (a chat request's own) get an unpinned prefix of their
+own, remembered for the next request with the same prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from preheat.catalog import Catalog, TemplateSpec
+from preheat.errors import PreheatError
+from workers.chat import TemplatePrefix
+from workers.kvcache import CacheBudgetError, CacheFullError
+from workers.metrics import RuntimeMetrics
+from workers.prefixcache import Prefilled
+from workers.resident import ResidentModel
+from workers.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+# Ad hoc system prompts whose rendered prefix is remembered (each costs a few renders).
+AD_HOC_PREFIXES = 64
+# What a template's pre-fill can fail with and still leave the worker serving.
+TEMPLATE_ERRORS = (PreheatError, ValueError, RuntimeError, OSError)
+
+
+@dataclass(frozen=True)
+class ResolvedTemplate:
+    """A template as one call uses it: looked up once, passed down."""
+
+    name: str
+    spec: TemplateSpec
+    resident: ResidentModel
+    prefix: TemplatePrefix
+
+
+class Templates:
+    def __init__(
+        self,
+        catalog: Catalog,
+        resident_for: Callable[[str], ResidentModel],
+        scheduler: Scheduler,
+        metrics: RuntimeMetrics,
+    ) -> None:
+        self.catalog = catalog
+        self._resident_for, self._scheduler, self._metrics = resident_for, scheduler, metrics
+        self._prefixes: dict[str, TemplatePrefix] = {}
+        self._not_ready: dict[str, str | None] = dict.fromkeys(catalog.templates, "not pre-filled yet")
+        self._ad_hoc: OrderedDict[tuple[str, str], TemplatePrefix] = OrderedDict()
+
+    def resolve(self, name: str, *, reread: bool = False) -> ResolvedTemplate:
+        """Everything a call needs of a template: its spec, its model (loaded if need be),
+        its prefix ids and key. The prompt file is read once, and again with `reread`."""
+        spec = self.catalog.template(name)
+        resident = self._resident_for(spec.model)
+        known = self._prefixes.get(name)
+        if known is None or reread or known.model != resident.name:
+            text = self.catalog.system_prompt(name)
+            if known is None or known.system_prompt != text or known.model != resident.name:
+                self._replace(name, TemplatePrefix.of(resident, text))
+        return ResolvedTemplate(name, spec, resident, self._prefixes[name])
+
+    def _replace(self, name: str, prefix: TemplatePrefix) -> None:
+        """A template's prompt changed: its old prefix is no longer pinned (an LRU entry
+        like any other now), so old versions never hold the pinned budget."""
+        old = self._prefixes.get(name)
+        self._prefixes[name] = prefix
+        cache = self._scheduler.prefixes.cache
+        shared = old is not None and any(known.key == old.key for known in self._prefixes.values())
+        if old is not None and not shared and old.key in cache:
+            cache.unpin(old.key)
+
+    def prefill(self, name: str) -> tuple[ResolvedTemplate, Prefilled]:
+        """Pre-fill (or restore) and pin a template's prefix, its prompt file read again. A
+        failure is kept as the reason the template is not ready, and raised."""
+        try:
+            resolved = self.resolve(name, reread=True)
+        except TEMPLATE_ERRORS as exc:
+            self._note(name, str(exc))
+            raise
+        return resolved, self._prefill(resolved)
+
+    def _prefill(self, resolved: ResolvedTemplate) -> Prefilled:
+        prefix, model = resolved.prefix, resolved.resident.name
+        try:
+            prefilled = self._scheduler.prefill(
+                resolved.resident, prefix.ids, key=prefix.key, label=resolved.name, pin=True
+            )
+        except TEMPLATE_ERRORS as exc:
+            self._note(resolved.name, str(exc))
+            raise
+        if prefilled.source == "computed":
+            self._metrics.prefills.labels(model=model).inc()
+        elif prefilled.source == "restored":
+            self._metrics.restores.labels(model=model).inc()
+        self._note(resolved.name, None)
+        return prefilled
+
+    def _note(self, name: str, reason: str | None) -> None:
+        if name in self._not_ready:  # a name the catalog does not have stays out
+            self._not_ready[name] = reason
+
+    def ensure_prefix(self, resolved: ResolvedTemplate) -> None:
+        """A request's template is cached before it starts: one evicted (or never warmed)
+        is pre-filled again, for this request and the next."""
+        if resolved.prefix.key in self._scheduler.prefixes.cache:
+            return
+        log.info("template %s is not cached (evicted or never warmed): pre-filling it", resolved.name)
+        try:
+            self._prefill(resolved)
+        except (CacheBudgetError, CacheFullError) as exc:
+            log.warning("answering %s without the cache: %s", resolved.name, exc)
+
+    def ensure_ad_hoc(self, resident: ResidentModel, system_prompt: str) -> None:
+        """A system prompt that is no template: its prefix cached unpinned (LRU), so the
+        next conversation with it starts from it."""
+        key = (resident.name, system_prompt)
+        prefix = self._ad_hoc.pop(key, None) or TemplatePrefix.of(resident, system_prompt)
+        self._ad_hoc[key] = prefix  # most recent last
+        while len(self._ad_hoc) > AD_HOC_PREFIXES:
+            self._ad_hoc.popitem(last=False)
+        if prefix.key not in self._scheduler.prefixes.cache:
+            try:
+                self._scheduler.prefill(resident, prefix.ids, key=prefix.key, label="ad hoc system prompt")
+            except (CacheBudgetError, CacheFullError) as exc:
+                log.info("ad hoc system prompt not cached: %s", exc)
+
+    def named_by(self, model: str, system_prompt: str | None) -> str | None:
+        """The template of `model` whose system prompt this is, if any (a prompt read
+        before is not read again)."""
+        if not system_prompt:
+            return None
+        for name in self.catalog.templates_of(model):
+            known = self._prefixes.get(name)
+            if (known.system_prompt if known else self.catalog.system_prompt(name)) == system_prompt:
+                return name
+        return None
+
+    def known(self, name: str) -> TemplatePrefix | None:
+        """The template's prefix as it was last resolved (None before)."""
+        return self._prefixes.get(name)
+
+    def not_ready(self, name: str) -> str | None:
+        return self._not_ready.get(name, "not in the catalog")
+
+    def is_warm(self, name: str) -> bool:
+        """Ready, and its prefix in the cache now."""
+        known = self._prefixes.get(name)
+        return self.not_ready(name) is None and known is not None and known.key in self._scheduler.prefixes.cache
