@@ -150,6 +150,15 @@ class Settings(BaseSettings):
             raise ValueError(f"driver {url.drivername!r} is not one of {sorted(DATABASE_DRIVERS)}")
         return value
 
+    @field_validator("prefix_store")
+    @classmethod
+    def _prefix_store_is_a_folder(cls, value: str | None) -> str | None:
+        if value is not None and value.strip().lower() != "off":
+            folder = Path(value).expanduser()
+            if folder.exists() and not folder.is_dir():
+                raise ValueError(f"{folder} is a file, not a folder: the prefix store keeps one file per prefix")
+        return value
+
     @field_validator("engine")
     @classmethod
     def _engine_is_retired(cls, value: str | None) -> None:

@@ -3,12 +3,20 @@ computing them again (vLLM's filesystem tier, LMCache's local disk backend).
 
 One safetensors file per prefix (never pickle: a file on a shared volume is untrusted
 input), written under a temporary name and renamed, so a reader sees a whole file or none.
-A file is used only when its key matches exactly: the model files' identity (size and
-mtime of every weight and config file, and the revision), dtype, device kind, the
-attention layout (layer types, windows, KV heads, head size) and the prefix's own ids. A
-truncated, corrupt or mismatched file costs one log line; it is removed and the prefix is
-computed instead. The store has its own byte budget, least recently used first (a restore
-touches the file).
+What comes back from disk is proven before it is used:
+
+- its key matches exactly: the model's identity from its contents (its configuration and
+  a sample of every weight, digested at load: a new checkpoint or a changed `rope_theta`
+  under the same file sizes and times is another model), the revision, dtype, device kind,
+  the attention layout (layer types, windows, KV heads, head size) and the prefix's own ids;
+- every tensor (keys and values of each layer, the logits, the ids) has the SHA-256 it was
+  written with: a flipped bit, bytes overwritten, another model's tensors put in its place;
+- every tensor has the shape and dtype the model's layout gives for that many ids, checked
+  before any cache is built, and holds only finite numbers.
+
+A file that fails any of these costs one log line; it is removed and the prefix is computed
+instead. The store has its own byte budget, least recently used first (a restore touches
+the file).
 
 Like the KV cache manager, it keeps no model: it stores and rebuilds the tensors of a
 transformers cache (``DynamicLayer`` and ``DynamicSlidingWindowLayer``; other layer types
@@ -34,16 +42,12 @@ from workers.resident import ResidentModel
 
 log = logging.getLogger(__name__)
 
-FORMAT = "preheat-prefix/1"
+FORMAT = "preheat-prefix/2"  # 2: a SHA-256 per tensor, the model identified by its contents
 SUFFIX = ".safetensors"
 
 
 def model_identity(resident: ResidentModel) -> dict[str, str]:
-    """What must match for a stored prefix to be this model's: files, dtype, device, layout."""
-    folder = Path(resident.path)
-    kept = (".safetensors", ".bin", ".json")
-    files = sorted(p for p in folder.iterdir() if p.suffix in kept) if folder.is_dir() else []
-    stamp = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    """What must match for a stored prefix to be this model's: contents, dtype, device, layout."""
     config = resident.model.config.get_text_config()
     layout = {
         "layer_types": getattr(config, "layer_types", None),
@@ -55,7 +59,7 @@ def model_identity(resident: ResidentModel) -> dict[str, str]:
         "attention": getattr(resident.model.config, "_attn_implementation", None),
     }
     return {
-        "files": hashlib.sha256("\n".join([resident.path, *stamp]).encode()).hexdigest(),
+        "contents": resident.content_digest,
         "revision": getattr(resident.model.config, "_commit_hash", None) or "",
         "dtype": str(resident.placement.dtype),
         "device": resident.placement.device.type,
@@ -122,6 +126,7 @@ class PrefixStore:
             **{f"identity.{k}": v for k, v in self._identity(resident).items()},
         }
         tensors["ids"] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+        metadata.update({f"sha256.{name}": tensor_digest(tensor) for name, tensor in tensors.items()})
         self.folder.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -174,9 +179,9 @@ class PrefixStore:
         return Restored(prefix, (time.perf_counter() - started) * 1000)
 
     def _read(self, resident: ResidentModel, ids: np.ndarray, path: Path) -> Prefix:
+        """The file's prefix, proven (see the module doc) before anything is built from it."""
         from safetensors import safe_open
 
-        device = resident.placement.device
         with safe_open(str(path), framework="pt", device="cpu") as stored:
             metadata = stored.metadata() or {}
             if metadata.get("format") != FORMAT:
@@ -184,17 +189,52 @@ class PrefixStore:
             for name, value in self._identity(resident).items():
                 if metadata.get(f"identity.{name}") != value:
                     raise ValueError(f"stored for another {name}")
-            if not np.array_equal(stored.get_tensor("ids").numpy(), ids):
-                raise ValueError("stored for other token ids")
-            layers = json.loads(metadata["layers"])
-            tensors = {name: stored.get_tensor(name).to(device, non_blocking=True) for name in stored.keys()}  # noqa: SIM118 (no __iter__)
-        prefix = Prefix(_cache_from(resident, layers, tensors), tensors["logits"])
-        if prefix.cache.get_seq_length() != len(ids):
-            raise ValueError(f"holds {prefix.cache.get_seq_length()} positions for {len(ids)} ids")
-        return prefix
+            tensors = {name: stored.get_tensor(name) for name in stored.keys()}  # noqa: SIM118 (no __iter__)
+        for name, tensor in tensors.items():
+            if metadata.get(f"sha256.{name}") != tensor_digest(tensor):
+                raise ValueError(f"{name} is not what was written (its SHA-256 differs)")
+        if not np.array_equal(tensors["ids"].numpy(), ids):
+            raise ValueError("stored for other token ids")
+        layers = json.loads(metadata["layers"])
+        _check_shapes(resident, layers, tensors, len(ids))
+        device = resident.placement.device
+        on_device = {name: tensor.to(device, non_blocking=True) for name, tensor in tensors.items()}
+        return Prefix(_cache_from(resident, layers, on_device), on_device["logits"])
 
     def nbytes(self) -> int:
         return sum(p.stat().st_size for p in self.folder.glob(f"*{SUFFIX}")) if self.folder.is_dir() else 0
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of a CPU tensor's bytes (1.3 GB/s here: 6 ms for the 8 MiB of a 2,058-token
+    prefix of the tiny model, against 113 ms to compute it)."""
+    return hashlib.sha256(memoryview(tensor.contiguous().view(torch.uint8).numpy())).hexdigest()
+
+
+def _check_shapes(resident: ResidentModel, layers: list[dict], tensors: dict, num_ids: int) -> None:
+    """Every tensor as the model's layout has it for `num_ids` ids: [1, KV heads, positions,
+    head size] per layer (a sliding window holds its last window - 1 positions), the
+    model's dtype, the logits one score per vocabulary id, every number finite."""
+    config = resident.model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = resident.placement.dtype
+    if len(layers) != config.num_hidden_layers:
+        raise ValueError(f"{len(layers)} layers stored, the model has {config.num_hidden_layers}")
+    for i, layer in enumerate(layers):
+        positions = min(num_ids, layer["window"] - 1) if layer["kind"] == "sliding" else num_ids
+        for name in (f"keys.{i}", f"values.{i}"):
+            tensor = tensors[name]
+            if tuple(tensor.shape) != (1, heads, positions, head_dim) or tensor.dtype != dtype:
+                raise ValueError(
+                    f"{name} is {tuple(tensor.shape)} {tensor.dtype}; the model has "
+                    f"{(1, heads, positions, head_dim)} {dtype} for {num_ids} ids"
+                )
+    if tuple(tensors["logits"].shape) != (resident.vocab_size,):
+        raise ValueError(f"logits are {tuple(tensors['logits'].shape)}; the model scores {resident.vocab_size} ids")
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"{name} holds numbers that are not finite")
 
 
 def _tensors_of(prefix: Prefix) -> tuple[dict | None, list]:

@@ -56,6 +56,12 @@ class ResidentModel:
         return frozenset(i for i in ids if i is not None)
 
     @functools.cached_property
+    def content_digest(self) -> str:
+        """The model's identity from what it computes with: its configuration and a strided
+        sample of every weight and buffer (`digest_contents`). Computed at load."""
+        return digest_contents(self.model)
+
+    @functools.cached_property
     def vocab_size(self) -> int:
         """How many ids the model's logits score (padded rows included)."""
         return int(self.model.config.get_text_config().vocab_size)
@@ -152,6 +158,29 @@ class ResidentModels:
         return dict(self._errors)
 
 
+# Values sampled from each weight for the model's identity: a new checkpoint of the same
+# shapes changes essentially every value, so a few thousand of each tell them apart, at
+# a cost that does not grow with the model (strided views, read where they lie).
+DIGEST_SAMPLES = 4096
+
+
+def digest_contents(model) -> str:
+    """SHA-256 of the model's configuration (every value, `rope_theta` included) and of a
+    strided sample of every tensor of its state (name, shape, dtype and values)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    with torch.inference_mode():
+        for name, tensor in sorted(model.state_dict().items()):
+            flat = tensor.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // DIGEST_SAMPLES)][:DIGEST_SAMPLES]
+            digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+            digest.update(sample.to("cpu", torch.float32).numpy().tobytes())
+    return digest.hexdigest()
+
+
 # transformers resolves its top-level names lazily, and two threads doing so at once can
 # fail ("cannot import name 'AutoModelForCausalLM'"): a catalog of several models loads in
 # parallel (preload), so the first resolution is done by one thread at a time.
@@ -177,7 +206,7 @@ def _load(source: ModelSource, placement: Placement, loader: str) -> ResidentMod
     model.to(placement.device).eval()
     model.requires_grad_(False)  # inference only: no autograd bookkeeping on any forward
     forward_params = inspect.signature(model.forward).parameters
-    return ResidentModel(
+    resident = ResidentModel(
         name=source.name,
         path=source.path,
         model=model,
@@ -189,6 +218,8 @@ def _load(source: ModelSource, placement: Placement, loader: str) -> ResidentMod
         chat_template_source=template_source,
         weight_loader=loader,
     )
+    resident.content_digest  # noqa: B018 - at load, off the path of the first pre-fill and request
+    return resident
 
 
 def _onto(placement: Placement) -> dict:

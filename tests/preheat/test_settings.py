@@ -71,3 +71,14 @@ def test_url_errors_never_echo_the_url(monkeypatch):
     with pytest.raises(ConfigError) as raised:
         load_settings()
     assert "hunter2" not in str(raised.value)
+
+
+def test_a_prefix_store_that_is_a_file_stops_every_process_at_start(monkeypatch, tmp_path):
+    named = tmp_path / "prefixes"
+    named.write_text("not a folder")
+    monkeypatch.setenv("PREHEAT_PREFIX_STORE", str(named))
+    with pytest.raises(ConfigError) as raised:
+        load_settings()
+    assert str(raised.value).startswith(f"invalid setting PREHEAT_PREFIX_STORE: {named} is a file, not a folder")
+    monkeypatch.setenv("PREHEAT_PREFIX_STORE", str(tmp_path / "new-folder"))
+    assert load_settings().prefix_store_folder == (tmp_path / "new-folder").resolve()  # made when first written

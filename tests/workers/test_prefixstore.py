@@ -3,14 +3,17 @@ exact key, never trusted when damaged, kept within their byte budget."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests.conftest import load_resident, new_scheduler, support_request
+from tests.conftest import load_resident, new_scheduler, reference_generate, support_request
 from workers.prefixstore import PrefixStore
 from workers.sampling import SamplingParams
 from workers.scheduler import Scheduler
@@ -53,42 +56,148 @@ def test_only_an_exact_key_is_restored(tiny_model, tmp_path):
     store.flush()
     assert store.restore(resident, prefix_ids[0, :-1].numpy()) is None  # other ids: another file
     assert store.restore(resident, prefix_ids[0].numpy()) is not None
-    # The model's files changed (a new checkpoint under the same name): nothing is restored.
-    weights = next(p for p in tiny_model.iterdir() if p.suffix == ".safetensors")
-    stat = weights.stat()
-    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
-    try:
-        assert PrefixStore(store.folder, 2**30).restore(resident, prefix_ids[0].numpy()) is None
-    finally:
-        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "other ids"])
-def test_a_damaged_file_costs_one_log_line_and_a_normal_prefill(damage, tiny_model, tmp_path, caplog):
+def tensor_span(path: Path, name: str) -> tuple[int, int]:
+    """Where a tensor's bytes lie in a safetensors file (its header says)."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8 : 8 + size])[name]["data_offsets"]
+    return 8 + size + start, 8 + size + end
+
+
+def rewrite(path: Path, name: str, change) -> None:
+    """`change(bytes) -> bytes` of the same length, applied to one tensor's bytes in place."""
+    data = bytearray(path.read_bytes())
+    start, end = tensor_span(path, name)
+    data[start:end] = change(bytes(data[start:end]))
+    path.write_bytes(bytes(data))
+
+
+def flip_bytes(raw: bytes) -> bytes:
+    return raw[:64] + bytes(b ^ 0xFF for b in raw[64:320]) + raw[320:]
+
+
+def flip_low_bit(raw: bytes) -> bytes:
+    return raw[:100] + bytes([raw[100] ^ 1]) + raw[101:]
+
+
+def nans(raw: bytes) -> bytes:
+    return np.full(len(raw) // 4, np.nan, dtype=np.float32).tobytes()
+
+
+def rewritten_copy(model_dir: Path, folder: Path, change_config=None, change_weight=None) -> Path:
+    """The model's folder copied, one thing in it changed with every file's size and mtime
+    kept: what a new checkpoint or an edited config under the same name looks like to a
+    stamp of sizes and times."""
+    copy = folder / "changed"
+    shutil.copytree(model_dir, copy)
+    target = copy / ("config.json" if change_config else "model.safetensors")
+    stat = target.stat()
+    if change_config:
+        target.write_text(change_config(target.read_text()))
+    else:
+        rewrite(target, change_weight, lambda raw: (np.frombuffer(raw, np.float32) * 1.5).astype(np.float32).tobytes())
+    assert target.stat().st_size == stat.st_size
+    os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    return copy
+
+
+@pytest.mark.parametrize("changed", ["weights", "config"])
+def test_a_model_changed_under_the_same_file_sizes_and_times_restores_nothing(changed, tiny_model, tmp_path):
+    """The model's identity is digested from its contents at load: a new checkpoint, or a
+    config whose rope_theta changed, is another model however its files are stamped."""
     resident = load_resident(tiny_model)
     store = PrefixStore(tmp_path / "prefixes", 2**30)
-    prefix_ids, _ = support_request(resident, "")
+    prefix_ids, prompt_ids = support_request(resident, "Where is my parcel?")
+    engine_with(store).prefill(resident, prefix_ids)
+    store.flush()
+    if changed == "config":
+        copy = rewritten_copy(tiny_model, tmp_path, change_config=lambda text: text.replace("10000.0", "20000.0"))
+    else:
+        copy = rewritten_copy(tiny_model, tmp_path, change_weight="model.layers.0.self_attn.q_proj.weight")
+    now = load_resident(copy)
+    assert now.content_digest != resident.content_digest
+    restarted = engine_with(PrefixStore(store.folder, 2**30))
+    assert restarted.prefill(now, prefix_ids).source == "computed"
+    answer = restarted.submit(now, prompt_ids, GREEDY).collect()
+    assert answer.cached_tokens == prefix_ids.shape[-1]
+    assert answer.token_ids == reference_generate(now, prompt_ids, GREEDY.max_tokens)
+
+
+def another_models_file(tmp_path: Path, prefix_ids) -> Path:
+    """The same ids pre-filled by another model of the same shapes (other weights)."""
+    from workers.devmodel import make_model
+
+    other = load_resident(make_model(tmp_path / "other-model", seed=1), name="tiny")
+    store = PrefixStore(tmp_path / "other-store", 2**30)
+    return store.save(other, prefix_ids[0].numpy(), engine_with(None).prefill(other, prefix_ids).entry.payload)
+
+
+def layer_short_by_three(path: Path) -> None:
+    """A well-formed file, its digests right, whose first layer holds 3 positions too few."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from workers.prefixstore import tensor_digest
+
+    with safe_open(str(path), framework="pt") as stored:
+        metadata = stored.metadata()
+        tensors = {name: stored.get_tensor(name) for name in stored.keys()}  # noqa: SIM118
+    for name in ("keys.0", "values.0"):
+        tensors[name] = tensors[name][:, :, 3:, :].contiguous()
+        metadata[f"sha256.{name}"] = tensor_digest(tensors[name])
+    save_file(tensors, str(path), metadata=metadata)
+
+
+DAMAGES = {
+    "truncated": lambda path, tmp, ids: path.write_bytes(path.read_bytes()[: path.stat().st_size // 2]),
+    "garbage": lambda path, tmp, ids: path.write_bytes(b"\x00" * path.stat().st_size),
+    "256 bytes flipped in a layer's keys": lambda path, tmp, ids: rewrite(path, "keys.1", flip_bytes),
+    "one low bit flipped in a layer's values": lambda path, tmp, ids: rewrite(path, "values.2", flip_low_bit),
+    "NaNs written into a layer": lambda path, tmp, ids: rewrite(path, "keys.3", nans),
+    "bytes flipped in the stored logits": lambda path, tmp, ids: rewrite(path, "logits", flip_bytes),
+    "a layer 3 positions short, well-formed": lambda path, tmp, ids: layer_short_by_three(path),
+}
+
+
+def transplant(path: Path, tmp_path: Path, prefix_ids) -> None:
+    """This file's header and metadata, another model's tensors (the same shapes) after it."""
+    other = another_models_file(tmp_path, prefix_ids).read_bytes()
+    own = path.read_bytes()
+    own_header = 8 + int.from_bytes(own[:8], "little")
+    other_header = 8 + int.from_bytes(other[:8], "little")
+    path.write_bytes(own[:own_header] + other[other_header:])
+
+
+DAMAGES["another model's tensors under this file's name and metadata"] = transplant
+
+
+@pytest.mark.parametrize("damage", [*DAMAGES, "other ids"])
+def test_a_damaged_file_costs_one_log_line_and_a_normal_prefill(damage, tiny_model, tmp_path, caplog):
+    """Every damage is found before the file is used: removed, one log line, the prefix
+    computed, and the answer is transformers' on the current files."""
+    resident = load_resident(tiny_model)
+    store = PrefixStore(tmp_path / "prefixes", 2**30)
+    prefix_ids, prompt_ids = support_request(resident, "Where is my parcel?")
     engine_with(store).prefill(resident, prefix_ids)
     store.flush()
     [path] = store.folder.iterdir()
-    data = path.read_bytes()
-    if damage == "truncated":
-        path.write_bytes(data[: len(data) // 2])
-    elif damage == "garbage":
-        path.write_bytes(b"\x00" * len(data))
-    else:  # a whole, valid file, for other ids, under this key's name
+    if damage == "other ids":  # a whole, valid file, for other ids, under this key's name
         other = PrefixStore(tmp_path / "other", 2**30)
-        other.save(
-            resident,
-            np.concatenate([prefix_ids[0].numpy(), [5]]),
-            engine_with(None).prefill(resident, torch.cat([prefix_ids, torch.tensor([[5]])], dim=-1)).entry.payload,
-        )
+        longer = torch.cat([prefix_ids, torch.tensor([[5]])], dim=-1)
+        other.save(resident, longer[0].numpy(), engine_with(None).prefill(resident, longer).entry.payload)
         path.write_bytes(next(other.folder.iterdir()).read_bytes())
+    else:
+        DAMAGES[damage](path, tmp_path, prefix_ids)
+    restarted = engine_with(store)
     with caplog.at_level(logging.WARNING, logger="workers.prefixstore"):
-        prefilled = engine_with(store).prefill(resident, prefix_ids)
+        prefilled = restarted.prefill(resident, prefix_ids)
     assert prefilled.source == "computed" and prefilled.prefill_ms > 0
     lines = [r.getMessage() for r in caplog.records if r.name == "workers.prefixstore"]
-    assert len(lines) == 1 and "is unusable" in lines[0] and "removed; computing it" in lines[0]
+    assert len(lines) == 1 and "is unusable" in lines[0] and "removed; computing it" in lines[0], lines
+    answer = restarted.submit(resident, prompt_ids, GREEDY).collect()
+    assert answer.token_ids == reference_generate(resident, prompt_ids, GREEDY.max_tokens)
     store.flush()
     assert store.restore(resident, prefix_ids[0].numpy()) is not None  # stored again, whole
 
