@@ -49,6 +49,16 @@ def render(resident: ResidentModel, messages: Messages) -> torch.Tensor:
     return torch.tensor([list(ids)], dtype=torch.long)
 
 
+def system_prompt_of(messages: Messages) -> str | None:
+    """The system prompt a template's prefix is rendered from (`TemplatePrefix`): a lone
+    leading system message. Other heads (two system messages, a developer message, a
+    named one) have none: their ids are still the template's on those messages, and a
+    conversation's remembered turns still serve them."""
+    if len(messages) < 2 or messages[0]["role"] != "system" or "name" in messages[0]:
+        return None
+    return messages[0]["content"] if messages[1]["role"] in ("user", "assistant") else None
+
+
 def conversation(system_prompt: str | None, user_input: str) -> list[dict]:
     head = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return [*head, {"role": "user", "content": user_input}]

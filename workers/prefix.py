@@ -77,6 +77,12 @@ def truncatable(cache) -> bool:
     return True
 
 
+def has_window(cache) -> bool:
+    """Whether a layer of the cache keeps a sliding window: once it has slid, the cache can
+    no longer be cut back (see truncatable)."""
+    return any(getattr(layer, "sliding_window", None) for layer in cache.layers)
+
+
 def _shallow(obj):
     # What copy.copy does for a plain object, without its reduce protocol (~10x faster;
     # this is on every request's critical path).

@@ -12,6 +12,7 @@ does not have (a typo) and one preheat does not serve are each a 400 naming it.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -281,38 +282,45 @@ def _common(body: dict, route: str) -> dict:
 
 
 def _text_of(content, where: str) -> str:
+    """A message's content as text: a string, or the text parts of a list joined."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(part.get("text", "")) for part in content)
-    raise ApiError(
-        HTTPStatus.BAD_REQUEST, f"{where}: content must be a string or a list of text parts", "invalid_value"
-    )
+    if not isinstance(content, list):
+        raise _invalid(f"{where}.content", "must be a string or a list of text parts")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise _invalid(f"{where}.content[{j}]", "must be a content part (an object)")
+        if part.get("type") != "text":
+            raise _refuse(f"{where}.content[{j}].type", f"only text parts are served (got {part.get('type')!r})")
+        if extra := sorted(set(part) - {"type", "text"}):
+            raise _refuse(f"{where}.content[{j}].{extra[0]}", "not served (text parts only)")
+        if not isinstance(part.get("text"), str):
+            raise _invalid(f"{where}.content[{j}].text", f"must be a string (got {part.get('text')!r})")
+    return "".join(part["text"] for part in content)
 
 
 def parse_chat(body: dict) -> Ask:
+    """The messages as the chat template takes them: each role and name as the client sent
+    it (two system messages stay two: the template decides how they read), text content."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(HTTPStatus.BAD_REQUEST, "messages must be a non-empty list", "invalid_value")
-    system, turns = [], []
+    parsed = []
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
             raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].role must be one of {list(ROLES)}", "invalid_value")
         if extra := sorted(set(message) - {"role", "content", "name"}):
             raise _refuse(f"messages[{i}].{extra[0]}", "not served (text messages only)")
-        text = _text_of(message.get("content"), f"messages[{i}]")
-        if role in ("system", "developer"):
-            if turns:
-                raise ApiError(HTTPStatus.BAD_REQUEST, "system messages must come first", "invalid_value")
-            system.append(text)
-        else:
-            turns.append({"role": role, "content": text})
-    if not turns or turns[-1]["role"] != "user":
+        turn = {"role": role, "content": _text_of(message.get("content"), f"messages[{i}]")}
+        if "name" in message:
+            if not isinstance(message["name"], str) or not message["name"]:
+                raise _invalid(f"messages[{i}].name", f"must be a non-empty string (got {message['name']!r})")
+            turn["name"] = message["name"]
+        parsed.append(turn)
+    if parsed[-1]["role"] != "user":
         raise ApiError(HTTPStatus.BAD_REQUEST, "the last message must be the user's", "invalid_value")
-    # Leading system (and developer) messages are one system turn: every template knows that.
-    head = [{"role": "system", "content": "\n".join(system)}] if system else []
-    return Ask(messages=(*head, *turns), **_common(body, "chat"))
+    return Ask(messages=tuple(parsed), **_common(body, "chat"))
 
 
 def parse_completion(body: dict) -> Ask:
@@ -365,18 +373,47 @@ def usage_of(completions: list) -> dict:
     }
 
 
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character a byte-level BPE token spells a
+    byte with, to that byte (printable bytes stand for themselves, the others are shifted
+    past 255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, shifted = {b: chr(b) for b in printable}, 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte], shifted = chr(256 + shifted), shifted + 1
+    return {char: byte for byte, char in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 class LogprobShapes:
-    """Log probabilities in the two shapes of the API, token texts decoded one by one."""
+    """Log probabilities in the two shapes of the API, token texts decoded one by one, and
+    each token's own bytes (half a UTF-8 character is its bytes, not U+FFFD's)."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = "ByteLevel" in repr(decoder)
 
     def _text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the token stands for in the text."""
+        piece = self._tokenizer.convert_ids_to_tokens(token_id) or ""
+        if self._byte_level and piece and all(char in _BYTE_OF_CHAR for char in piece):
+            return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        if fallback := _BYTE_FALLBACK.fullmatch(piece):  # sentencepiece's byte fallback
+            return bytes([int(fallback.group(1), 16)])
+        if "▁" in piece:  # sentencepiece's word boundary: a space in the text
+            return piece.replace("▁", " ").encode("utf-8")
+        return self._text(token_id).encode("utf-8")
+
     def _chat_entry(self, token_id: int, logprob: float) -> dict:
-        text = self._text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": self._text(token_id), "logprob": logprob, "bytes": list(self.token_bytes(token_id))}
 
     def chat(self, logprobs: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict:
         return {

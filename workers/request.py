@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from workers.prefix import Prefix, clone_for_request, truncatable
+from workers.prefix import Prefix, clone_for_request, has_window, truncatable
 from workers.resident import ResidentModel
 from workers.sampling import ModelDefaults, Sampler, SamplingError, SamplingParams, TokenLogprob, sampler_for
 
@@ -204,13 +204,13 @@ class Request:
         self.status = RequestStatus.PREFILLING
 
     def prefilled(self, logits: torch.Tensor, own_kv: Callable[[], object]) -> None:
-        """Its prompt is computed: it decodes from here. A remembered turn whose answer's KV
-        could not be cut back to the prompt (a sliding window past its size) keeps the
-        prompt's own KV now."""
+        """Its prompt is computed: it decodes from here. A remembered turn keeps its
+        prompt's own KV now where the answer's may not be cut back to it later (a sliding
+        window that slides as the answer grows, or has already): see `to_remember`."""
         self.status = RequestStatus.RUNNING
         if self.remember:
             kv = own_kv()
-            if not truncatable(kv):
+            if has_window(kv) or not truncatable(kv):
                 self.prompt_only = Prefix(clone_for_request(kv), logits.clone())
 
     def append_token(self, logits: torch.Tensor) -> bool:
@@ -264,12 +264,15 @@ class Request:
         self.out.put(error)
 
     def to_remember(self, kv) -> tuple[list[int], Prefix] | None:
-        """What stays cached once it is finished: with `remember`, its prompt and all but its
-        last token (the one never fed), or its prompt alone where the cache cannot be cut."""
+        """What stays cached once it is finished, with `remember`: its prompt and all but its
+        last token (the one never fed), which a next turn can cut back to what it shares;
+        where that cannot be cut (a window that slid), its prompt alone, as it was kept."""
+        if not self.remember or self.status is RequestStatus.FINISHED_FAILED:
+            return None
+        if kv is not None and self.generated and (self.prompt_only is None or truncatable(kv)):
+            return self.ids[:-1], Prefix(kv, self.last_logits.clone())
         if self.prompt_only is not None:
             return self.ids[: self.prompt_tokens], self.prompt_only
-        if self.remember and kv is not None and self.generated and self.status is not RequestStatus.FINISHED_FAILED:
-            return self.ids[:-1], Prefix(kv, self.last_logits.clone())
         return None
 
     def cancel(self) -> None:

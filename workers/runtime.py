@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from preheat.catalog import Catalog, load_catalog
-from workers.chat import Messages, render
+from workers.chat import Messages, render, system_prompt_of
 from workers.kvcache import CacheBudget, KVCacheManager
 from workers.metrics import EngineCollector, RuntimeMetrics
 from workers.prefix import encode
@@ -249,7 +249,7 @@ class WorkerRuntime:
         arrived = time.perf_counter()
         resident = self._resident(model)
         prompt_ids = render(resident, messages)
-        system_prompt = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+        system_prompt = system_prompt_of(messages)
         template = self.templates.named_by(model, system_prompt)
         if self.config.prefix_caching and template is not None:
             self.templates.ensure_prefix(self.templates.resolve(template))

@@ -223,11 +223,15 @@ class Scheduler:
                 call = self._calls.popleft() if self._calls else None
             if call is not None:
                 self._run_call(call)
-            self._admit()
-            for model in list(self._batches):
-                self._step(model)
-            for single in list(self._singles):
-                self._step_single(single)
+            try:
+                self._admit()
+                for model in list(self._batches):
+                    self._step(model)
+                for single in list(self._singles):
+                    self._step_single(single)
+            except Exception as exc:  # a fault of the scheduler's own: no reader waits for ever
+                log.exception("a scheduler iteration failed; the requests it was running end with its error")
+                self._fail_running(exc)
 
     @staticmethod
     def _run_call(call: _Call) -> None:
@@ -237,6 +241,15 @@ class Scheduler:
             call.error = exc
         finally:
             call.finished.set()
+
+    def _fail_running(self, exc: Exception) -> None:
+        """Every request with a row ends with `exc` (those waiting go on)."""
+        running = [p.request for p in self._prefilling] + [s.request for s in self._singles]
+        running += [r for batch in self._batches.values() for r in batch.requests]
+        self._prefilling, self._singles, self._batches = [], [], {}
+        for request in running:
+            if not request.status.finished:
+                self._fail(request, exc)
 
     def _taken(self) -> list[Request]:
         requests = [*self._waiting, *(p.request for p in self._prefilling), *(s.request for s in self._singles)]
@@ -467,8 +480,8 @@ class Scheduler:
             request = batch.requests[i]
             if request.status is RequestStatus.FINISHED_FAILED:
                 continue
-            # Its KV is copied out only when it is what stays cached (see Request.to_remember).
-            kv = batch.kv.row(i) if request.remember and request.prompt_only is None else None
+            # Its KV is copied out only for a request that remembers (see Request.to_remember).
+            kv = batch.kv.row(i) if request.remember else None
             self._finish(request, kv, None if request.status.finished else RequestStatus.FINISHED_ABORTED)
         leaving = set(rows)
         keep = [i for i in range(len(batch.requests)) if i not in leaving]

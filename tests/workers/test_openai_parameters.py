@@ -63,11 +63,12 @@ def test_the_messages_are_passed_as_the_template_takes_them():
             ]
         )
     )
-    assert asked.messages == (
-        {"role": "system", "content": "Be brief.\nBe kind."},
+    assert asked.messages == (  # as sent: the chat template decides how two system messages read
+        {"role": "developer", "content": "Be brief."},
+        {"role": "system", "content": "Be kind."},
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello!"},
-        {"role": "user", "content": "Bye"},
+        {"role": "user", "content": "Bye", "name": "ann"},
     )
 
 
@@ -111,6 +112,11 @@ def test_the_messages_are_passed_as_the_template_takes_them():
         ({"stream_options": "yes"}, "stream_options: must be an object"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls: not served"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role must be one of"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text: must be a"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]}, "messages[0].content[0].text"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type: only"),
+        ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name: must be a non-empty"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content: must be a string"),
     ],
 )
 def test_a_chat_parameter_not_honoured_is_a_400_naming_it(fields, named):
@@ -159,3 +165,20 @@ def test_a_body_the_api_cannot_take_is_a_4xx_naming_why(raw, status, named):
     with pytest.raises(ApiError) as refused:
         parse_body(raw, 1024**2)
     assert refused.value.status == status and named in refused.value.message, refused.value.message
+
+
+def test_logprob_bytes_are_each_tokens_own_bytes_even_half_a_character(tiny_model):
+    """A token that holds part of a UTF-8 character decodes to U+FFFD alone; its bytes are
+    still its own, so the bytes of an answer's tokens join into the answer's UTF-8."""
+    from transformers import AutoTokenizer
+
+    from workers.protocol import LogprobShapes
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    shapes = LogprobShapes(tokenizer)
+    text = "Ünïcødé ✓ 包裹 🙂 and plain words"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert any(tokenizer.decode([i]).endswith("\ufffd") for i in ids)  # some token is half a character
+    assert b"".join(shapes.token_bytes(i) for i in ids) == text.encode("utf-8")
+    entries = [shapes._chat_entry(i, -1.0) for i in ids]
+    assert all(bytes(entry["bytes"]) == shapes.token_bytes(i) for entry, i in zip(entries, ids, strict=True))

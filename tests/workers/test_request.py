@@ -179,6 +179,23 @@ def test_a_remembered_turn_serves_the_next_turn_beyond_the_system_prompt(arch, d
     assert len(scheduler.prefixes.cache) == 2  # the system prompt and turn one (turn two was not remembered)
 
 
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_a_turn_past_a_sliding_window_leaves_its_prompt_for_the_next_turn(arch, dev_model, scheduler):
+    """No system prompt, a window the answer slides past: the prompt + answer can no longer
+    be cut back, so the prompt's own KV, kept at its pre-fill, serves the next turn."""
+    resident = load_resident(dev_model(arch), name=arch)
+    turn_one = [{"role": "user", "content": "Where is my parcel? It was due on Monday."}]
+    prompt = render(resident, turn_one)
+    first = ask(scheduler, resident, prompt, greedy(40), remember=True)
+    window = resident.model.config.get_text_config().sliding_window
+    assert prompt.shape[-1] < window < prompt.shape[-1] + len(first.token_ids)  # the case that matters
+    turn_two = [*turn_one, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And now?"}]
+    ids = render(resident, turn_two)
+    second = ask(scheduler, resident, ids, greedy(8))
+    assert second.cached_tokens >= prompt.shape[-1] - 2 > 0
+    assert second.token_ids == reference_generate(resident, ids, 8)
+
+
 def test_bad_requests_are_refused_before_any_work(llama, scheduler):
     _prefix_ids, prompt_ids = support_request(llama, "Hi")
     with pytest.raises(SamplingError, match="max_tokens: must be an integer from 1"):

@@ -281,3 +281,26 @@ def test_a_long_prompt_with_nothing_else_to_run_is_computed_in_one_pass(resident
     assert fed == [long_ids.shape[-1]]
     assert answer.token_ids == reference_generate(resident, long_ids, 1)
     scheduler.close()
+
+
+def test_a_fault_of_the_schedulers_own_ends_its_running_requests_and_the_next_is_served(resident, monkeypatch):
+    """A bug in an iteration (not a request's own failure) must not leave readers waiting
+    for ever: the requests it ran end with the error, and the scheduler serves on."""
+    known, _ = mixed_requests(resident, 1)
+    scheduler = warm_scheduler(resident, known)
+    prompt_ids = known[0].prompt_ids(resident, "Where is my parcel?")
+    real_step, broken = Scheduler._step, {"n": 0}
+
+    def fails_once(self, model):
+        if not broken["n"]:
+            broken["n"] += 1
+            raise RuntimeError("injected: a scheduler bug")
+        return real_step(self, model)
+
+    monkeypatch.setattr(Scheduler, "_step", fails_once)
+    with pytest.raises(RuntimeError, match="injected: a scheduler bug"):
+        scheduler.submit(resident, prompt_ids, greedy(8)).collect()
+    assert scheduler.load()["running"] == 0
+    again = scheduler.submit(resident, prompt_ids, greedy(8)).collect()
+    assert again.token_ids == reference_generate(resident, prompt_ids, 8)[: len(again.token_ids)]
+    scheduler.close()

@@ -126,10 +126,26 @@ def test_bad_input_is_a_4xx_with_a_reason(server):
         ({"model": "tiny", "messages": user, "max_tokens": 0}, 400, "max_tokens: must be an integer from 1"),
         ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "role must be one of"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 5000}]}, 400, "has a context of"),
+        ({"model": "tiny", "messages": user, "stream": "false"}, 400, "stream: must be true or false"),
+        ({"model": "tiny", "messages": user, "max_completion_tokens": 0}, 400, "max_completion_tokens: must be"),
+        ({"model": "tiny", "messages": user, "logit_bias": {"99999999": 5}}, 400, "logit_bias: token id 99999999"),
+        (
+            {"model": "tiny", "messages": user, "logit_bias": {"99999999": 5}, "stream": True},
+            400,
+            "logit_bias: token id 99999999",
+        ),
+        ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "content[0].text"),
     ]
     for body, status, reason in cases:
         answer = httpx.post(chat, json=body, timeout=60)
         assert answer.status_code == status and reason in answer.json()["error"]["message"], (body, answer.text)
+    codes = {
+        httpx.post(chat, json=body, timeout=60).json()["error"]["code"]
+        for body in ({"model": "tiny", "messages": user, "temperature": 7}, {"model": "tiny", "messages": []})
+    }
+    assert codes == {"invalid_value"}  # the code follows the cause: no context was exceeded
+    deep = httpx.post(chat, content=b'{"model": "tiny", "messages": ' + b"[" * 990 + b"]" * 990 + b"}", timeout=10)
+    assert deep.status_code == 400 and "nested deeper than 64" in deep.json()["error"]["message"]
     not_json = httpx.post(chat, content=b"{nope", timeout=10)
     assert not_json.status_code == 400 and "not JSON" in not_json.json()["error"]["message"]
     not_utf8 = httpx.post(chat, content=b'{"model": "\xff"}', timeout=10)
@@ -241,7 +257,7 @@ CHAT_ARCHITECTURES = ARCHITECTURES  # every architecture devmodel builds
 QUESTION = "Where is my parcel? It was due on Monday."
 
 
-def reference_answer(model_dir, messages, max_new_tokens: int) -> list[int]:
+def reference_answer(model_dir, messages, max_new_tokens: int, **options) -> list[int]:
     """transformers alone: the model's chat template, then greedy generate."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -254,7 +270,9 @@ def reference_answer(model_dir, messages, max_new_tokens: int) -> list[int]:
         [tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]]
     )
     with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id, **options
+        )
     return out[0, ids.shape[-1] :].tolist()
 
 
@@ -338,7 +356,7 @@ def test_a_conversation_turn_two_reuses_turn_one_and_sampling_is_reproducible(ch
     assert two.usage.prompt_tokens == free.usage.prompt_tokens  # one prompt, two answers
 
 
-def test_logprobs_in_both_shapes_streamed_and_not(chat_server):
+def test_logprobs_in_both_shapes_streamed_and_not(chat_server, dev_model):
     client, _ = chat_server
     messages = [{"role": "user", "content": QUESTION}]
     whole = client.chat.completions.create(
@@ -359,3 +377,57 @@ def test_logprobs_in_both_shapes_streamed_and_not(chat_server):
     assert [t.token for t in streamed] == [t.token for t in content]
     plain = client.completions.create(model="llama", prompt="Once upon a time", max_tokens=3, logprobs=1)
     assert len(plain.choices[0].logprobs.token_logprobs) == 3 and len(plain.choices[0].logprobs.top_logprobs[0]) == 1
+
+    # A bias as OpenAI's own examples write it (an integer), through the server and the
+    # scheduler, against transformers' sequence bias on the same ids.
+    greedy = reference_answer(dev_model("llama"), messages, 6)
+    banned = {(greedy[0],): -100.0, (greedy[1],): -100.0}
+    expected = reference_answer(dev_model("llama"), messages, 6, sequence_bias=banned)
+    integers = {str(greedy[0]): -100, str(greedy[1]): -100}
+    biased = client.chat.completions.create(
+        model="llama", messages=messages, max_tokens=6, temperature=0, logit_bias=integers
+    )
+    tokenizer = load_tokenizer(dev_model("llama"))
+    assert biased.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert biased.usage.completion_tokens == len(expected)
+
+
+def test_every_damaged_prefix_file_is_computed_again_and_answers_as_transformers(embedded_stack, tmp_path, tiny_model):
+    """What comes back from disk is proven, in a real server: prefix files written for a
+    template each, then each damaged a different way (tests/workers/test_prefixstore.py);
+    every one is one log line and a pre-fill, and every answer is transformers' own."""
+    from tests.conftest import load_resident, new_scheduler, reference_generate
+    from tests.workers.test_prefixstore import DAMAGES
+    from workers.chat import TemplatePrefix
+    from workers.prefixstore import PrefixStore
+
+    prompts = {f"t{i}": f"{SUPPORT_PROMPT} You are desk number {i}." for i in range(len(DAMAGES))}
+    catalog = tmp_path / "damaged.toml"
+    catalog.write_text(
+        f'[models.tiny]\npath = "{tiny_model}"\n\n'
+        + "".join(f'[templates.{name}]\nmodel = "tiny"\nsystem_prompt = "{text}"\n\n' for name, text in prompts.items())
+    )
+    resident, store = load_resident(tiny_model), PrefixStore(tmp_path / "prefixes", 2**30)
+    writer = new_scheduler(store)
+    prefixes = {name: TemplatePrefix.of(resident, text) for name, text in prompts.items()}
+    for prefix in prefixes.values():
+        writer.prefill(resident, prefix.ids, key=prefix.key)
+    store.flush()
+    writer.close()
+    for (name, prefix), damage in zip(prefixes.items(), DAMAGES.values(), strict=True):
+        damage(store.path_for(resident, prefix.ids[0].numpy()), tmp_path / name, prefix.ids)
+    env = {**embedded_stack.env, "PREHEAT_CATALOG": str(catalog), "PREHEAT_PREFIX_STORE": str(store.folder)}
+    proc = procs.start_serve(env, tmp_path / "logs")
+    with procs.running(proc):
+        url = procs.serve_url(proc)
+        procs.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 90, what="ready")
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        for name, text in prompts.items():
+            messages = [{"role": "system", "content": text}, {"role": "user", "content": QUESTION}]
+            answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+            expected = reference_generate(resident, prefixes[name].prompt_ids(resident, QUESTION), 8)
+            assert answer.choices[0].message.content == resident.tokenizer.decode(expected, skip_special_tokens=True)
+            assert answer.usage.prompt_tokens_details.cached_tokens >= prefixes[name].ids.shape[-1]
+        log = proc.log()
+    assert log.count("is unusable") == len(DAMAGES), log
+    assert "Traceback" not in log
