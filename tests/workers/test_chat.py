@@ -74,3 +74,35 @@ def test_a_template_that_refuses_the_messages_is_one_clear_error(dev_model):
     )
     with pytest.raises(ChatTemplateError, match="refuses these messages: System role not supported"):
         TemplatePrefix.of(resident, SUPPORT_PROMPT)
+
+
+HEADS = [
+    {"role": "system", "content": SUPPORT_PROMPT},
+    {"role": "system", "content": "Answer in English."},
+    {"role": "developer", "content": "Be brief."},
+    {"role": "user", "content": "Where is my parcel?", "name": "ann"},
+]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_messages_of_any_shape_are_the_templates_own_ids_and_answered_as_transformers(arch, dev_model, tmp_path):
+    """Two system messages, a developer message, a named user, as a client sends them,
+    through the protocol, the runtime and the scheduler: the prompt is what
+    apply_chat_template makes of those messages, and the answer transformers' on it."""
+    from tests.conftest import reference_generate
+    from workers.protocol import parse_chat
+
+    (tmp_path / "catalog.toml").write_text(
+        f'[models.{arch}]\npath = "{dev_model(arch)}"\n\n'
+        f'[templates.support]\nmodel = "{arch}"\nsystem_prompt = "{SUPPORT_PROMPT}"\n'
+    )
+    runtime = WorkerRuntime(load_catalog(tmp_path / "catalog.toml"), RuntimeConfig(device="cpu"))
+    assert runtime.preload() == []
+    asked = parse_chat({"model": arch, "messages": HEADS, "max_tokens": 8, "temperature": 0})
+    done = runtime.generate_chat(arch, asked.messages, asked.sampling).collect()
+    resident = runtime.resident_models.get(arch)
+    ids = resident.tokenizer.apply_chat_template(HEADS, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert done.prompt_tokens == len(ids)
+    assert done.token_ids == reference_generate(resident, render(resident, HEADS), 8)
+    assert render(resident, asked.messages)[0].tolist() == list(ids)
+    runtime.close()
