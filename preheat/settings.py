@@ -43,10 +43,10 @@ class Settings(BaseSettings):
     warmup_time_limit_s: int = Field(1800, gt=0, le=31_536_000)
     visibility_timeout_s: int = Field(7200, gt=0, le=31_536_000)
     probe_repeats: int = Field(3, ge=1, le=50, description="Probe runs per TTFT figure; the median is kept.")
-    # A job is `warm` when the probe's TTFT is within this factor of the worker's steady
-    # state: what its served cache-hit requests took, or (before it served any) the TTFT
-    # of the same input with no system prompt, the floor a cached prefix approaches.
-    warm_factor: float = Field(1.5, gt=1.0, le=1000)
+    # A job is `warm` when its warm and bare TTFT are within this factor of the worker's
+    # recent probes of the prefix (workers/warmup.py, `timing_error`): a busy worker is
+    # slowed by a fraction, a throttled one several-fold.
+    warm_factor: float = Field(3.0, gt=1.0, le=1000)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # Every worker writes a heartbeat to the registry table; one silent for longer than
     # worker_dead_after_s is dead: not sent warmups, and its unfinished jobs become `lost`.

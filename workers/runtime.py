@@ -42,7 +42,7 @@ class RuntimeConfig:
     device: str = "auto"  # see Settings.device
     weight_loader: str = "auto"  # see Settings.weight_loader
     probe_repeats: int = 3
-    warm_factor: float = 1.5  # see Settings.warm_factor
+    warm_factor: float = 3.0  # see Settings.warm_factor
     cache_budget: CacheBudget = DEFAULT_BUDGET
     batch_limits: BatchLimits = field(default_factory=BatchLimits)
     # Off only to measure what the cached prefixes give: every request computes its prompt.

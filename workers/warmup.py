@@ -13,7 +13,7 @@ import statistics
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 # A probe: the first token, greedy, as a request that is not counted as cache traffic.
 PROBE = SamplingParams(max_tokens=1, temperature=0.0)
 SERVED_KEPT = 50  # served requests' TTFTs kept per template: the steady state
+# Probes a new one is judged against: the latest, so the reference moves with the machine
+# (a sudden several-fold slowdown stands out for a few warmups, a lasting change becomes
+# the new normal), and a median, so one stalled probe among them does not move it.
+RECENT_PROBES = 9
+# A recent self needs a few probes: one is a sample, not a reference.
+MIN_RECENT_PROBES = 3
 
 
 @dataclass
@@ -100,10 +106,15 @@ def median_of(runs: list[FirstToken]) -> FirstToken:
 
 @dataclass(frozen=True)
 class Probe:
+    """Each way's median run (what history records) and the fastest warm and bare runs (what
+    the verdict judges: a neighbour's burst only ever slows a run, so the fastest is the
+    worker's speed, where a median of three moves with the burst)."""
+
     bare: FirstToken  # the user's text with no system prompt: the floor a cache can approach
     cold: FirstToken  # full prompt, full prefill: what a cold server does
     warm: FirstToken  # full prompt from the cached prefix (the median run)
-    warm_fastest_ms: float | None = None  # the fastest warm run: this worker at its best, now
+    warm_fastest_ms: float = 0.0
+    bare_fastest_ms: float = 0.0
 
 
 def probe(
@@ -128,24 +139,55 @@ def probe(
         cold=median_of(runs["cold"]),
         warm=median_of(runs["warm"]),
         warm_fastest_ms=min(run.ms for run in runs["warm"]),
+        bare_fastest_ms=min(run.ms for run in runs["bare"]),
     )
 
 
-def reference_ttft(measured: Probe, *, steady_ms: float | None, best_ms: float | None) -> tuple[float, str]:
-    """What a warm probe is held to: the fastest of this worker's own warm figures for the
-    template — its served requests' steady state, the best warm probe it measured before,
-    and the fastest run of this probe. Each already pays attention over the cached tokens,
-    so a warm worker meets it at any prefix length (the no-system-prompt TTFT does not: a
-    3,000-token prefix made every healthy warmup 2-2.3x it); a worker slowed since its best
-    (throttled, contended) does not, and neither does one whose runs stall in turn (a CPU
-    quota's throttling makes the median far slower than the fastest)."""
-    candidates = [
-        (steady_ms, "steady state"),
-        (best_ms, "best warm TTFT this worker measured"),
-        (measured.warm_fastest_ms, "fastest warm probe run"),
-    ]
-    known = [(ms, what) for ms, what in candidates if ms]
-    return min(known) if known else (measured.warm.ms, "warm TTFT")
+@dataclass(frozen=True)
+class Recent:
+    """What this worker's latest probes of a prefix measured (their fastest runs): the
+    reference a new probe is judged against, a reference that moves with the machine."""
+
+    warm_ms: tuple[float, ...]
+    bare_ms: tuple[float, ...]
+
+    @property
+    def warm(self) -> float:
+        return statistics.median(self.warm_ms)
+
+    @property
+    def bare(self) -> float:
+        return statistics.median(self.bare_ms)
+
+
+def cache_error(measured: Probe, prefix_tokens: int) -> str | None:
+    """Why the probe does not prove the cache: it did not start from the cached prefix, or
+    that gave another first token than full prefill; None when it does."""
+    if measured.warm.cached_tokens < prefix_tokens:
+        return "the probe did not start from the cached prefix"
+    if measured.warm.token_id != measured.cold.token_id:
+        warm, cold = measured.warm.token_id, measured.cold.token_id
+        return f"cached-prefix first token {warm} differs from full prefill's {cold}"
+    return None
+
+
+def timing_error(measured: Probe, recent: Recent | None, *, warm_factor: float) -> str | None:
+    """Held to this worker's recent probes of the prefix, on fastest runs (a neighbour's
+    burst only ever slows a run): its warm and its bare TTFT each within `warm_factor` of
+    theirs. A busy worker is slowed by a fraction, a throttled or starved one several-fold:
+    the factor tells them apart. Before a few probes there is no recent self: None."""
+    if recent is None:
+        return None
+    for way, now, usual in (
+        ("warm", measured.warm_fastest_ms, recent.warm),
+        ("bare", measured.bare_fastest_ms, recent.bare),
+    ):
+        if now > warm_factor * usual:
+            return (
+                f"{way} TTFT {now:.1f} ms (fastest run) is {now / usual:.1f}x this worker's recent self ({usual:.1f} "
+                f"ms, the median of its last {len(recent.bare_ms)} probes), over the warm factor {warm_factor:g}"
+            )
+    return None
 
 
 def verdict(
@@ -153,36 +195,23 @@ def verdict(
     measured: Probe,
     prefix_tokens: int,
     *,
-    steady_ms: float | None,
+    recent: Recent | None,
     warm_factor: float,
-    best_ms: float | None = None,
+    steady_ms: float | None = None,
 ) -> None:
-    """Warm only when verified: the cached prefix was used, it gives full prefill's token,
-    and the probe is as fast as this worker's own best for it (within `warm_factor`)."""
+    """Warm only when verified: the probe proves the cache (`cache_error`) and holds to this
+    worker's recent self (`timing_error`)."""
     result.ttft_bare_ms, result.ttft_cold_ms, result.ttft_warm_ms = measured.bare.ms, measured.cold.ms, measured.warm.ms
     result.ttft_steady_ms = steady_ms
-    reference, what = reference_ttft(measured, steady_ms=steady_ms, best_ms=best_ms)
-    result.status, result.error = "degraded", None
-    if measured.warm.cached_tokens < prefix_tokens:
-        result.error = "the probe did not start from the cached prefix"
-    elif measured.warm.token_id != measured.cold.token_id:
-        result.error = (
-            f"cached-prefix first token {measured.warm.token_id} differs from full prefill's {measured.cold.token_id}"
-        )
-    elif measured.warm.ms > warm_factor * reference:
-        result.error = (
-            f"warm TTFT {measured.warm.ms:.1f} ms is {measured.warm.ms / reference:.2f}x the {what} "
-            f"{reference:.1f} ms, over the warm factor {warm_factor:g}"
-        )
-    else:
-        result.status = "warm"
+    result.error = cache_error(measured, prefix_tokens) or timing_error(measured, recent, warm_factor=warm_factor)
+    result.status = "degraded" if result.error else "warm"
 
 
 class Warmups:
-    """The warmup jobs of one worker, and what they are judged against: the TTFT of the
-    requests it served from each template (its steady state) and the best warm probe each
-    prefix had here. The start-up's load and pre-fill times are reported by the first job
-    after them, once."""
+    """The warmup jobs of one worker, and what they are judged against: the latest probes
+    of each prefix here (`Recent`). The TTFT of the requests it served from each template
+    (its steady state) is reported beside. The start-up's load and pre-fill times are
+    reported by the first job after them, once."""
 
     def __init__(
         self,
@@ -200,7 +229,7 @@ class Warmups:
         # (which would pre-fill twice and skew both measurements).
         self.lock = threading.RLock()
         self._served_ms: dict[str, deque[float]] = {}
-        self._best_warm_ms: dict[CacheKey, float] = {}
+        self._recent: dict[CacheKey, deque[tuple[float, float]]] = {}  # (warm, bare) of the latest probes
         self._unreported_prefill: dict[CacheKey, Prefilled] = {}
         self._load_reported: set[str] = set()
         self.last: dict[str, dict] = {}  # template -> what its latest warmup reported
@@ -250,24 +279,31 @@ class Warmups:
         result.prefill_ms, result.prefix_source = prefilled.prefill_ms, prefilled.source
         result.restore_ms = prefilled.restore_ms if prefilled.source == "restored" else None
         probe_text = resolved.spec.probe
-        measured = probe(
-            self._scheduler,
-            resident,
-            prefix.prompt_ids(resident, probe_text),
-            render(resident, conversation(None, probe_text)),
-            self._probe_repeats,
-        )
-        best_ms = self._best_warm_ms.get(prefix.key)
-        if measured.warm.cached_tokens and measured.warm_fastest_ms:
-            self._best_warm_ms[prefix.key] = min(best_ms or measured.warm_fastest_ms, measured.warm_fastest_ms)
+        prompt_ids, bare_ids = prefix.prompt_ids(resident, probe_text), render(resident, conversation(None, probe_text))
+        measured = probe(self._scheduler, resident, prompt_ids, bare_ids, self._probe_repeats)
+        recent = self._recent.setdefault(prefix.key, deque(maxlen=RECENT_PROBES))
+        reference = Recent(*map(tuple, zip(*recent, strict=True))) if len(recent) >= MIN_RECENT_PROBES else None
+        if cache_error(measured, result.cached_tokens) is None and timing_error(
+            measured, reference, warm_factor=self._warm_factor
+        ):
+            # Confirmed before it is said: a burst beside one probe passes, a throttled
+            # worker or a slow cache does not. The second probe's runs join the first's.
+            again = probe(self._scheduler, resident, prompt_ids, bare_ids, self._probe_repeats)
+            measured = replace(
+                measured,
+                warm_fastest_ms=min(measured.warm_fastest_ms, again.warm_fastest_ms),
+                bare_fastest_ms=min(measured.bare_fastest_ms, again.bare_fastest_ms),
+            )
         verdict(
             result,
             measured,
             result.cached_tokens,
+            recent=reference,
             steady_ms=self.steady_ttft_ms(template),
-            best_ms=best_ms,
             warm_factor=self._warm_factor,
         )
+        if measured.warm.cached_tokens >= result.cached_tokens and measured.warm.token_id == measured.cold.token_id:
+            recent.append((measured.warm_fastest_ms, measured.bare_fastest_ms))  # a probe that used the cache
         if result.status == "warm":
             self._on_warm(result.model)
 

@@ -8,6 +8,7 @@ import pytest
 from preheat import history, procs
 from preheat.db import session_scope
 from preheat.models import JobStatus, RunStatus, TriggerKind
+from tests.throttle import cpu_share
 
 pytestmark = pytest.mark.slow
 
@@ -77,3 +78,58 @@ def test_warm_fleet_reaches_the_worker_that_runs_it(stack, worker):
     run = deadline_runs[0]
     assert run["trigger_detail"] == {"schedule": "morning"} and run["requested_by"] == "beat"
     assert [job["target"] for job in run["jobs"]] == [WORKER]
+
+
+def test_verdicts_hold_under_a_neighbours_load_and_catch_a_throttled_worker(embedded_stack, tmp_path, monkeypatch):
+    """Twenty warmups with a CPU hog beside the worker half of the time, production's factor:
+    none degraded (it was 172 of 200 runs, judged against an all-time best). Then the worker
+    held to a fifth of one core by a CPU quota, as a container's limit holds it: degraded,
+    saying so."""
+    import subprocess
+    import sys
+
+    import preheat.dispatch
+    from preheat.celery import create_app
+    from preheat.cli.warm import wait_for_run
+    from preheat.settings import get_settings
+
+    # This stack's broker: the process-wide app may be an earlier test's (another home).
+    monkeypatch.setattr(preheat.dispatch, "app", create_app(get_settings()))
+
+    env = {
+        **embedded_stack.env,
+        "PREHEAT_WARM_FACTOR": "3",
+        "PREHEAT_PROBE_REPEATS": "3",
+        "PREHEAT_WORKER_DEAD_AFTER_S": "120",  # a throttled worker beats slowly, and is not dead
+    }
+    worker = procs.start_worker(WORKER, env, tmp_path / "logs", cwd=embedded_stack.home)
+
+    def warm():
+        dispatched = preheat.dispatch.dispatch_warmup(templates=["support"], workers=[WORKER], requested_by="verdict")
+        [job] = wait_for_run(dispatched.run_id, 90, show_progress=False).jobs
+        return job
+
+    with procs.running(worker):
+        procs.wait_for_log(worker, f"{WORKER} ready.", 90)
+        hog, seen = None, []
+        try:
+            for i in range(20):
+                if i % 2 and hog is None:
+                    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                elif i % 2 == 0 and hog is not None:
+                    hog.kill()
+                    hog.wait()
+                    hog = None
+                job = warm()
+                seen.append((i % 2 == 1, job.status, job.error, job.ttft_bare_ms))
+        finally:
+            if hog is not None:
+                hog.kill()
+                hog.wait()
+        assert [entry for entry in seen if entry[1] != JobStatus.warm] == [], seen
+
+        with cpu_share(worker.popen.pid, 0.2):  # a fifth of one core: 5x slower at the least
+            throttled = warm()
+        recent = sorted(entry[3] for entry in seen)
+        assert throttled.status == JobStatus.degraded, (throttled.ttft_bare_ms, recent)
+        assert "this worker's recent self" in throttled.error and "over the warm factor 3" in throttled.error

@@ -1,63 +1,59 @@
 """The warmup verdict, with exact numbers: warm only when the probe used the cached prefix,
-gave full prefill's token, and was as fast as the worker's steady state."""
+gave full prefill's token, is as fast as this worker's recent probes at its speed now, and
+the worker is not several-fold slower than its recent self."""
 
 import pytest
 
-from workers.warmup import FirstToken, Probe, TemplateWarmup, median_of, side_by_side, verdict
+from workers.warmup import FirstToken, Probe, Recent, TemplateWarmup, median_of, side_by_side, verdict
 
 PREFIX_TOKENS = 200
 
 
-def _probe(warm_ms=6.0, bare_ms=5.0, warm_token=7, cached=PREFIX_TOKENS, fastest_ms=None):
-    return Probe(
-        bare=FirstToken(7, bare_ms, 0),
-        cold=FirstToken(7, 40.0, 0),
-        warm=FirstToken(warm_token, warm_ms, cached),
-        warm_fastest_ms=fastest_ms,
-    )
+def _probe(warm_ms=6.0, bare_ms=5.0, warm_token=7, cached=PREFIX_TOKENS):
+    warm = FirstToken(warm_token, warm_ms * 1.1, cached)  # the medians: recorded, not judged
+    bare = FirstToken(7, bare_ms * 1.1, 0)
+    cold = FirstToken(7, 40.0, 0)
+    return Probe(bare=bare, cold=cold, warm=warm, warm_fastest_ms=warm_ms, bare_fastest_ms=bare_ms)
 
 
-def _judge(probe, steady_ms=None, factor=1.5, best_ms=None):
+# This worker's recent probes of the prefix (fastest runs): warm 6 ms, bare 5 ms.
+RECENT = Recent(warm_ms=(6.0, 6.2, 5.9, 6.1), bare_ms=(5.0, 5.1, 4.9, 5.1))
+
+
+def _judge(probe, recent=RECENT, factor=3.0, steady_ms=None):
     result = TemplateWarmup(model="tiny", template="support", status="failed")
-    verdict(result, probe, PREFIX_TOKENS, steady_ms=steady_ms, warm_factor=factor, best_ms=best_ms)
+    verdict(result, probe, PREFIX_TOKENS, recent=recent, warm_factor=factor, steady_ms=steady_ms)
     return result
 
 
-def test_warm_within_the_factor_of_steady_state():
-    result = _judge(_probe(warm_ms=7.4), steady_ms=5.0)
-    assert (result.status, result.error, result.ttft_steady_ms) == ("warm", None, 5.0)
+def test_a_busy_worker_is_warm_slowed_by_a_fraction_of_its_recent_self():
+    busy = _judge(_probe(warm_ms=15.0, bare_ms=12.5), steady_ms=4.0)
+    assert (busy.status, busy.error, busy.ttft_steady_ms) == ("warm", None, 4.0)
+    assert (busy.ttft_warm_ms, busy.ttft_bare_ms) == pytest.approx((16.5, 13.75))  # the medians: what history records
 
 
-def test_degraded_over_the_factor_of_steady_state_with_the_numbers():
-    result = _judge(_probe(warm_ms=7.6), steady_ms=5.0)
-    assert result.status == "degraded"
-    assert result.error == "warm TTFT 7.6 ms is 1.52x the steady state 5.0 ms, over the warm factor 1.5"
-
-
-def test_a_long_prefix_is_warm_at_any_length_against_the_workers_own_warm_figures():
-    # A 3,000-token prefix: warm is 2.3x the no-system-prompt TTFT on a healthy worker. That
-    # is attention over the cached tokens, not coldness: held to its own warm runs, it is warm.
-    healthy = _judge(_probe(warm_ms=11.5, bare_ms=5.0, fastest_ms=10.9))
-    assert (healthy.status, healthy.error, healthy.ttft_steady_ms) == ("warm", None, None)
-    # Later, the same worker slowed several-fold: held to its best earlier warm probe.
-    throttled = _judge(_probe(warm_ms=60.0, bare_ms=26.0, fastest_ms=52.0), best_ms=10.9)
+def test_a_worker_slowed_several_fold_against_its_recent_self_is_degraded_with_the_numbers():
+    throttled = _judge(_probe(warm_ms=30.0, bare_ms=25.0))
     assert throttled.status == "degraded"
     assert throttled.error == (
-        "warm TTFT 60.0 ms is 5.50x the best warm TTFT this worker measured 10.9 ms, over the warm factor 1.5"
+        "warm TTFT 30.0 ms (fastest run) is 5.0x this worker's recent self (6.0 ms, the median of its last 4 "
+        "probes), over the warm factor 3"
     )
-    # Throttled in turn (a CPU quota): the median run far slower than the fastest.
-    stalling = _judge(_probe(warm_ms=40.0, fastest_ms=11.0))
-    assert stalling.status == "degraded" and "the fastest warm probe run 11.0 ms" in stalling.error
+    bare_only = _judge(_probe(warm_ms=12.0, bare_ms=16.0))
+    assert bare_only.status == "degraded" and bare_only.error.startswith("bare TTFT 16.0 ms (fastest run) is 3.2x")
+    assert _judge(_probe(warm_ms=17.9, bare_ms=14.9)).status == "warm"  # within 3x: busy
 
 
-def test_the_reference_is_the_fastest_of_the_workers_own_figures():
-    from workers.warmup import reference_ttft
+def test_a_long_prefix_is_warm_at_any_length_held_to_its_own_probes():
+    # A 3,000-token prefix: warm is 2.3x the no-system-prompt TTFT on a healthy worker. That
+    # is attention over the cached tokens, not coldness: its own recent probes say so.
+    long_recent = Recent(warm_ms=(11.5, 11.0, 12.0), bare_ms=(5.0, 4.8, 5.2))
+    assert _judge(_probe(warm_ms=11.6, bare_ms=5.0), recent=long_recent).status == "warm"
 
-    probe = _probe(warm_ms=12.0, fastest_ms=11.0)
-    assert reference_ttft(probe, steady_ms=None, best_ms=None) == (11.0, "fastest warm probe run")
-    assert reference_ttft(probe, steady_ms=9.0, best_ms=10.0) == (9.0, "steady state")
-    assert reference_ttft(probe, steady_ms=13.0, best_ms=10.0) == (10.0, "best warm TTFT this worker measured")
-    assert reference_ttft(_probe(warm_ms=12.0), steady_ms=None, best_ms=None) == (12.0, "warm TTFT")
+
+def test_before_a_recent_self_a_probe_is_judged_by_the_cache_alone():
+    first = _judge(_probe(warm_ms=30.0, bare_ms=25.0), recent=None)
+    assert (first.status, first.error) == ("warm", None)
 
 
 def test_a_probe_that_missed_the_cache_or_changed_the_token_is_degraded_however_fast():
