@@ -33,7 +33,12 @@ class WarmupRun(Model):
         back_populates="run", order_by="WarmupJob.target, WarmupJob.template", cascade="all, delete-orphan"
     )
 
-    __table_args__ = (Index("ix_warmup_runs_created_at", "created_at"),)
+    __table_args__ = (
+        Index("ix_warmup_runs_created_at", "created_at"),
+        # `preheat history --status/--trigger`: newest first among the matching runs only.
+        Index("ix_warmup_runs_status_created_at", "status", "created_at"),
+        Index("ix_warmup_runs_trigger_created_at", "trigger", "created_at"),
+    )
 
 
 class WarmupJob(Model):
@@ -75,6 +80,7 @@ class WarmupJob(Model):
     __table_args__ = (
         UniqueConstraint("run_id", "target", "model", "template", name="uq_warmup_jobs_run_target_model_template"),
         Index("ix_warmup_jobs_status", "status"),
+        Index("ix_warmup_jobs_celery_task_id", "celery_task_id"),  # a task's failure finds its jobs
     )
 
 

@@ -113,6 +113,9 @@ class Settings(BaseSettings):
     beat_lease_s: float = Field(15.0, gt=0, le=31_536_000)
     # A slot whose fire time passed longer ago than this (no beat ran) is `missed`, not fired.
     schedule_grace_s: float = Field(300.0, ge=0, le=31_536_000)
+    # The leading beat prunes history older than this once it takes the lead and daily after
+    # (preheat/prune.py; `preheat db prune` by hand); 0 keeps everything.
+    history_retention_days: int = Field(90, ge=0, le=36_500)
 
     @field_validator("broker_url")
     @classmethod

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from celery.beat import Scheduler
 from kombu.exceptions import OperationalError as BrokerError
 from sqlalchemy.exc import SQLAlchemyError
 
+from preheat import prune
 from preheat.catalog import Catalog, load_catalog
 from preheat.db import aware, session_scope, utcnow
 from preheat.errors import PreheatError
@@ -42,6 +44,10 @@ KEEPALIVE_PREFIX = "keepalive:"
 MISSED_LOOKBACK = dt.timedelta(days=1)
 MAX_MISSED_RECORDED = 100
 NEVER = dt.datetime.min.replace(tzinfo=dt.UTC)
+# The leader prunes history (preheat/prune.py) when it takes the lead and this often after;
+# a prune that failed (database away) is tried again sooner.
+PRUNE_EVERY = dt.timedelta(days=1)
+PRUNE_RETRY = dt.timedelta(hours=1)
 
 
 def keepalive_entries(catalog: Catalog) -> dict:
@@ -234,6 +240,8 @@ class DatabaseScheduler(Scheduler):
         self.holder = leader.holder_id()
         self.leading: bool | None = None  # unknown until the first tick: then logged either way
         self._catalog_synced = False
+        self._pruner: threading.Thread | None = None
+        self._next_prune = NEVER
         super().__init__(*args, **kwargs)
         self.max_interval = min(self.max_interval, self.settings.beat_tick_s)
 
@@ -260,6 +268,26 @@ class DatabaseScheduler(Scheduler):
             log.error("beat: catalog schedules not copied: %s", exc)
         self._catalog_synced = True
 
+    def _prune_when_due(self, now: dt.datetime) -> None:
+        # In a thread of its own: a first prune of a large history takes minutes, and slots
+        # must go on firing meanwhile.
+        days = self.settings.history_retention_days
+        if not days or now < self._next_prune or (self._pruner and self._pruner.is_alive()):
+            return
+        self._next_prune = now + PRUNE_EVERY
+        self._pruner = threading.Thread(target=self._prune, args=(days,), name="preheat-prune", daemon=True)
+        self._pruner.start()
+
+    def _prune(self, days: int) -> None:
+        try:
+            result = prune.prune(dt.timedelta(days=days))
+        except (SQLAlchemyError, PreheatError) as exc:
+            self._next_prune = utcnow() + PRUNE_RETRY
+            log.warning("beat: history prune failed, tried again within the hour: %s", str(exc).splitlines()[0])
+            return
+        counts = " ".join(f"{table}={count}" for table, count in result.counts.items())
+        log.info("beat: history older than %d days pruned: %s", days, counts)
+
     def _hold(self) -> bool:
         with session_scope() as session:
             held = leader.hold(session, self.holder, self.settings.beat_lease_s)
@@ -274,6 +302,7 @@ class DatabaseScheduler(Scheduler):
             if not self._hold():
                 return tick_s
             self._sync_catalog()
+            self._prune_when_due(utcnow())
             _, next_fire = _fire_pass(
                 utcnow(), self.holder, grace_s=self.settings.schedule_grace_s, lease_s=self.settings.beat_lease_s
             )

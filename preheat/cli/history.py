@@ -18,14 +18,21 @@ _SPAN = re.compile(r"^(\d+)([mhd])$")
 _UNITS = {"m": "minutes", "h": "hours", "d": "days"}
 
 
+def parse_span(value: str) -> dt.timedelta | None:
+    """'30m', '6h', '7d' as a timedelta; None when `value` is not such a span. Raises
+    OverflowError past what a timedelta holds."""
+    match = _SPAN.match(value)
+    return dt.timedelta(**{_UNITS[match[2]]: int(match[1])}) if match else None
+
+
 def parse_since(value: str) -> dt.datetime:
     """'30m', '6h', '7d', or an ISO date/time (UTC when no zone is given)."""
-    match = _SPAN.match(value)
-    if match:
-        try:
-            return utcnow() - dt.timedelta(**{_UNITS[match[2]]: int(match[1])})
-        except OverflowError:
-            raise ConfigError(f"--since {value!r} reaches back before year 1") from None
+    try:
+        span = parse_span(value)
+        if span is not None:
+            return utcnow() - span
+    except OverflowError:
+        raise ConfigError(f"--since {value!r} reaches back before year 1") from None
     try:
         parsed = dt.datetime.fromisoformat(value)
     except ValueError:

@@ -58,9 +58,11 @@ def suggest(
     """Find weekly peaks and propose schedules that fire ahead of each by a measured lead time."""
     from preheat.cron import Cron, CronError
     from preheat.errors import ConfigError
+    from preheat.prune import check_within_retention
     from schedules import peaks
 
     settings = get_settings()
+    check_within_retention(7 * weeks, settings.history_retention_days, f"--weeks {weeks}")
     timezone = settings.timezone if timezone is None else timezone
     try:
         Cron.parse("0 0 * * *", timezone)
@@ -172,9 +174,11 @@ def rank(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Order templates by time saved (request rate x measured prefill) and say which fit the cache."""
+    from preheat.prune import check_within_retention
     from schedules import peaks
 
     settings = get_settings()
+    check_within_retention(days, settings.history_retention_days, f"--days {days}")
     max_bytes = int(settings.kv_cache_max_bytes * settings.kv_cache_pinned_share)
     max_entries = max(1, int(settings.kv_cache_max_entries * settings.kv_cache_pinned_share))
     with session_scope() as session:

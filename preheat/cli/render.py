@@ -12,6 +12,7 @@ from preheat.states import JobStatus
 
 if TYPE_CHECKING:
     from preheat.models import WarmupJob, WarmupRun, WorkerRecord
+    from preheat.prune import PruneResult
 
 
 def short_id(run: WarmupRun) -> str:
@@ -172,6 +173,20 @@ def run_json(run: WarmupRun) -> dict:
             for job in run.jobs
         ],
     }
+
+
+def prune_table(result: PruneResult) -> Table:
+    verb = "would delete" if result.dry_run else "deleted"
+    table = Table(title=f"history older than {when(result.cutoff)} UTC: rows {verb}", title_justify="left")
+    table.add_column("table")
+    table.add_column("rows", justify="right")
+    for name, count in result.counts.items():
+        table.add_row(name, f"{count:,}")
+    return table
+
+
+def prune_json(result: PruneResult) -> dict:
+    return {"cutoff": _iso(result.cutoff), "dry_run": result.dry_run, "counts": result.counts}
 
 
 def console() -> Console:

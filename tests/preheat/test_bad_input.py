@@ -59,6 +59,23 @@ ROWS = [
     ("never fires", ["schedule", "add", "s", "--cron", "0 0 30 2 *"], {}, None, 2, "is invalid"),
     ("pause unknown", ["schedule", "pause", "nope"], {}, None, 2, "nope"),
     ("peaks empty tz", ["peaks", "suggest", "--tz", ""], {}, None, 2, "unknown time zone"),
+    ("peaks past retention", ["peaks", "suggest", "--weeks", "20"], {}, None, 2, "history keeps 90"),
+    (
+        "rank past retention",
+        ["templates", "rank", "--days", "30"],
+        {"PREHEAT_HISTORY_RETENTION_DAYS": "14"},
+        None,
+        2,
+        "--days 30 reads 30 days",
+    ),
+    (
+        "retention negative",
+        ["config", "check"],
+        {"PREHEAT_HISTORY_RETENTION_DAYS": "-1"},
+        None,
+        2,
+        "PREHEAT_HISTORY_RETENTION_DAYS",
+    ),
     # Files
     ("make-model onto a file", ["dev", "make-model", "/etc/hostname"], {}, None, 2, "is a file"),
     ("make-model arch", ["dev", "make-model", "/tmp/x-model", "--arch", "gpt9"], {}, None, 2, "unknown architecture"),

@@ -10,20 +10,16 @@ from transformers import AutoTokenizer
 from tests.conftest import PREHEAT_CLI
 
 
-def bench(stack, *args):
+def bench(stack, *args, timeout: float = 180):
+    """`preheat bench ARGS…` through the installed command, in the stack's environment."""
     return subprocess.run(
-        [PREHEAT_CLI, "bench", "ttft", *args],
-        env=stack.env,
-        cwd=stack.home,
-        capture_output=True,
-        text=True,
-        timeout=180,
+        [PREHEAT_CLI, "bench", *args], env=stack.env, cwd=stack.home, capture_output=True, text=True, timeout=timeout
     )
 
 
 def test_ttft_prints_the_table_and_writes_the_json(embedded_stack, tmp_path):
     out = tmp_path / "ttft.json"
-    done = bench(embedded_stack, "--lengths", "64,128", "--repeats", "2", "--json", str(out))
+    done = bench(embedded_stack, "ttft", "--lengths", "64,128", "--repeats", "2", "--json", str(out))
     assert done.returncode == 0, done.stderr
     assert "TTFT with and without the cached prefix" in done.stdout and "saved at 128 tokens" in done.stdout
     report = json.loads(out.read_text())
@@ -56,7 +52,7 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(embedded_stack):
     assert unknown.returncode == 2 and "unknown model 'nope'" in unknown.stderr
     too_long = embedded_stack.cli_here("bench", "ttft", "--lengths", "5000")
     assert too_long.returncode == 2 and "leaves no room in tiny's context of 4096" in too_long.stderr
-    garbage = bench(embedded_stack, "--lengths", "a,b")  # one through the installed command
+    garbage = bench(embedded_stack, "ttft", "--lengths", "a,b")  # one through the installed command
     assert garbage.returncode == 2 and "not a comma-separated list" in garbage.stderr
 
 
@@ -67,14 +63,7 @@ def test_outbox_compares_direct_kept_and_replayed_writes_and_leaves_nothing_behi
     from preheat.models import AppliedWrite, WarmupJob, WarmupRun
 
     out = tmp_path / "outbox.json"
-    done = subprocess.run(
-        [PREHEAT_CLI, "bench", "outbox", "--writes", "20", "--json", str(out)],
-        env=stack.env,
-        cwd=stack.home,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    done = bench(stack, "outbox", "--writes", "20", "--json", str(out))
     assert done.returncode == 0, done.stderr
     assert "20 kept, 20 replayed, 0 left in the outbox" in done.stdout
     report = json.loads(out.read_text())
@@ -92,14 +81,7 @@ def test_outbox_compares_direct_kept_and_replayed_writes_and_leaves_nothing_behi
 @pytest.mark.slow
 def test_start_times_each_stage_against_the_limit_and_a_warm_store_prefills_nothing(embedded_stack, tmp_path):
     out = tmp_path / "start.json"
-    done = subprocess.run(
-        [PREHEAT_CLI, "bench", "start", "--shapes", "tiny", "--rounds", "1", "--json", str(out)],
-        env=embedded_stack.env,
-        cwd=embedded_stack.home,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = bench(embedded_stack, "start", "--shapes", "tiny", "--rounds", "1", "--json", str(out), timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "worker start-up, stage by stage" in done.stdout and "tiny, warm store: ready in" in done.stdout
     report = json.loads(out.read_text())
@@ -130,34 +112,11 @@ def test_load_runs_every_mode_on_the_same_users_and_reports_side_by_side(embedde
     """Batching, one at a time and through Celery, on the tiny model; transformers serve is
     asked for where this environment lacks its extras: one line says why it was not measured."""
     out = tmp_path / "load.json"
-    done = subprocess.run(
-        [
-            PREHEAT_CLI,
-            "bench",
-            "load",
-            "--shape",
-            "tiny",
-            "--users",
-            "3",
-            "--requests-per-user",
-            "2",
-            "--max-tokens",
-            "4",
-            "--arrivals",
-            "3",
-            "--rate",
-            "20",
-            "--modes",
-            "batch,one-at-a-time,celery,transformers",
-            "--transformers-python",
-            str(tmp_path / "no-such-python"),
-            "--json",
-            str(out),
-        ],
-        env=embedded_stack.env,
-        cwd=embedded_stack.home,
-        capture_output=True,
-        text=True,
+    done = bench(
+        embedded_stack,
+        *("load", "--shape", "tiny", "--users", "3", "--requests-per-user", "2", "--max-tokens", "4"),
+        *("--arrivals", "3", "--rate", "20", "--modes", "batch,one-at-a-time,celery,transformers"),
+        *("--transformers-python", str(tmp_path / "no-such-python"), "--json", str(out)),
         timeout=400,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -183,3 +142,31 @@ def test_load_runs_every_mode_on_the_same_users_and_reports_side_by_side(embedde
 def test_load_refuses_an_unknown_mode(embedded_stack):
     refused = embedded_stack.cli_here("bench", "load", "--modes", "batch,vllm")
     assert refused.returncode == 2 and "--modes: expected a comma-separated list of batch" in refused.stderr
+
+
+def test_history_measures_each_command_before_and_after_the_indexes_on_a_scratch_database(
+    services_stack, tmp_path, pg_admin
+):
+    out = tmp_path / "history.json"
+    done = bench(services_stack, "history", "--jobs", "4000", "--days", "100", "--repeats", "2", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert (report["runs"], report["jobs"]) == (1000, 4000)
+    queries = {row["name"]: row for row in report["queries"]}
+    assert {"preheat history", "preheat history --status running", "preheat workers"} <= set(queries)
+    for row in queries.values():
+        assert set(row["ms"]) == {"0007", "head"} and all(ms > 0 for ms in row["ms"].values())
+        assert row["plans"]["head"], row  # each statement it sent, with PostgreSQL's plan
+    assert any(
+        "ix_warmup_jobs_celery_task_id" in plan for plan in queries["a task's failure (worker)"]["plans"]["head"]
+    )
+    assert not any("celery_task_id" in plan for plan in queries["a task's failure (worker)"]["plans"]["0007"])
+    pruned = report["prune"]
+    assert pruned["counted"] == pruned["deleted"] and pruned["deleted"]["warmup_jobs"] > 0
+    scratch = pg_admin.execute("SELECT datname FROM pg_database WHERE datname LIKE 'preheat_bench_history_%'")
+    assert scratch.fetchall() == []  # dropped at the end
+
+
+def test_history_refuses_sqlite_with_the_reason(embedded_stack):
+    done = embedded_stack.cli_here("bench", "history", "--jobs", "1000")
+    assert done.returncode == 2 and "measures PostgreSQL" in done.stderr

@@ -155,3 +155,29 @@ def outbox_command(
     from preheat.cli.bench import outbox as bench
 
     bench.main(writes=writes, json_path=json_path)
+
+
+@app.command("history")
+def history_command(
+    jobs: int = typer.Option(1_000_000, min=1000, max=100_000_000, help="Jobs in the record (four a run)."),
+    days: int = typer.Option(365, min=2, max=36_500, help="Days the record spans."),
+    retention_days: int = typer.Option(90, min=1, max=36_500, help="What the prune keeps, in days."),
+    repeats: int = typer.Option(9, min=1, max=100, help="Timed runs of each query; the median is shown."),
+    database_url: str = typer.Option(
+        None, help="PostgreSQL server to make the scratch database on (default: PREHEAT_DATABASE_URL's)."
+    ),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/history.json."),
+) -> None:
+    """`preheat history`, `preheat workers` and the history's writes on a large record, before
+    and after the indexes of migration 0008, with each statement's plan; then the prune to
+    the retention. On a scratch database of its own, dropped at the end."""
+    from preheat.cli.bench import history as bench
+
+    bench.main(
+        jobs=jobs,
+        days=days,
+        retention_days=retention_days,
+        repeats=repeats,
+        server_url=database_url,
+        json_path=json_path,
+    )

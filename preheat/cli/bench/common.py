@@ -4,11 +4,13 @@ parsing of list options."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import socket
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -77,6 +79,28 @@ def dev_model(folder: Path, shape: str, console) -> Path:
     console.print(f"building the {shape} dev model in {folder} …")
     dims = ModelShape(576, 1536, 30, 9, 3, 2048, padded_vocab=49152) if shape == "135m" else ModelShape()
     return make_model(folder, shape=dims)
+
+
+@contextlib.contextmanager
+def database_url(url: str) -> Iterator[None]:
+    """This process's history database is `url` inside the block (settings and engine
+    reloaded), the configured one again after it."""
+    from preheat import settings
+    from preheat.db import reset_engine
+
+    before = os.environ.get("PREHEAT_DATABASE_URL")
+    os.environ["PREHEAT_DATABASE_URL"] = url
+    settings.get_settings.cache_clear()
+    reset_engine()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PREHEAT_DATABASE_URL", None)
+        else:
+            os.environ["PREHEAT_DATABASE_URL"] = before
+        settings.get_settings.cache_clear()
+        reset_engine()
 
 
 def write_report(report: dict, path: Path, console) -> None:

@@ -13,11 +13,9 @@ are deleted at the end (runs of four jobs, like a warmup of four templates), wit
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +23,9 @@ from sqlalchemy import delete
 from sqlalchemy.engine import make_url
 
 from preheat import history, outbox, procs
-from preheat.cli.bench.common import host, prepare, write_report
+from preheat.cli.bench.common import database_url, host, prepare, write_report
 from preheat.cli.lazy import get_settings
-from preheat.db import reset_engine, session_scope, utcnow
+from preheat.db import session_scope, utcnow
 from preheat.models import AppliedWrite, TriggerKind, WarmupRun
 
 SOURCE = "bench-outbox"
@@ -54,27 +52,9 @@ def unreachable_url(url: str) -> str:
     return parsed.set(host="127.0.0.1", port=procs.free_port()).render_as_string(hide_password=False)
 
 
-@contextlib.contextmanager
-def database_away() -> Iterator[None]:
+def database_away() -> contextlib.AbstractContextManager[None]:
     """Point this process's engine at an unreachable address, and back."""
-    before = os.environ.get("PREHEAT_DATABASE_URL")
-    os.environ["PREHEAT_DATABASE_URL"] = unreachable_url(get_settings().database)
-    _reload()
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("PREHEAT_DATABASE_URL", None)
-        else:
-            os.environ["PREHEAT_DATABASE_URL"] = before
-        _reload()
-
-
-def _reload() -> None:
-    from preheat import settings
-
-    settings.get_settings.cache_clear()
-    reset_engine()
+    return database_url(unreachable_url(get_settings().database))
 
 
 JOBS_PER_RUN = 4  # a run warming four templates on one worker: each finish re-derives its run's status
