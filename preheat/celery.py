@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from celery import Celery, Task
+from celery import Celery, Task, states
 from celery.signals import celeryd_after_setup, worker_process_init
 from sqlalchemy.exc import OperationalError
 
@@ -51,6 +51,10 @@ def route_task(name, args, kwargs, options, task=None, **_):
         template = kwargs["template"] if "template" in kwargs else args[0]
         return {"queue": infer_queue(current_catalog(get_settings().catalog).template(template).model)}
     return None
+
+
+RESULT_RETRIES = 20  # 10 ms doubling to 5 s, then 5 s: about a minute (less with jitter)
+RESULT_SOCKET_TIMEOUT_S = 10.0
 
 
 def _transport_options(settings: Settings) -> dict:
@@ -94,6 +98,17 @@ def celery_config(settings: Settings) -> dict:
         "task_ignore_result": True,
         "result_backend": settings.result_backend,
         "result_expires": 3600,
+        # A result the backend cannot take (Redis restarting, a connection the outage reset)
+        # is kept and stored again with backoff, up to about a minute, instead of failing a
+        # request whose answer the model has computed; callers' reads retry the same way.
+        "result_backend_always_retry": True,
+        "result_backend_max_retries": RESULT_RETRIES,
+        "result_backend_max_sleep_between_retries_ms": 5000,
+        # Each Redis result command (a GET, a SET, a PUBLISH) is bounded: a connection that
+        # went silent (a stalled server, a reset that never arrived) is given up and retried
+        # above, not waited on for Celery's default 120 s.
+        "redis_socket_timeout": RESULT_SOCKET_TIMEOUT_S,
+        "redis_socket_connect_timeout": RESULT_SOCKET_TIMEOUT_S,
         # GPU workers run one process per GPU, with the models in it (see tasks/worker.py).
         # Pool threads only wait: each hands its request to the engine's one scheduler
         # thread, which decodes them together. A thread per row the engine has, and one
@@ -144,9 +159,24 @@ class PreheatTask(Task):
     def __call__(self, *args, **kwargs):
         started = time.perf_counter()
         try:
+            answered = self.answered_before()
+            if answered is not None:
+                return answered
             return super().__call__(*args, **self.checked(args, kwargs))
         finally:
             log.info("%s[%s] took %.0f ms", self.name, self.request.id, (time.perf_counter() - started) * 1000)
+
+    def answered_before(self) -> object | None:
+        """The stored result of this very message, when it was answered already: a message
+        is delivered again when its ack could not reach the broker (a broker blip after the
+        result was stored), and the caller has its answer; it is not computed twice."""
+        if self.ignore_result or not self.request.id or self.request.is_eager:
+            return None
+        meta = self.backend.get_task_meta(self.request.id, cache=False)
+        if meta.get("status") != states.SUCCESS:
+            return None
+        log.warning("%s[%s] came again after it was answered; its stored answer stands", self.name, self.request.id)
+        return meta.get("result")
 
     def checked(self, args: tuple, kwargs: dict) -> dict:
         """The call's arguments by name, checked against `arguments` before the body runs:

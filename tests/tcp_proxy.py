@@ -77,6 +77,12 @@ class TcpProxy:
             with contextlib.suppress(OSError):
                 # RST, not FIN: what a client sees when a server or a node goes away.
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            with contextlib.suppress(OSError):
+                # A pump thread blocked in recv() holds the socket open past close(), so an
+                # idle connection (a pub/sub subscriber, a BRPOP) would never be reset: the
+                # shutdown wakes it, and its close then resets the connection.
+                sock.shutdown(socket.SHUT_RD)
+            with contextlib.suppress(OSError):
                 sock.close()
 
     def restore(self) -> None:

@@ -71,12 +71,29 @@ def service_error(exc: Exception) -> str | None:
 
     if isinstance(exc, BrokerError):
         return f"cannot reach the broker: {exc}"
+    redis_error = _redis_cause(exc)
+    if redis_error is not None:  # the result backend (Celery gives up on it as a RuntimeError)
+        return f"cannot reach the result backend: {str(redis_error).splitlines()[0]}"
     if isinstance(exc, DatabaseError | ProgrammingError):
         # The driver's first line says what went wrong; the rest is SQL and parameters.
         reason = str(exc.orig or exc).strip().splitlines()[0]
         if "no such table" in reason or ('relation "' in reason and "does not exist" in reason):
             return "the history database has no preheat tables yet: run `preheat db upgrade`"
         return f"cannot use the history database: {reason}"
+    return None
+
+
+def _redis_cause(exc: BaseException) -> BaseException | None:
+    try:
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeout
+    except ImportError:  # pragma: no cover - redis is a dependency
+        return None
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, RedisConnectionError | RedisTimeout):
+            return seen
+        seen = seen.__cause__ or seen.__context__
     return None
 
 

@@ -52,6 +52,8 @@ def infer(
         raise typer.Exit(EXIT_TIMEOUT) from None
     except Exception as exc:  # raised on the worker, re-raised here by Celery
         raise PreheatError(f"the worker refused the request: {exc}") from None
+    finally:
+        _stop_waiting(app, pending)
     if as_json:
         print(json.dumps(answer, indent=2))
         return
@@ -61,6 +63,20 @@ def infer(
         f"prompt tokens from the cache · {len(answer['token_ids'])} tokens in {answer['total_ms']:,.1f} ms · "
         f"{answer['finish_reason']}[/]"
     )
+
+
+def _stop_waiting(app, pending) -> None:
+    """Unsubscribe from the result now, while the interpreter is whole: left to the result's
+    finalizer, the unsubscribe runs during shutdown and prints a traceback (`sys.meta_path
+    is None`) after the command's own last line."""
+    try:
+        pending.backend.remove_pending_result(pending)
+        consumer = getattr(app.backend, "result_consumer", None)
+        if consumer is not None:
+            consumer.stop()
+    except Exception as exc:  # the broker may be away: the command's outcome stands
+        console.print(f"[dim]could not unsubscribe from the result: {exc}[/]")
+    pending.backend = None  # nothing left for the finalizer to do
 
 
 def _check_decoding(kwargs: dict) -> None:

@@ -230,3 +230,16 @@ def test_the_cli_loads_no_database_layer_model_or_catalog_until_a_command_needs_
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in done.stdout, done.stdout + done.stderr
+
+
+def test_infer_without_an_answer_says_so_in_one_line_and_exits_cleanly(services_stack):
+    """No worker takes the request: one line and exit 4 when the wait ends, and nothing
+    after it (the result's unsubscribe used to run at interpreter shutdown and print a
+    traceback: `sys.meta_path is None`). A result backend that refuses: one line, exit 5."""
+    waited = services_stack.cli("infer", "support", "Where is my parcel?", "--timeout", "1")
+    assert waited.returncode == 4, waited
+    assert "no warm worker answered within 1 s" in waited.stdout and waited.stderr.strip() == "", waited
+
+    refused_env = {**services_stack.env, "PREHEAT_BROKER_URL": f"redis://127.0.0.1:{procs.free_port()}/0"}
+    refused = run("infer", "support", "Where is my parcel?", "--timeout", "1", env=refused_env, cwd=services_stack.home)
+    assert refused.returncode == 5 and "cannot reach the result backend" in one_error_line(refused), refused
