@@ -1,13 +1,15 @@
-"""The embedded result backend: a caller polling every few milliseconds never reads a
-result half written (Celery writes the file in place; a 1,500-token answer was read cut at
-8,192 bytes)."""
+"""The embedded result backend: a caller never reads a result half written (Celery writes
+the file in place; a 1,500-token answer was read cut at 8,192 bytes), and every waiting
+caller of a process is woken by one watcher thread when its own result lands."""
 
 from __future__ import annotations
 
 import json
 import threading
 
-from celery import Celery
+import pytest
+from celery import Celery, states
+from celery.exceptions import TimeoutError as ResultTimeout
 
 from preheat.results import POLL_S, PromptFilesystemBackend
 
@@ -36,5 +38,42 @@ def test_a_reader_racing_the_writer_sees_a_whole_result_or_none(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial file left
 
 
-def test_a_caller_polls_every_few_milliseconds():
-    assert POLL_S <= 0.01
+def _backend(folder) -> PromptFilesystemBackend:
+    return PromptFilesystemBackend(app=Celery(set_as_current=False), url=f"file://{folder}")
+
+
+def test_sixteen_waiting_callers_each_get_their_own_result_through_one_watcher(tmp_path):
+    backend = _backend(tmp_path)
+    got: dict[int, object] = {}
+
+    def caller(n: int) -> None:
+        got[n] = backend.wait_for(f"task-{n}", timeout=30)["result"]
+
+    callers = [threading.Thread(target=caller, args=(n,)) for n in range(16)]
+    for thread in callers:
+        thread.start()
+    for n in reversed(range(16)):  # in another order than they wait
+        backend.store_result(f"task-{n}", {"answer": n}, states.SUCCESS)
+    for thread in callers:
+        thread.join(30)
+    assert got == {n: {"answer": n} for n in range(16)}
+    watchers = [t for t in threading.enumerate() if t.name == "preheat-result-watcher"]
+    assert len(watchers) == 1  # not a poll loop per caller
+
+
+def test_a_state_that_is_not_final_keeps_the_caller_waiting_for_the_next_change(tmp_path):
+    backend = _backend(tmp_path)
+    backend.store_result("task", None, states.STARTED)
+    waited: dict[str, object] = {}
+    caller = threading.Thread(target=lambda: waited.update(backend.wait_for("task", timeout=30)))
+    caller.start()
+    caller.join(POLL_S * 20)
+    assert caller.is_alive()  # STARTED is not an answer
+    backend.store_result("task", {"answer": 1}, states.SUCCESS)
+    caller.join(30)
+    assert waited["status"] == states.SUCCESS and waited["result"] == {"answer": 1}
+
+
+def test_no_result_within_the_timeout_raises_celery_s_timeout(tmp_path):
+    with pytest.raises(ResultTimeout):
+        _backend(tmp_path).wait_for("never", timeout=0.05)
