@@ -53,6 +53,15 @@ def route_task(name, args, kwargs, options, task=None, **_):
     return None
 
 
+def _result_backend(url: str) -> str:
+    """Redis results through preheat.results' consumer, which misses no published answer."""
+    if url.startswith(("redis://", "rediss://")):
+        from preheat.results import REDIS_URL_PREFIX
+
+        return REDIS_URL_PREFIX + url
+    return url
+
+
 RESULT_RETRIES = 20  # 10 ms doubling to 5 s, then 5 s: about a minute (less with jitter)
 RESULT_SOCKET_TIMEOUT_S = 10.0
 
@@ -96,7 +105,7 @@ def celery_config(settings: Settings) -> dict:
         "event_serializer": "json",
         # History lives in Postgres; only `preheat.infer` returns a result to its caller.
         "task_ignore_result": True,
-        "result_backend": settings.result_backend,
+        "result_backend": _result_backend(settings.result_backend),
         "result_expires": 3600,
         # A result the backend cannot take (Redis restarting, a connection the outage reset)
         # is kept and stored again with backoff, up to about a minute, instead of failing a

@@ -1,5 +1,6 @@
-"""Where `preheat.infer` results wait for their callers on the embedded default: Celery's
-filesystem result backend, read back promptly.
+"""Where `preheat.infer` results wait for their callers: on the embedded default Celery's
+filesystem result backend, read back promptly; on Redis Celery's, with a caller that never
+misses a result its pub/sub subscription did not deliver.
 
 A caller's `AsyncResult.get()` polls a backend without push every half second (Celery's
 default interval): an 8 ms answer reached its caller after about 500 ms. Here the files are
@@ -11,6 +12,12 @@ backend pushes results over pub/sub and needs none of this.
 Celery writes the result file in place, so a reader can find it half written (a long
 answer's JSON cut at 8,192 bytes: `DecodeError`, seen here once callers polled often). It
 is written under a hidden name and renamed into place, which is atomic within a folder.
+
+On Redis a caller reads its result's key once when it starts waiting and then only listens
+on pub/sub. A result published while the subscription was down (Redis cut under 16 running
+requests, its callers' reconnect racing the worker's store) never reached its caller, which
+waited out its timeout though the answer sat in Redis. While callers wait, their keys are
+read again once a second (one MGET for all of them) and any answer found is delivered.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import uuid
 
 from celery import states
 from celery.backends.filesystem import FilesystemBackend
+from celery.backends.redis import RedisBackend
+from celery.backends.redis import ResultConsumer as RedisResultConsumer
 from celery.exceptions import TimeoutError as ResultTimeout
 from kombu.utils.encoding import ensure_bytes
 
@@ -100,5 +109,40 @@ class PromptFilesystemBackend(FilesystemBackend):
         os.replace(partial, final)
 
 
-# The backend as a result_backend URL names it: Celery resolves "<class>+<url>".
+RESYNC_S = 1.0
+
+
+class ResyncingResultConsumer(RedisResultConsumer):
+    """Celery's Redis result consumer, and once a second the waiting keys read directly."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._resynced = time.monotonic()
+
+    def drain_events(self, timeout=None):
+        super().drain_events(timeout)
+        if time.monotonic() - self._resynced >= RESYNC_S:
+            self._resynced = time.monotonic()
+            self._resync()
+
+    def _resync(self) -> None:
+        with self._locked():
+            keys = list(self.subscribed_to)
+            if not keys:
+                return
+            try:
+                found = self.backend.client.mget(keys)
+            except self._connection_errors:
+                return  # still away: pub/sub's own reconnect is under way
+            for meta in found:
+                if meta:
+                    self.on_state_change(self._decode_result(meta), None)
+
+
+class ResyncingRedisBackend(RedisBackend):
+    ResultConsumer = ResyncingResultConsumer
+
+
+# The backends as a result_backend URL names them: Celery resolves "<class>+<url>".
 URL_PREFIX = f"{__name__}:{PromptFilesystemBackend.__name__}+"
+REDIS_URL_PREFIX = f"{__name__}:{ResyncingRedisBackend.__name__}+"

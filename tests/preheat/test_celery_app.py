@@ -77,7 +77,7 @@ def test_results_only_for_requests_in_redis_or_files(settings, tmp_path):
     results = (tmp_path / "home" / "results").resolve()
     assert celery_config(settings)["result_backend"] == f"preheat.results:PromptFilesystemBackend+file://{results}"
     redis = load_settings(broker_url="redis://127.0.0.1:6379/11")
-    assert celery_config(redis)["result_backend"] == "redis://127.0.0.1:6379/11"
+    assert celery_config(redis)["result_backend"] == "preheat.results:ResyncingRedisBackend+redis://127.0.0.1:6379/11"
 
 
 def test_a_worker_runs_as_many_threads_as_its_engine_has_rows_and_one_more(settings):

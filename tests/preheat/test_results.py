@@ -77,3 +77,27 @@ def test_a_state_that_is_not_final_keeps_the_caller_waiting_for_the_next_change(
 def test_no_result_within_the_timeout_raises_celery_s_timeout(tmp_path):
     with pytest.raises(ResultTimeout):
         _backend(tmp_path).wait_for("never", timeout=0.05)
+
+
+def test_a_redis_result_whose_message_never_came_still_reaches_its_caller(redis_client):
+    """The answer is in Redis but its pub/sub message was lost (published while the caller's
+    subscription was down): the caller reads its key again within a second and has it."""
+    from preheat.celery import celery_config
+    from preheat.settings import Settings
+    from tests.conftest import REDIS_URL
+
+    app = Celery(set_as_current=False)
+    app.conf.update(celery_config(Settings(broker_url=REDIS_URL)))
+    backend = app.backend
+    assert type(backend).__name__ == "ResyncingRedisBackend"
+    pending = app.AsyncResult("lost-message")
+    backend.result_consumer.consume_from(pending.id)  # subscribed, as send_task does
+    meta = backend.encode(
+        {"status": states.SUCCESS, "result": {"answer": 42}, "traceback": None, "children": [], "task_id": pending.id}
+    )
+    key = backend.get_key_for_task(pending.id)
+    threading.Timer(0.3, lambda: redis_client.set(key, meta)).start()  # stored, never published
+    try:
+        assert pending.get(timeout=10) == {"answer": 42}
+    finally:
+        redis_client.delete(key)
