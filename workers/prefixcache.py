@@ -23,7 +23,7 @@ import torch
 
 from workers.device import synchronize
 from workers.kvcache import CacheBudgetError, CacheEntry, CacheFullError, CacheKey, KVCacheManager, Match
-from workers.prefix import Prefix, check_context, clone_for_request, compact, forward, truncatable
+from workers.prefix import Prefix, check_context, clone_for_request, forward, settle, truncatable
 from workers.prefixstore import PrefixStore
 from workers.request import ms_since
 from workers.resident import ResidentModel
@@ -79,12 +79,13 @@ class PrefixCache:
         check_context(resident, token_ids.shape[-1], f"template {label!r}" if label else "prefix", new_tokens=1)
         ids = token_ids[0].numpy()
         if self.store is not None and (restored := self.store.restore(resident, ids)) is not None:
+            settle(restored.prefix.cache)
             entry = self._insert(resident, ids, restored.prefix, key=key, label=label, pin=pin)
             return Prefilled(entry, "restored", restore_ms=restored.ms)
         synchronize(resident.placement.device)
         started = time.perf_counter()
         logits, kv = forward(resident, token_ids)
-        compact(kv)
+        settle(kv)
         synchronize(resident.placement.device)
         prefill_ms = (time.perf_counter() - started) * 1000
         entry = self._insert(resident, ids, Prefix(kv, logits), key=key, label=label, pin=pin)
@@ -136,7 +137,7 @@ class PrefixCache:
         best effort, never at a pinned prefix's expense."""
         if prefix.cache.get_seq_length() != len(ids):
             return
-        compact(prefix.cache)
+        settle(prefix.cache)
         try:
             self._insert(resident, ids, prefix, label="conversation")
         except (CacheBudgetError, CacheFullError) as exc:

@@ -248,9 +248,18 @@ def _tensors_of(prefix: Prefix) -> tuple[dict | None, list]:
             layers.append({"kind": "full"})
         else:
             return None, []
-        tensors[f"keys.{i}"] = layer.keys.contiguous().cpu()
-        tensors[f"values.{i}"] = layer.values.contiguous().cpu()
+        tensors[f"keys.{i}"] = _own(layer.keys)
+        tensors[f"values.{i}"] = _own(layer.values)
     return tensors, layers
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with a storage of its own: safetensors refuses tensors that share one
+    (an entry's tensors are views into one slab, workers.prefix.settle)."""
+    tensor = tensor.detach().cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor.contiguous()
 
 
 def _cache_from(resident: ResidentModel, layers: list[dict], tensors: dict):

@@ -170,3 +170,15 @@ def test_history_measures_each_command_before_and_after_the_indexes_on_a_scratch
 def test_history_refuses_sqlite_with_the_reason(embedded_stack):
     done = embedded_stack.cli_here("bench", "history", "--jobs", "1000")
     assert done.returncode == 2 and "measures PostgreSQL" in done.stderr
+
+
+def test_memory_compares_the_layouts_in_fresh_processes_and_the_slab_returns_on_eviction(embedded_stack, tmp_path):
+    out = tmp_path / "memory.json"
+    done = bench(embedded_stack, "memory", "--shape", "tiny", "--templates", "3", "--tokens", "256", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "resident memory per cached template" in done.stdout and "slab (production)" in done.stdout
+    rows = {row["layout"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["heap", "heap + trim", "slab"]
+    assert len({row["kv_bytes"] for row in rows.values()}) == 1  # the same pre-fills, counted alike
+    # Evicted, a slab is unmapped at once; heap pages stay with the allocator.
+    assert rows["slab"]["returned_on_eviction"] > rows["heap"]["returned_on_eviction"]

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from tests.conftest import SUPPORT_PROMPT, load_resident
-from workers.prefix import cache_nbytes, check_context, clone_for_request, encode, forward
+from workers.prefix import cache_nbytes, check_context, clone_for_request, encode, forward, settle
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +23,25 @@ def test_cache_bytes_are_the_exact_storage_of_keys_and_values(resident):
     per_layer = 2 * config.num_key_value_heads * ids.shape[-1] * head_dim * 4  # k+v, float32
     assert cache_nbytes(kv) == config.num_hidden_layers * per_layer
     assert kv.get_seq_length() == ids.shape[-1] > 20
+
+
+def test_a_settled_entry_is_one_slab_of_its_exact_bytes_outside_the_heap(resident):
+    """Its tensors are views into one storage (an anonymous mapping, freed with the last
+    view), counted once, holding the same numbers; a request from it computes the same."""
+    ids = encode(resident, SUPPORT_PROMPT, with_bos=True)
+    _, kv = forward(resident, ids)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in kv.layers]
+    exact = cache_nbytes(kv)
+    settle(kv)
+    storages = {t.untyped_storage().data_ptr() for layer in kv.layers for t in (layer.keys, layer.values)}
+    assert len(storages) == 1 and cache_nbytes(kv) == exact
+    for layer, (keys, values) in zip(kv.layers, before, strict=True):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    follow = encode(resident, "\n\nHello", with_bos=False)
+    settled_logits, _ = forward(resident, follow, clone_for_request(kv))
+    _, fresh = forward(resident, ids)
+    fresh_logits, _ = forward(resident, follow, fresh)
+    assert torch.equal(settled_logits, fresh_logits)
 
 
 def test_a_request_shares_the_prefix_tensors_and_never_writes_them(resident):

@@ -181,3 +181,19 @@ def history_command(
         server_url=database_url,
         json_path=json_path,
     )
+
+
+@app.command("memory")
+def memory_command(
+    shape: str = typer.Option("135m", help="Dev model shape: tiny or 135m (SmolLM-135M's)."),
+    templates: int = typer.Option(10, min=1, max=1000, help="Templates pre-filled and kept."),
+    tokens: int = typer.Option(500, min=2, max=100_000, help="Tokens of each template."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/memory.json."),
+) -> None:
+    """Resident memory a cached template costs against its KV bytes: tensors in the heap
+    (before) vs one slab outside it (production), each in a fresh process."""
+    from preheat.cli.bench import memory as bench
+
+    if shape not in ("tiny", "135m"):
+        raise typer.BadParameter(f"unknown shape {shape!r}: tiny or 135m", param_hint="--shape")
+    bench.main(shape=shape, templates=templates, tokens=tokens, json_path=json_path)
