@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import mmap
+import time
 from dataclasses import dataclass
 
 import torch
@@ -69,10 +70,12 @@ def layers_that_grow_by_concatenation() -> tuple[type, ...]:
     return DynamicLayer, DynamicSlidingWindowLayer
 
 
-def settle(cache) -> None:
+def settle(cache, *, trim_every_s: float = 0.0) -> None:
     """Give a cache entry's key/value tensors storage of their own exact size: on the CPU
     one slab outside the heap for all of them, elsewhere a copy of any tensor that is a
-    view into something larger (a window sliced out of a long pre-fill)."""
+    view into something larger (a window sliced out of a long pre-fill). Then the heap's
+    free pages are given back, unless that was done less than `trim_every_s` ago (a
+    conversation remembered after every request must not pay 4-7 ms each time)."""
     tensors = [(layer, name, getattr(layer, name)) for layer in cache.layers for name in ("keys", "values")]
     tensors = [(layer, name, tensor) for layer, name, tensor in tensors if tensor is not None]
     if not tensors:
@@ -94,7 +97,7 @@ def settle(cache) -> None:
         view.copy_(tensor)
         setattr(layer, name, view)
     del tensors
-    _release_free_heap()
+    _release_free_heap(trim_every_s)
 
 
 @functools.cache
@@ -108,10 +111,15 @@ def _malloc_trim():
         return None
 
 
-def _release_free_heap() -> None:
+_last_trim = [0.0]  # monotonic seconds; settle runs on the scheduler's one thread
+
+
+def _release_free_heap(at_most_every_s: float = 0.0) -> None:
     """Give the heap's free pages back (the pre-fill's own tensors, just copied out, and the
     pass's temporaries): glibc keeps them resident otherwise."""
-    if (trim := _malloc_trim()) is not None:
+    now = time.monotonic()
+    if (trim := _malloc_trim()) is not None and now - _last_trim[0] >= at_most_every_s:
+        _last_trim[0] = now
         trim(0)
 
 

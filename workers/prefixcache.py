@@ -52,6 +52,11 @@ class Prefilled:
     restore_ms: float = 0.0
 
 
+# A remembered conversation is settled after each request; its heap pages are given back at
+# most this often (a template's pre-fill gives them back every time).
+REMEMBER_TRIM_EVERY_S = 1.0
+
+
 class PrefixCache:
     def __init__(self, cache: KVCacheManager, store: PrefixStore | None = None) -> None:
         self.cache, self.store = cache, store
@@ -137,7 +142,7 @@ class PrefixCache:
         best effort, never at a pinned prefix's expense."""
         if prefix.cache.get_seq_length() != len(ids):
             return
-        settle(prefix.cache)
+        settle(prefix.cache, trim_every_s=REMEMBER_TRIM_EVERY_S)
         try:
             self._insert(resident, ids, prefix, label="conversation")
         except (CacheBudgetError, CacheFullError) as exc:
