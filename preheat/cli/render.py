@@ -254,7 +254,17 @@ def load_table(report: dict) -> Table:
         caption_justify="left",
     )
     headers = ("server", "load")
-    numbers = ("requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "tokens/s", "req/s")
+    numbers = (
+        "requests",
+        "errors",
+        "TTFT p50 ms",
+        "× 1 user",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "tokens/s",
+        "req/s",
+    )
     for header in (*headers, *numbers):
         table.add_column(header, justify="left" if header in headers else "right", no_wrap=True)
     for row in report["rows"]:
@@ -264,6 +274,7 @@ def load_table(report: dict) -> Table:
             str(row["requests"]),
             str(row["errors"]),
             f"{row['ttft_p50_ms']:.1f}",
+            "-" if row.get("ttft_p50_over_single") is None else f"{row['ttft_p50_over_single']:.2f}",
             f"{row['ttft_p99_ms']:.1f}",
             f"{row['itl_p50_ms']:.1f}",
             f"{row['itl_p99_ms']:.1f}",

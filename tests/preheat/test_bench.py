@@ -114,7 +114,7 @@ def test_load_runs_every_mode_on_the_same_users_and_reports_side_by_side(embedde
     out = tmp_path / "load.json"
     done = bench(
         embedded_stack,
-        *("load", "--shape", "tiny", "--users", "3", "--requests-per-user", "2", "--max-tokens", "4"),
+        *("load", "--shape", "tiny", "--users", "1,3", "--requests-per-user", "2", "--max-tokens", "4"),
         *("--arrivals", "3", "--rate", "20", "--modes", "batch,one-at-a-time,celery,transformers"),
         *("--transformers-python", str(tmp_path / "no-such-python"), "--json", str(out)),
         timeout=400,
@@ -124,15 +124,24 @@ def test_load_runs_every_mode_on_the_same_users_and_reports_side_by_side(embedde
     report = json.loads(out.read_text())
     loads = [(row["mode"], row["load"]) for row in report["rows"]]
     assert loads == [
+        ("batch", "closed 1 users"),
         ("batch", "closed 3 users"),
         ("batch", "poisson 20/s"),
+        ("one-at-a-time", "closed 1 users"),
         ("one-at-a-time", "closed 3 users"),
         ("one-at-a-time", "poisson 20/s"),
+        ("celery", "closed 1 users"),
         ("celery", "closed 3 users"),
     ]
     for row in report["rows"]:
         assert row["errors"] == 0 and row["tokens_per_s"] > 0 and row["ttft_p50_ms"] > 0
     assert {row["requests"] for row in report["rows"] if row["load"] == "closed 3 users"} == {9}  # 8 at least
+    for row in report["rows"]:  # each load's TTFT p50 against its own server's single user
+        expected = row["ttft_p50_ms"] / next(
+            r["ttft_p50_ms"] for r in report["rows"] if r["mode"] == row["mode"] and r["load"] == "closed 1 users"
+        )
+        assert row["ttft_p50_over_single"] == pytest.approx(expected)
+    assert "× 1 user" in done.stdout
     celery = [row for row in report["rows"] if row["mode"] == "celery"]
     assert all(row["client_p50_ms"] >= row["worker_p50_ms"] > 0 for row in celery)
     assert "no-such-python not found" in report["not_measured"]["transformers"]

@@ -458,10 +458,19 @@ def _report(shape: str, rows: list[Row], skipped: dict[str, str], max_tokens: in
         "host": {**host(), "cpus_usable": len(os.sched_getaffinity(0))},
         "shape": shape,
         "max_tokens": max_tokens,
-        "rows": [asdict(r) for r in rows],
+        "rows": [{**asdict(r), "ttft_p50_over_single": over_single(r, rows)} for r in rows],
         "not_measured": skipped,
         "verdicts": verdicts(rows, skipped),
     }
+
+
+def over_single(row: Row, rows: list[Row]) -> float | None:
+    """The row's TTFT p50 over its server's single user's (closed 1 users), where measured:
+    how much longer each user waits for the others (the target at 16 users is 3x)."""
+    single = next((r for r in rows if r.mode == row.mode and r.load == "closed 1 users"), None)
+    if single is None or not single.ttft_p50_ms or math.isnan(row.ttft_p50_ms):
+        return None
+    return row.ttft_p50_ms / single.ttft_p50_ms
 
 
 def verdicts(rows: list[Row], skipped: dict[str, str]) -> list[str]:
