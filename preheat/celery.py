@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 
 from celery import Celery, Task, states
@@ -158,6 +160,10 @@ class BadTaskArguments(PreheatError):
     exit_code = 2
 
 
+_IN_FLIGHT: dict[str, threading.Event] = {}  # task id -> set when its first run ends
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
 class PreheatTask(Task):
     """The plumbing every task shares, so task bodies are only domain work:
     timing and logging, and failed jobs recorded in history when a task raises."""
@@ -168,12 +174,37 @@ class PreheatTask(Task):
     def __call__(self, *args, **kwargs):
         started = time.perf_counter()
         try:
-            answered = self.answered_before()
-            if answered is not None:
-                return answered
-            return super().__call__(*args, **self.checked(args, kwargs))
+            with self.alone():
+                answered = self.answered_before()
+                if answered is not None:
+                    return answered
+                return super().__call__(*args, **self.checked(args, kwargs))
         finally:
             log.info("%s[%s] took %.0f ms", self.name, self.request.id, (time.perf_counter() - started) * 1000)
+
+    @contextlib.contextmanager
+    def alone(self):
+        """A message delivered again while its first delivery still runs in this worker (a
+        broker blip restores unacknowledged messages at once) waits for that run, then takes
+        its stored answer (answered_before) instead of computing it a second time."""
+        task_id = self.request.id
+        if self.ignore_result or not task_id:
+            yield
+            return
+        with _IN_FLIGHT_LOCK:
+            first = _IN_FLIGHT.get(task_id)
+            if first is None:
+                _IN_FLIGHT[task_id] = mine = threading.Event()
+        if first is not None:
+            first.wait(self.app.conf.task_time_limit)
+            yield
+            return
+        try:
+            yield
+        finally:
+            with _IN_FLIGHT_LOCK:
+                _IN_FLIGHT.pop(task_id, None)
+            mine.set()
 
     def answered_before(self) -> object | None:
         """The stored result of this very message, when it was answered already: a message
