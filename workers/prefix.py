@@ -15,9 +15,11 @@ whole pre-fill's tensor; ``settle`` copies what each layer holds out, so the ent
 On the CPU an entry's tensors are settled into one slab of anonymous memory of their exact
 size, outside the allocator's heap: a pre-fill's key/value tensors are allocated between
 its temporaries, and kept there they fragment the heap of the scheduler thread's arena, so
-the process grew 1.56-2.01x the KV bytes per cached template (1.65x measured: 10 prefixes of
-500 tokens, 135M shape, pre-filled in a thread). Settled, it grows 1.06x. The slab is freed
-when the last tensor viewing it is (an evicted entry, the last request cloned from it).
+the process grew 1.61-1.81x the KV bytes per cached template (`preheat bench memory`: 10
+prefixes of 500 tokens, 135M shape, through the scheduler's thread). Settled, with the
+heap's free pages given back after each pre-fill, it grows 1.01x. The slab is unmapped when
+the last tensor viewing it goes (an evicted entry, the last request cloned from it), so an
+eviction returns its memory at once.
 """
 
 from __future__ import annotations
@@ -49,17 +51,20 @@ class Prefix:
 def cache_nbytes(cache) -> int:
     """Exact bytes held by a cache: each storage behind its key and value tensors, once."""
     held = {}
-    for tensor in _kv_tensors(cache):
+    for _, _, tensor in kv_tensors(cache):
         storage = tensor.untyped_storage()
         held[storage.data_ptr()] = storage.nbytes()
     return sum(held.values())
 
 
-def _kv_tensors(cache):
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            if (tensor := getattr(layer, name, None)) is not None:
-                yield tensor
+def kv_tensors(cache) -> list[tuple[object, str, torch.Tensor]]:
+    """(layer, "keys" | "values", tensor) for every key/value tensor a cache holds."""
+    return [
+        (layer, name, tensor)
+        for layer in cache.layers
+        for name in ("keys", "values")
+        if (tensor := getattr(layer, name, None)) is not None
+    ]
 
 
 @functools.cache
@@ -76,8 +81,7 @@ def settle(cache, *, trim_every_s: float = 0.0) -> None:
     view into something larger (a window sliced out of a long pre-fill). Then the heap's
     free pages are given back, unless that was done less than `trim_every_s` ago (a
     conversation remembered after every request must not pay 4-7 ms each time)."""
-    tensors = [(layer, name, getattr(layer, name)) for layer in cache.layers for name in ("keys", "values")]
-    tensors = [(layer, name, tensor) for layer, name, tensor in tensors if tensor is not None]
+    tensors = kv_tensors(cache)
     if not tensors:
         return
     if any(tensor.device.type != "cpu" for _, _, tensor in tensors):
@@ -96,7 +100,7 @@ def settle(cache, *, trim_every_s: float = 0.0) -> None:
         view = slab[offset : offset + size].view(tensor.dtype).view(tensor.shape)
         view.copy_(tensor)
         setattr(layer, name, view)
-    del tensors
+    del tensors  # the last references to the pre-fill's own tensors: freed before the trim
     _release_free_heap(trim_every_s)
 
 

@@ -283,9 +283,8 @@ class Warmups:
         measured = probe(self._scheduler, resident, prompt_ids, bare_ids, self._probe_repeats)
         recent = self._recent.setdefault(prefix.key, deque(maxlen=RECENT_PROBES))
         reference = Recent(*map(tuple, zip(*recent, strict=True))) if len(recent) >= MIN_RECENT_PROBES else None
-        if cache_error(measured, result.cached_tokens) is None and timing_error(
-            measured, reference, warm_factor=self._warm_factor
-        ):
+        proves_cache = cache_error(measured, result.cached_tokens) is None
+        if proves_cache and timing_error(measured, reference, warm_factor=self._warm_factor):
             # Confirmed before it is said: a burst beside one probe passes, a throttled
             # worker or a slow cache does not. The second probe's runs join the first's.
             again = probe(self._scheduler, resident, prompt_ids, bare_ids, self._probe_repeats)
@@ -302,8 +301,8 @@ class Warmups:
             steady_ms=self.steady_ttft_ms(template),
             warm_factor=self._warm_factor,
         )
-        if measured.warm.cached_tokens >= result.cached_tokens and measured.warm.token_id == measured.cold.token_id:
-            recent.append((measured.warm_fastest_ms, measured.bare_fastest_ms))  # a probe that used the cache
+        if proves_cache:  # only a probe that used the cache joins the reference
+            recent.append((measured.warm_fastest_ms, measured.bare_fastest_ms))
         if result.status == "warm":
             self._on_warm(result.model)
 

@@ -30,10 +30,10 @@ def _resident_bytes() -> int:
 
 def _heap_copies(cache) -> None:
     """The layout before the slab: each key/value tensor a heap allocation of its own."""
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            if (tensor := getattr(layer, name, None)) is not None:
-                setattr(layer, name, tensor.clone())
+    from workers.prefix import kv_tensors
+
+    for layer, name, tensor in kv_tensors(cache):
+        setattr(layer, name, tensor.clone())
 
 
 def _heap_copies_trimmed(cache) -> None:
