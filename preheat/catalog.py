@@ -89,6 +89,15 @@ class TemplateSpec(_Strict):
         return self
 
 
+class EndpointSleepSpec(_Strict):
+    """A vLLM server's sleep mode (it runs with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode):
+    the level a sleep asks for, what happens to requests in flight, how long a wake may take."""
+
+    level: Literal[1, 2] = 1
+    mode: Literal["wait", "abort", "keep"] = "wait"  # wait: requests in flight finish first
+    wake_timeout_s: float = Field(120.0, gt=0, le=3600)
+
+
 class EndpointSpec(_Strict):
     """A model server preheat warms over HTTP: vLLM, a hosted OpenAI-compatible API, or
     another `preheat serve`. Its pool is opened ahead of time and kept alive."""
@@ -112,11 +121,14 @@ class EndpointSpec(_Strict):
     keepalive_interval_s: float | None = Field(270.0, gt=0)
     active_hours: str | None = Field(None, pattern=r"^([01]\d|2[0-3]):[0-5]\d-([01]\d|2[0-4]):[0-5]\d$")
     timezone: str = "UTC"
+    sleep: EndpointSleepSpec | None = None  # kind vllm: it may be put to sleep and woken
 
     @model_validator(mode="after")
     def _consistent(self) -> EndpointSpec:
         if self.min_connections > self.max_connections:
             raise ValueError("min_connections exceeds max_connections")
+        if self.sleep is not None and self.kind != "vllm":
+            raise ValueError(f"sleep is vLLM's sleep mode; an endpoint of kind {self.kind!r} has none")
         if self.keepalive_interval_s is not None and self.keepalive_interval_s >= self.prompt_cache_ttl_s:
             raise ValueError(
                 f"keepalive_interval_s ({self.keepalive_interval_s:g}) must be below prompt_cache_ttl_s "

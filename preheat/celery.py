@@ -44,8 +44,12 @@ def infer_queue(model: str) -> str:
     return _queue_name("preheat.infer.", model)
 
 
+# Tasks for one worker, sent to its own queue: each replica holds its own model and cache.
+WORKER_TASKS = ("preheat.warm_worker", "preheat.sleep_worker", "preheat.wake_worker")
+
+
 def route_task(name, args, kwargs, options, task=None, **_):
-    if name == "preheat.warm_worker":
+    if name in WORKER_TASKS:
         return {"queue": worker_queue(kwargs["worker"])}
     if name == "preheat.infer":
         from preheat.catalog import current_catalog
@@ -256,8 +260,10 @@ class PreheatTask(Task):
             return False
         return True
 
-    def finish_job(self, run_id: str, target: str, template: str, status: str, measured: dict) -> None:
-        history.report_job_finish(run_id, target, template, status, measured)
+    def finish_job(
+        self, run_id: str, target: str, template: str, status: str, measured: dict, model: str | None = None
+    ) -> None:
+        history.report_job_finish(run_id, target, template, status, measured, model)
 
     def on_failure(self, exc, task_id, args, kwargs, einfo):
         try:

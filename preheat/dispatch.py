@@ -19,8 +19,9 @@ from preheat.catalog import load_catalog
 from preheat.celery import app
 from preheat.db import session_scope
 from preheat.errors import ConfigError, NoWorkersError, UnknownNameError
-from preheat.models import TargetKind, TriggerKind, WarmupRun
+from preheat.models import RunAction, TargetKind, TriggerKind, WarmupRun
 from preheat.settings import get_settings
+from preheat.states import WHOLE_MODEL
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class Dispatched:
     workers: list[str]
     templates: list[str]
     duplicate: bool = False  # the trigger key had a run already: nothing was sent
+    models: tuple[str, ...] = ()  # a sleep's or a wake's models
 
 
 def live_workers() -> list[str]:
@@ -93,6 +95,66 @@ def dispatch_warmup(
     return Dispatched(run_id, targets, templates)
 
 
+def dispatch_sleep_wake(
+    action: RunAction,
+    *,
+    models: list[str] | None = None,
+    templates: list[str] | None = None,
+    workers: list[str] | None = None,
+    level: int = 1,
+    trigger: TriggerKind = TriggerKind.manual,
+    requested_by: str,
+    detail: dict | None = None,
+    trigger_key: str | None = None,
+) -> Dispatched:
+    """A sleep or a wake of `models` (or the models of `templates`; default: every catalog
+    model) on every live worker (or those named): one row per worker and model, and for a
+    wake one per template of each model too, which the wake warms (a wake is a warmup)."""
+    if action not in (RunAction.sleep, RunAction.wake):
+        raise ConfigError(f"action {action!r} is neither sleep nor wake")
+    if level not in (1, 2):
+        raise ConfigError(f"sleep level must be 1 or 2, got {level}")
+    catalog = load_catalog(get_settings().catalog)
+    chosen = models_of(catalog, models, templates)
+    _check_requested_by(requested_by)
+    _ensure_broker()
+    targets = _choose_targets(workers, live_workers())
+    rows = [(model, WHOLE_MODEL) for model in chosen]
+    woken = [name for model in chosen for name in catalog.templates_of(model)] if action == RunAction.wake else []
+    rows += [(catalog.template(name).model, name) for name in woken]
+    recorded = _record_run(
+        trigger, requested_by, detail, TargetKind.worker, dict.fromkeys(targets, rows), trigger_key, action
+    )
+    if recorded is None:
+        return _duplicate(trigger_key)
+    run_id, task_ids = recorded
+    for worker, task_id in task_ids.items():
+        kwargs = {"run_id": str(run_id), "worker": worker, "models": chosen}
+        kwargs.update({"level": level} if action == RunAction.sleep else {"templates": woken})
+        shown = f"run={run_id.hex[:8]} worker={worker} models={','.join(chosen)}"
+        _send(
+            f"preheat.{action}_worker",
+            kwargs,
+            task_id,
+            shown + (f" level={level}" if action == RunAction.sleep else ""),
+        )
+    return Dispatched(run_id, targets, woken, models=tuple(chosen))
+
+
+def models_of(catalog, models: list[str] | None, templates: list[str] | None) -> list[str]:
+    """The catalog models named, and those of the templates named; every model when neither."""
+    if models and templates:
+        raise ConfigError("give --model or --template, not both: a sleep or a wake acts on whole models")
+    if templates:
+        return list(dict.fromkeys(catalog.template(name).model for name in templates))
+    for name in models or []:
+        catalog.model(name)  # an unknown name is refused with the catalog's error
+    chosen = list(dict.fromkeys(models or catalog.models))
+    if not chosen:
+        raise ConfigError(f"catalog {get_settings().catalog} has no models")
+    return chosen
+
+
 MAX_REQUESTED_BY = WarmupRun.__table__.c.requested_by.type.length
 
 
@@ -110,6 +172,7 @@ def _record_run(
     kind: TargetKind,
     plan: dict[str, list[tuple[str, str]]],
     trigger_key: str | None = None,
+    action: RunAction = RunAction.warm,
 ) -> tuple[uuid.UUID, dict[str, str]] | None:
     """Record a run and each target's queued (model, template) jobs, and commit; returns the
     run id and each target's task id, or None when `trigger_key` has its run already.
@@ -120,7 +183,12 @@ def _record_run(
             if trigger_key and history.run_for_key(session, trigger_key) is not None:
                 return None
             run = history.create_run(
-                session, trigger=trigger, requested_by=requested_by, detail=detail, trigger_key=trigger_key
+                session,
+                trigger=trigger,
+                requested_by=requested_by,
+                detail=detail,
+                trigger_key=trigger_key,
+                action=action,
             )
             for target, model_templates in plan.items():
                 history.add_jobs(
@@ -214,6 +282,54 @@ def dispatch_endpoint_warmup(
             f"run={run_id.hex[:8]} endpoint={target} templates={','.join(call['templates'])}",
         )
     return Dispatched(run_id, list(plan), sorted({t for ts in plan.values() for _, t in ts}))
+
+
+def dispatch_endpoint_sleep_wake(
+    action: RunAction,
+    endpoints: list[str],
+    *,
+    templates: list[str] | None = None,
+    level: int | None = None,
+    trigger: TriggerKind = TriggerKind.manual,
+    requested_by: str,
+    detail: dict | None = None,
+    trigger_key: str | None = None,
+) -> Dispatched:
+    """A sleep or a wake of vLLM endpoints that declare sleep: one whole-model row each, and
+    for a wake one row per template it primes again (`templates`, default the endpoint's)."""
+    if action not in (RunAction.sleep, RunAction.wake):
+        raise ConfigError(f"action {action!r} is neither sleep nor wake")
+    if level is not None and level not in (1, 2):
+        raise ConfigError(f"sleep level must be 1 or 2, got {level}")
+    catalog = load_catalog(get_settings().catalog)
+    _check_requested_by(requested_by)
+    plan, calls = {}, {}
+    for name in dict.fromkeys(endpoints):
+        spec = catalog.endpoint(name)
+        if spec.sleep is None:
+            raise ConfigError(f"endpoint {name!r} declares no sleep: add [endpoints.{name}.sleep] (vLLM's sleep mode)")
+        chosen = list(dict.fromkeys(templates or spec.templates)) if action == RunAction.wake else []
+        if action == RunAction.wake and not chosen:
+            raise ConfigError(f"endpoint {name!r} names no templates to prime after the wake; give --template")
+        catalog.check_prompts(chosen)
+        model = spec.model or (catalog.template(spec.templates[0]).model if spec.templates else name)
+        plan[name] = [(model, WHOLE_MODEL)] + [(spec.model or catalog.template(t).model, t) for t in chosen]
+        calls[name] = {"endpoint": name, **({"templates": chosen} if action == RunAction.wake else {"level": level})}
+    _ensure_broker()
+    recorded = _record_run(trigger, requested_by, detail, TargetKind.endpoint, plan, trigger_key, action)
+    if recorded is None:
+        return _duplicate(trigger_key)
+    run_id, task_ids = recorded
+    for name, task_id in task_ids.items():
+        _send(
+            f"preheat.{action}_endpoint",
+            {"run_id": str(run_id), **calls[name]},
+            task_id,
+            f"run={run_id.hex[:8]} endpoint={name}",
+        )
+    return Dispatched(
+        run_id, list(plan), sorted({t for c in calls.values() for t in c.get("templates", [])}), models=tuple(plan)
+    )
 
 
 def replica_url(base_url: str, replica: str) -> str:

@@ -372,7 +372,7 @@ def _warm_through_internal(pool: EndpointPool, results: list[EndpointWarmup]) ->
 class KeepAlive:
     sent: int
     failed: int
-    skipped: bool  # outside the active hours
+    skipped: bool  # outside the active hours, or the server asleep
     ttft_ms: float | None = None
     error: str | None = None
 
@@ -380,7 +380,7 @@ class KeepAlive:
 def keep_alive(name: str, spec: EndpointSpec, catalog: Catalog, now) -> KeepAlive:
     """One short prompt per template through the pool: keeps the connections and the
     provider's prompt cache warm. Nothing is sent outside the active hours."""
-    if not spec.is_active(now):
+    if not spec.is_active(now) or _asleep(name, spec):
         return KeepAlive(0, 0, skipped=True)
     with ExitStack() as held:
         try:
@@ -395,6 +395,17 @@ def keep_alive(name: str, spec: EndpointSpec, catalog: Catalog, now) -> KeepAliv
         ttft_ms=statistics.median(ttfts) if ttfts else None,
         error="; ".join(errors) or None,
     )
+
+
+def _asleep(name: str, spec: EndpointSpec) -> bool:
+    """A server that may sleep is asked first: a sleeping engine must get no prompt."""
+    if spec.sleep is None:
+        return False
+    try:
+        with build_client(name, spec) as client:
+            return is_sleeping(client, spec)
+    except (httpx.HTTPError, EndpointError, ConfigError, ValueError, KeyError):
+        return False  # the prompt that follows says what is wrong
 
 
 def _keep_alive_prompts(pool: EndpointPool, spec: EndpointSpec, catalog: Catalog) -> tuple[list[float], list[str]]:
@@ -412,3 +423,157 @@ def _keep_alive_prompts(pool: EndpointPool, spec: EndpointSpec, catalog: Catalog
         except (httpx.HTTPError, EndpointError, ValueError) as exc:
             errors.append(f"{template}: {_reason(exc)}")
     return ttfts, errors
+
+
+# Sleep and wake (vLLM's sleep mode) ----------------------------------------------------------
+#
+# Over a client of its own, not the pool: the pool is opened with a primer request, and a
+# sleeping server must get no request. Paths are the server's root, not the API's (/v1).
+
+
+@dataclass
+class EndpointSleep:
+    """A sleep or a wake of one endpoint: the whole-model history row's columns."""
+
+    status: str = "failed"  # asleep | awake | skipped | failed
+    sleep_level: int | None = None
+    sleep_ms: float | None = None
+    wake_ms: float | None = None
+    error: str | None = None
+
+    def as_record(self) -> dict:
+        return asdict(self)
+
+
+DEV_MODE_OFF = (
+    "the server has no sleep mode (404 on {path}): start vLLM with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode"
+)
+
+
+def _root(spec: EndpointSpec, path: str) -> str:
+    return str(httpx.URL(spec.base_url).copy_with(path=path, query=None))
+
+
+def _call(client: httpx.Client, spec: EndpointSpec, method: str, path: str, **how) -> httpx.Response:
+    response = client.request(method, _root(spec, path), **how)
+    if response.status_code == 404:
+        raise EndpointError(DEV_MODE_OFF.format(path=path))
+    if response.status_code >= 400:
+        raise EndpointError(f"{method} {path} answered {response.status_code}: {response.text[:200]}")
+    return response
+
+
+def is_sleeping(client: httpx.Client, spec: EndpointSpec) -> bool:
+    return bool(_call(client, spec, "GET", "/is_sleeping").json()["is_sleeping"])
+
+
+def sleep_endpoint(name: str, spec: EndpointSpec, level: int | None = None) -> EndpointSleep:
+    """`POST /sleep?level=N&mode=M`, then `/is_sleeping` must say so; a server already asleep
+    is `skipped`. Never raises: the failure is the record (one line, no retry loop)."""
+    if spec.sleep is None:
+        return EndpointSleep(error=f"endpoint {name!r} declares no sleep ([endpoints.{name}.sleep])")
+    result = EndpointSleep(sleep_level=level or spec.sleep.level)
+    try:
+        with build_client(name, spec) as client:
+            if is_sleeping(client, spec):
+                result.status, result.error = "skipped", "asleep already"
+                return result
+            started = time.perf_counter()
+            _call(client, spec, "POST", "/sleep", params={"level": result.sleep_level, "mode": spec.sleep.mode})
+            if not is_sleeping(client, spec):
+                raise EndpointError("POST /sleep answered 200, but /is_sleeping says it is awake")
+            result.sleep_ms = (time.perf_counter() - started) * 1000
+    except (httpx.HTTPError, EndpointError, ConfigError, ValueError, KeyError) as exc:
+        result.error = _reason(exc)
+        return result
+    POOLS.discard(name)  # its connections would carry keep-alive prompts to a sleeping server
+    result.status = "asleep"
+    return result
+
+
+def sleep_level_of(client: httpx.Client, spec: EndpointSpec) -> int | None:
+    """The level the server sleeps at, from `vllm:engine_sleep_state` on /metrics (None when
+    it does not say)."""
+    for line in _call(client, spec, "GET", "/metrics").text.splitlines():
+        if line.startswith("vllm:engine_sleep_state{") and line.rstrip().endswith(" 1.0"):
+            for level, state in ((1, "weights_offloaded"), (2, "discard_all")):
+                if f'sleep_state="{state}"' in line:
+                    return level
+    return None
+
+
+def wake_endpoint(name: str, spec: EndpointSpec) -> EndpointSleep:
+    """`POST /wake_up` (level 2: weights, `reload_weights`, the KV cache, then
+    `/reset_prefix_cache`), polled with `/is_sleeping` up to the wake timeout. The prefix
+    cache is cold after it: the caller primes the templates again (`wake_and_prime`)."""
+    if spec.sleep is None:
+        return EndpointSleep(error=f"endpoint {name!r} declares no sleep ([endpoints.{name}.sleep])")
+    result = EndpointSleep()
+    try:
+        with build_client(name, spec) as client:
+            if not is_sleeping(client, spec):
+                result.status, result.error = "skipped", "awake already"
+                return result
+            result.sleep_level = sleep_level_of(client, spec) or spec.sleep.level
+            started = time.perf_counter()
+            if result.sleep_level == 2:
+                _call(client, spec, "POST", "/wake_up", params={"tags": "weights"})
+                _call(client, spec, "POST", "/collective_rpc", json={"method": "reload_weights"})
+                _call(client, spec, "POST", "/wake_up", params={"tags": "kv_cache"})
+                _call(client, spec, "POST", "/reset_prefix_cache")
+            else:
+                _call(client, spec, "POST", "/wake_up")
+            deadline = started + spec.sleep.wake_timeout_s
+            while is_sleeping(client, spec):
+                if time.perf_counter() >= deadline:
+                    raise EndpointError(f"still asleep {spec.sleep.wake_timeout_s:g} s after POST /wake_up")
+                time.sleep(0.05)
+            result.wake_ms = (time.perf_counter() - started) * 1000
+    except (httpx.HTTPError, EndpointError, ConfigError, ValueError, KeyError) as exc:
+        result.error = _reason(exc)
+        return result
+    result.status = "awake"
+    return result
+
+
+def prefix_cache_counters(name: str, spec: EndpointSpec) -> tuple[float, float] | None:
+    """(hits, queries) of vLLM's prefix cache, in tokens, from /metrics (None if absent)."""
+    values = {}
+    try:
+        with build_client(name, spec) as client:
+            text = client.get(_root(spec, "/metrics")).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        for metric in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
+            if line.startswith(metric + "{") or line.startswith(metric + " "):
+                values[metric] = values.get(metric, 0.0) + float(line.rsplit(" ", 1)[1])
+    if len(values) < 2:
+        return None
+    return values["vllm:prefix_cache_hits_total"], values["vllm:prefix_cache_queries_total"]
+
+
+def wake_and_prime(
+    name: str, spec: EndpointSpec, catalog: Catalog, templates: list[str]
+) -> tuple[EndpointSleep, list[EndpointWarmup]]:
+    """A wake is a warmup: the server woken, then every template primed, each `warm` only on
+    the server's own evidence that its prefix is cached: `cached_tokens` where the server
+    returns it, else the growth of `vllm:prefix_cache_hits_total` while priming."""
+    woken = wake_endpoint(name, spec)
+    if woken.status == "failed":
+        results = [EndpointWarmup(t, spec.model or catalog.template(t).model) for t in templates]
+        for result in results:
+            result.error = f"not primed: the wake failed ({woken.error})"
+        return woken, results
+    before = prefix_cache_counters(name, spec)
+    results = warm_endpoint(name, spec, catalog, templates)
+    after = prefix_cache_counters(name, spec)
+    hits = None if before is None or after is None else after[0] - before[0]
+    for result in results:
+        if result.status == "warm" and result.cached_tokens is None and not hits:
+            result.status = "degraded"
+            result.error = (
+                "no evidence the prefix is cached after the wake: no cached_tokens in usage "
+                "(--enable-prompt-tokens-details) and vllm:prefix_cache_hits_total did not grow"
+            )
+    return woken, results

@@ -14,10 +14,19 @@ from sqlalchemy.orm import Session, selectinload
 
 from preheat import outbox
 from preheat.db import utcnow
-from preheat.models import EndpointKeepAlive, JobStatus, RunStatus, TargetKind, TriggerKind, WarmupJob, WarmupRun
+from preheat.models import (
+    EndpointKeepAlive,
+    JobStatus,
+    RunAction,
+    RunStatus,
+    TargetKind,
+    TriggerKind,
+    WarmupJob,
+    WarmupRun,
+)
 
 # A job in one of these states counts for the run as…
-_SUCCESS = {JobStatus.warm, JobStatus.skipped}
+_SUCCESS = {JobStatus.warm, JobStatus.skipped, JobStatus.asleep, JobStatus.awake}
 _FAILURE = {JobStatus.failed, JobStatus.lost}
 
 
@@ -28,8 +37,15 @@ def create_run(
     requested_by: str,
     detail: dict | None = None,
     trigger_key: str | None = None,
+    action: RunAction = RunAction.warm,
 ) -> WarmupRun:
-    run = WarmupRun(trigger=trigger, trigger_detail=detail or {}, requested_by=requested_by, trigger_key=trigger_key)
+    run = WarmupRun(
+        trigger=trigger,
+        trigger_detail=detail or {},
+        requested_by=requested_by,
+        trigger_key=trigger_key,
+        action=action,
+    )
     session.add(run)
     session.flush()
     return run
@@ -60,10 +76,16 @@ def add_jobs(
     return jobs
 
 
-def _jobs_of(session: Session, run_id: uuid.UUID, target: str, templates: Sequence[str]) -> list[WarmupJob]:
+def _jobs_of(
+    session: Session, run_id: uuid.UUID, target: str, templates: Sequence[str], model: str | None = None
+) -> list[WarmupJob]:
+    """A target's jobs of `templates`; `model` tells apart the whole-model rows (WHOLE_MODEL)
+    of two models slept or woken by one task."""
     query = select(WarmupJob).where(
         WarmupJob.run_id == run_id, WarmupJob.target == target, WarmupJob.template.in_(templates)
     )
+    if model is not None:
+        query = query.where(WarmupJob.model == model)
     return list(session.scalars(query.with_for_update()))
 
 
@@ -131,10 +153,11 @@ def finish_job(
     status: JobStatus,
     measured: dict,
     at: dt.datetime | None = None,
+    model: str | None = None,
 ) -> WarmupJob | None:
     if lock_run(session, run_id) is None:
         return None
-    jobs = _jobs_of(session, run_id, target, [template])
+    jobs = _jobs_of(session, run_id, target, [template], model)
     if not jobs:
         return None
     job = jobs[0]
@@ -297,6 +320,7 @@ def _apply_job_finish(session: Session, p: dict) -> None:
         status=JobStatus(p["status"]),
         measured=p["measured"],
         at=_at(p),
+        model=p.get("model"),
     )
 
 
@@ -331,8 +355,12 @@ def report_job_start(run_id: str, target: str, templates: list[str], task_id: st
     return outbox.record(JOB_START, payload)
 
 
-def report_job_finish(run_id: str, target: str, template: str, status: str, measured: dict) -> None:
+def report_job_finish(
+    run_id: str, target: str, template: str, status: str, measured: dict, model: str | None = None
+) -> None:
     payload = {"run_id": run_id, "target": target, "template": template, "status": status, "measured": measured}
+    if model is not None:
+        payload["model"] = model
     outbox.record(JOB_FINISH, {**payload, "at": utcnow()})
 
 

@@ -10,7 +10,15 @@ from sqlalchemy import JSON, BigInteger, ForeignKey, Index, String, Text, Unique
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from preheat.db import Model, utcnow
-from preheat.states import JobStatus, RunStatus, ScheduleKind, SlotStatus, TargetKind, TriggerKind
+from preheat.states import (
+    JobStatus,
+    RunAction,
+    RunStatus,
+    ScheduleKind,
+    SlotStatus,
+    TargetKind,
+    TriggerKind,
+)
 
 
 class WarmupRun(Model):
@@ -23,6 +31,7 @@ class WarmupRun(Model):
     # its run instead of making a second one.
     trigger_key: Mapped[str | None] = mapped_column(String(255), unique=True)
     requested_by: Mapped[str] = mapped_column(String(200))
+    action: Mapped[RunAction] = mapped_column(default=RunAction.warm, server_default=RunAction.warm.value)
     status: Mapped[RunStatus] = mapped_column(default=RunStatus.queued)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[dt.datetime | None]
@@ -69,6 +78,13 @@ class WarmupJob(Model):
     cached_tokens: Mapped[int | None]
     cache_bytes: Mapped[int | None] = mapped_column(BigInteger)  # exact KV bytes; GBs on real models
     device: Mapped[str | None] = mapped_column(String(32))
+    # Sleep and wake (a whole model's row, template WHOLE_MODEL): the level, how long the
+    # sleep took (running requests finished first), the bytes it freed (KV and weights, as
+    # counted), and how long the weights took to come back.
+    sleep_level: Mapped[int | None]
+    sleep_ms: Mapped[float | None]
+    bytes_freed: Mapped[int | None] = mapped_column(BigInteger)
+    wake_ms: Mapped[float | None]
     error: Mapped[str | None] = mapped_column(Text)
     # Final outcomes this job had before a later one replaced them ({status, error, at}): a
     # `lost` the reaper wrote, then the re-delivered or outbox-kept result of the worker.
@@ -131,6 +147,9 @@ class Schedule(Model):
     # {"templates": [...], "workers": [...]} or {"templates": [...], "endpoints": [...]}
     targets: Mapped[dict] = mapped_column(default=dict)
     lead_time_s: Mapped[int] = mapped_column(default=0)
+    # warm (the default), sleep or wake; a sleep's level (1 or 2).
+    action: Mapped[RunAction] = mapped_column(default=RunAction.warm, server_default=RunAction.warm.value)
+    sleep_level: Mapped[int | None]
     enabled: Mapped[bool] = mapped_column(default=True)
     # Slots before this are not wanted (added or resumed later), so never `missed`.
     active_since: Mapped[dt.datetime] = mapped_column(default=utcnow)

@@ -90,6 +90,13 @@ class Settings(BaseSettings):
     # Off only to measure what the cached prefixes give (`preheat bench load`): every
     # request then computes its whole prompt.
     prefix_caching: bool = True
+    # Sleep and wake (workers/sleep.py): a sleep waits this long for the model's running and
+    # waiting requests to finish, then is refused (never cuts one). While every model of a
+    # worker sleeps it looks at its models' queues this often, and wakes for a waiting request.
+    sleep_drain_s: float = Field(30.0, ge=0, le=3600, description="Seconds a sleep waits for running requests.")
+    wake_on_demand_poll_s: float = Field(
+        0.5, gt=0, le=60, description="Seconds between looks at a sleeping model's queue."
+    )
     # The worker's health server (/health/live, /health/ready, /metrics); 0 picks a free port.
     health_host: str = "0.0.0.0"
     health_port: int = Field(9440, ge=0, le=65535)

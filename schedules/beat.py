@@ -32,7 +32,7 @@ from preheat import prune
 from preheat.catalog import Catalog, load_catalog
 from preheat.db import aware, session_scope, utcnow
 from preheat.errors import PreheatError
-from preheat.models import Schedule, ScheduleKind, SlotStatus, TriggerKind
+from preheat.models import RunAction, Schedule, ScheduleKind, SlotStatus, TriggerKind
 from preheat.settings import get_settings
 from schedules import leader, store
 
@@ -76,6 +76,8 @@ class DueSlot:
     lead_time_s: int
     slot_at: dt.datetime
     fire_at: dt.datetime
+    action: RunAction = RunAction.warm
+    sleep_level: int | None = None
 
     @classmethod
     def of(cls, schedule: Schedule, slot_at: dt.datetime, fire_at: dt.datetime) -> DueSlot:
@@ -88,6 +90,8 @@ class DueSlot:
             schedule.lead_time_s,
             slot_at,
             fire_at,
+            RunAction(schedule.action),
+            schedule.sleep_level,
         )
 
     @property
@@ -136,7 +140,7 @@ def _due_and_next(now: dt.datetime, grace_s: float) -> tuple[list[DueSlot], dt.d
 
 def send_slot(slot: DueSlot, holder: str, now: dt.datetime) -> tuple[SlotStatus, uuid.UUID | None, str | None]:
     """Dispatch the slot's warmup (its run keyed by the slot); what became of it, and why."""
-    from preheat.dispatch import dispatch_endpoint_warmup, dispatch_warmup
+    from preheat.dispatch import dispatch_endpoint_warmup, dispatch_sleep_wake, dispatch_warmup
 
     detail = {
         "schedule": slot.name,
@@ -156,7 +160,15 @@ def send_slot(slot: DueSlot, holder: str, now: dt.datetime) -> tuple[SlotStatus,
         "trigger_key": slot.trigger_key,
     }
     try:
-        if slot.targets.get("endpoints"):
+        if slot.action != RunAction.warm:
+            dispatched = dispatch_sleep_wake(
+                slot.action,
+                models=slot.targets.get("models") or None,
+                workers=slot.targets.get("workers") or None,
+                level=slot.sleep_level or 1,
+                **common,
+            )
+        elif slot.targets.get("endpoints"):
             dispatched = dispatch_endpoint_warmup(slot.targets["endpoints"], **common)
         else:
             dispatched = dispatch_warmup(workers=slot.targets.get("workers") or None, **common)
@@ -195,14 +207,39 @@ def _fire_pass(
 ) -> tuple[dict[str, SlotStatus], dt.datetime | None]:
     fired = {}
     due, next_fire = _due_and_next(now, grace_s)
+    overruled = overruled_sleeps(due)
     for slot in due:
         with session_scope() as session:
             claimed = store.claim(session, slot.schedule_id, slot.name, slot.slot_at, slot.fire_at, holder, now)
             slot_id = claimed.id if claimed else None
-        if slot_id is not None:
+        if slot_id is None:
+            continue
+        if slot.trigger_key in overruled:
+            with session_scope() as session:
+                store.settle(session, slot_id, SlotStatus.failed, error=overruled[slot.trigger_key])
+            fired[slot.trigger_key] = SlotStatus.failed
+        else:
             fired[slot.trigger_key] = fire(slot, slot_id, holder, now)
     fired.update(retry(now, holder, grace_s=grace_s, stale_before=now - dt.timedelta(seconds=lease_s)))
     return fired, next_fire
+
+
+def overruled_sleeps(due: list[DueSlot]) -> dict[str, str]:
+    """The rule at fire time (store.check_contradictions refuses most at add): a sleep due
+    together with a warm or a wake of a model it shares does not fire; the warm does, as a
+    user at the peak matters more than the memory saved. Returns the sleeps' reasons."""
+    catalog = load_catalog(get_settings().catalog)
+    overruled = {}
+    for sleep in (slot for slot in due if slot.action == RunAction.sleep):
+        for other in (slot for slot in due if slot.action != RunAction.sleep):
+            shared = store.overlap(catalog, sleep.targets, other.targets)
+            if shared and sleep.fire_at.replace(second=0, microsecond=0) == other.fire_at.replace(
+                second=0, microsecond=0
+            ):
+                overruled[sleep.trigger_key] = (
+                    f"overruled: schedule {other.name!r} {other.action}s {', '.join(sorted(shared))} in the same minute"
+                )
+    return overruled
 
 
 def retry(now: dt.datetime, holder: str, *, grace_s: float, stale_before: dt.datetime) -> dict[str, SlotStatus]:

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from preheat import traffic
 from preheat.catalog import Catalog
 from preheat.db import aware
-from preheat.models import JobStatus, RunStatus, TargetKind, WarmupJob, WarmupRun
+from preheat.models import JobStatus, RunAction, RunStatus, TargetKind, WarmupJob, WarmupRun
 
 DAY_NAMES = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")  # cron's numbering: 0 is Sunday
 MINUTES_PER_WEEK = 7 * 24 * 60
@@ -57,12 +57,11 @@ class Peak:
 
     @property
     def cron(self) -> str:
-        hour, minute = self.start.split(":")
-        return f"{int(minute)} {int(hour)} * * {_days_field(self.days)}"
+        return _weekly_cron(self.start, self.days)
 
     @property
     def name(self) -> str:
-        return f"peak-{self.model}-{_days_field(self.days, names=True)}-{self.start.replace(':', '')}"[:64]
+        return _weekly_name("peak", self.model, self.days, self.start)
 
 
 @dataclass
@@ -87,6 +86,70 @@ class Suggestion:
                 "runs": self.lead.runs,
             },
         }
+
+
+@dataclass
+class SleepWindow:
+    """Off-peak: the model asleep from a peak's end until the wake ahead of its next peak."""
+
+    model: str
+    days: list[int]  # cron weekday numbers of the peaks it follows
+    start: str  # local HH:MM: the peak's end
+    shortest_s: int  # the shortest time asleep before the next wake fires
+    level: int
+    next_peak: str  # the peak whose wake ends it (the first such, by name)
+
+    @property
+    def cron(self) -> str:
+        return _weekly_cron(self.start, self.days)
+
+    @property
+    def name(self) -> str:
+        return _weekly_name("sleep", self.model, self.days, self.start)
+
+
+def sleep_windows(suggestions: list[Suggestion], *, min_sleep_s: int, level: int) -> list[SleepWindow]:
+    """Between each peak's end and the next peak's wake (its start less its lead), a sleep,
+    where that leaves at least `min_sleep_s` asleep: a short gap is not worth a wake. The
+    week is a circle: Saturday's last peak is followed by Sunday's first."""
+    windows: dict[tuple[str, str], SleepWindow] = {}
+    by_model: dict[str, list[Suggestion]] = {}
+    for suggestion in suggestions:
+        by_model.setdefault(suggestion.peak.model, []).append(suggestion)
+    for model, mine in by_model.items():
+        onsets = sorted(
+            (day * 1440 + _minutes(s.peak.start) - s.lead.seconds // 60, s.peak.name)
+            for s in mine
+            for day in s.peak.days
+        )
+        for s in mine:
+            for day in s.peak.days:
+                start = day * 1440 + _minutes(s.peak.start)
+                end = start + ((_minutes(s.peak.end) - _minutes(s.peak.start)) % 1440 or 1440)
+                wake_at, next_peak = min(((at if at > end else at + MINUTES_PER_WEEK), name) for at, name in onsets)
+                asleep_s = (wake_at - end) * 60
+                if asleep_s < min_sleep_s:
+                    continue
+                end_day, end_text = (end // 1440) % 7, _hhmm(end % 1440)
+                window = windows.setdefault(
+                    (model, end_text), SleepWindow(model, [], end_text, asleep_s, level, next_peak)
+                )
+                window.days = sorted({*window.days, end_day})
+                window.shortest_s = min(window.shortest_s, asleep_s)
+    return sorted(windows.values(), key=lambda w: (w.model, w.start, w.days))
+
+
+def _minutes(hhmm: str) -> int:
+    return int(hhmm[:2]) * 60 + int(hhmm[3:])
+
+
+def _weekly_cron(start: str, days: list[int]) -> str:
+    hour, minute = start.split(":")
+    return f"{int(minute)} {int(hour)} * * {_days_field(days)}"
+
+
+def _weekly_name(kind: str, model: str, days: list[int], start: str) -> str:
+    return f"{kind}-{model}-{_days_field(days, names=True)}-{start.replace(':', '')}"[:64]
 
 
 def _days_field(days: list[int], names: bool = False) -> str:
@@ -174,7 +237,8 @@ def peak_templates(rows, peak: Peak, zone: ZoneInfo, catalog: Catalog) -> list[s
 
 
 def warmup_durations(session: Session, model: str, limit: int = 200) -> list[float]:
-    """Seconds from dispatch to the last job finished, of this model's recent finished runs on workers."""
+    """Seconds from dispatch to the last job finished, of this model's recent finished warms
+    and wakes on workers."""
     query = (
         select(WarmupRun.created_at, WarmupRun.finished_at)
         .join(WarmupJob)
@@ -182,6 +246,7 @@ def warmup_durations(session: Session, model: str, limit: int = 200) -> list[flo
             WarmupJob.model == model,
             WarmupJob.target_kind == TargetKind.worker,
             WarmupRun.status.in_([RunStatus.succeeded, RunStatus.degraded]),
+            WarmupRun.action != RunAction.sleep,  # warms and wakes: what a peak's lead must cover
             WarmupRun.finished_at.is_not(None),
         )
         .group_by(WarmupRun.id, WarmupRun.created_at, WarmupRun.finished_at)

@@ -20,17 +20,35 @@ from preheat.catalog import NAME_PATTERN, Catalog
 from preheat.cron import Cron, CronError
 from preheat.db import aware, utcnow
 from preheat.errors import ConfigError, UnknownNameError
-from preheat.models import Schedule, ScheduleKind, ScheduleSlot, SlotStatus
+from preheat.models import RunAction, Schedule, ScheduleKind, ScheduleSlot, SlotStatus
+from preheat.sleeping import models_targeted
 
 MAX_LEAD_TIME_S = 86400
+# How far ahead `add` and `resume` look for a contradicting schedule (a week and a day:
+# every weekly pattern meets itself once).
+CONTRADICTION_HORIZON = dt.timedelta(days=8)
 
 
 def targets_of(
-    catalog: Catalog, *, templates: list[str] | None, workers: list[str] | None, endpoints: list[str] | None
+    catalog: Catalog,
+    *,
+    templates: list[str] | None,
+    workers: list[str] | None,
+    endpoints: list[str] | None,
+    models: list[str] | None = None,
+    action: RunAction = RunAction.warm,
 ) -> dict:
-    """The targets a schedule warms, checked against the catalog; one clear error otherwise."""
+    """The targets a schedule acts on, checked against the catalog; one clear error otherwise."""
     if workers and endpoints:
         raise ConfigError("a schedule warms workers or endpoints, not both: give --worker or --endpoint")
+    if models and action == RunAction.warm:
+        raise ConfigError("--model is for sleep and wake schedules; a warm schedule names templates")
+    if models and templates:
+        raise ConfigError("give --model or --template, not both: a sleep or a wake acts on whole models")
+    if endpoints and action != RunAction.warm:
+        raise ConfigError(f"a {action} schedule acts on workers; endpoints are warmed, not slept, by schedules")
+    for model in models or []:
+        catalog.model(model)
     for template in templates or []:
         catalog.template(template)
     for endpoint in endpoints or []:
@@ -44,7 +62,52 @@ def targets_of(
         targets["endpoints"] = list(dict.fromkeys(endpoints))
     if workers:
         targets["workers"] = list(dict.fromkeys(workers))
+    if models:
+        targets["models"] = list(dict.fromkeys(models))
     return targets
+
+
+def _contradict(a: RunAction, b: RunAction) -> bool:
+    """A sleep against a warm or a wake of the same model: one undoes the other."""
+    return RunAction.sleep in (a, b) and a != b
+
+
+def overlap(catalog: Catalog, a: dict, b: dict) -> set[str]:
+    """Models two schedules' targets share, on workers both may reach."""
+    if a.get("endpoints") or b.get("endpoints"):
+        return set()
+    if a.get("workers") and b.get("workers") and not set(a["workers"]) & set(b["workers"]):
+        return set()
+    return models_targeted(catalog, a) & models_targeted(catalog, b)
+
+
+def _fire_minutes(cron: str, timezone: str, lead_s: int, now: dt.datetime) -> set[dt.datetime]:
+    lead = dt.timedelta(seconds=lead_s)
+    slots = cron_of(cron, timezone).slots(now + lead, now + lead + CONTRADICTION_HORIZON)
+    return {(slot - lead).replace(second=0, microsecond=0) for slot in slots}
+
+
+def check_contradictions(session: Session, catalog: Catalog, schedule: Schedule, now: dt.datetime) -> None:
+    """The written rule: no two enabled schedules may sleep and warm (or wake) one model in
+    the same minute within the next CONTRADICTION_HORIZON; the one being added or resumed
+    is refused, naming the other and the minute. (Past the horizon, beat applies the rule
+    at fire time: the warm or wake fires, the sleep is recorded failed.)"""
+    mine = None
+    for other in enabled(session):
+        if other.id == schedule.id or not _contradict(schedule.action, other.action):
+            continue
+        shared = overlap(catalog, schedule.targets, other.targets)
+        if not shared:
+            continue
+        if mine is None:
+            mine = _fire_minutes(schedule.cron, schedule.timezone, schedule.lead_time_s, now)
+        same = mine & _fire_minutes(other.cron, other.timezone, other.lead_time_s, now)
+        if same:
+            raise ConfigError(
+                f"schedule {schedule.name!r} would {schedule.action} {', '.join(sorted(shared))} in the same minute "
+                f"as schedule {other.name!r} would {other.action} it ({min(same):%Y-%m-%d %H:%M} UTC): "
+                "move one of them, or pause one"
+            )
 
 
 MAX_CRON_LENGTH = Schedule.__table__.c.cron.type.length
@@ -89,8 +152,17 @@ def add(
     kind: ScheduleKind = ScheduleKind.manual,
     detail: dict | None = None,
     enabled: bool = True,
+    action: RunAction = RunAction.warm,
+    sleep_level: int | None = None,
+    catalog: Catalog | None = None,
 ) -> Schedule:
+    """A new schedule. `catalog`: checked against the enabled schedules for a contradiction
+    (check_contradictions); a sleep's level defaults to 1."""
     parsed = check(name, cron, timezone, lead_time_s)
+    if action != RunAction.sleep and sleep_level is not None:
+        raise ConfigError(f"--level is a sleep's; a {action} schedule has none")
+    if sleep_level is not None and sleep_level not in (1, 2):
+        raise ConfigError(f"sleep level must be 1 or 2, got {sleep_level}")
     if session.scalars(select(Schedule.id).where(Schedule.name == name)).first() is not None:
         raise ConfigError(f"schedule {name!r} exists; remove it first or pick another name")
     schedule = Schedule(
@@ -103,7 +175,11 @@ def add(
         enabled=enabled,
         detail=detail or {},
         active_since=utcnow(),
+        action=action,
+        sleep_level=(sleep_level or 1) if action == RunAction.sleep else None,
     )
+    if enabled and catalog is not None:
+        check_contradictions(session, catalog, schedule, utcnow())
     session.add(schedule)
     try:
         session.flush()
@@ -128,8 +204,10 @@ def enabled(session: Session) -> list[Schedule]:
     return list(session.scalars(select(Schedule).where(Schedule.enabled.is_(True)).order_by(Schedule.name)))
 
 
-def set_enabled(session: Session, name: str, value: bool) -> Schedule:
+def set_enabled(session: Session, name: str, value: bool, catalog: Catalog | None = None) -> Schedule:
     schedule = get(session, name)
+    if value and not schedule.enabled and catalog is not None:
+        check_contradictions(session, catalog, schedule, utcnow())
     if value and not schedule.enabled:
         # Slots that passed while paused were not wanted: they are neither fired nor missed.
         schedule.active_since = utcnow()

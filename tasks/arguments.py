@@ -37,12 +37,38 @@ class WarmWorkerArguments(_Arguments):
     only_if_cold: bool = False
 
 
+class SleepWorkerArguments(_Arguments):
+    run_id: RunId
+    worker: Nodename
+    models: list[Name] = Field(min_length=1, max_length=64)
+    level: int = Field(1, ge=1, le=2)
+
+
+class WakeWorkerArguments(_Arguments):
+    run_id: RunId
+    worker: Nodename
+    models: list[Name] = Field(min_length=1, max_length=64)
+    templates: list[Name] = Field(default_factory=list, max_length=256)
+
+
 class WarmEndpointArguments(_Arguments):
     run_id: RunId
     endpoint: Name
     templates: list[Name] = Field(min_length=1, max_length=256)
     base_url: str | None = Field(None, pattern=r"^https?://[^/\s]+", max_length=2048)
     target: Nodename | None = None
+
+
+class SleepEndpointArguments(_Arguments):
+    run_id: RunId
+    endpoint: Name
+    level: int | None = Field(None, ge=1, le=2)
+
+
+class WakeEndpointArguments(_Arguments):
+    run_id: RunId
+    endpoint: Name
+    templates: list[Name] = Field(min_length=1, max_length=256)
 
 
 class KeepAliveArguments(_Arguments):
@@ -81,7 +107,7 @@ class InferArguments(_Arguments):
 
 class WarmFleetArguments(_Arguments):
     templates: list[Name] | None = Field(None, max_length=256)
-    trigger: str = Field("schedule", pattern=r"^(schedule|pod_event|worker_online|manual|peak)$")
+    trigger: str = Field("schedule", pattern=r"^(schedule|pod_event|worker_online|manual|peak|demand)$")
     detail: dict | None = None
     requested_by: str = Field("beat", min_length=1, max_length=200)
     workers: list[Nodename] | None = Field(None, max_length=1024)

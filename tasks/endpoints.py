@@ -1,5 +1,6 @@
 """Endpoint tasks: `preheat.warm_endpoint` primes a remote model server through its pool;
-`preheat.keep_alive_endpoint` (fired by beat per endpoint) keeps it warm."""
+`preheat.keep_alive_endpoint` (fired by beat per endpoint) keeps it warm;
+`preheat.sleep_endpoint` and `preheat.wake_endpoint` drive a vLLM server's sleep mode."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from preheat import history
 from preheat.catalog import load_catalog
 from preheat.celery import DB_RETRY, app
 from preheat.db import utcnow
-from preheat.endpoints import POOLS, keep_alive, warm_endpoint
+from preheat.endpoints import POOLS, keep_alive, sleep_endpoint, wake_and_prime, warm_endpoint
 from preheat.errors import UnknownNameError
 from preheat.settings import get_settings
-from tasks.arguments import KeepAliveArguments, WarmEndpointArguments
+from preheat.states import WHOLE_MODEL
+from tasks.arguments import KeepAliveArguments, SleepEndpointArguments, WakeEndpointArguments, WarmEndpointArguments
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,29 @@ def warm_endpoint_task(
     for result in results:
         self.finish_job(run_id, target, result.template, result.status, result.as_record())
     return {result.template: result.status for result in results}
+
+
+@app.task(bind=True, name="preheat.sleep_endpoint", arguments=SleepEndpointArguments, **DB_RETRY)
+def sleep_endpoint_task(self, run_id: str, endpoint: str, level: int | None = None) -> dict:
+    """Put a vLLM server to sleep (`POST /sleep`); its keep-alive pauses while it sleeps."""
+    if not self.start_jobs(run_id, endpoint, [WHOLE_MODEL]):
+        return {}
+    result = sleep_endpoint(endpoint, load_catalog(get_settings().catalog).endpoint(endpoint), level)
+    self.finish_job(run_id, endpoint, WHOLE_MODEL, result.status, result.as_record())
+    return {endpoint: result.status}
+
+
+@app.task(bind=True, name="preheat.wake_endpoint", arguments=WakeEndpointArguments, **DB_RETRY)
+def wake_endpoint_task(self, run_id: str, endpoint: str, templates: list[str]) -> dict:
+    """Wake a vLLM server and prime its templates again: warm only on the server's evidence."""
+    if not self.start_jobs(run_id, endpoint, [WHOLE_MODEL, *templates]):
+        return {}
+    catalog = load_catalog(get_settings().catalog)
+    woken, primed = wake_and_prime(endpoint, catalog.endpoint(endpoint), catalog, templates)
+    self.finish_job(run_id, endpoint, WHOLE_MODEL, woken.status, woken.as_record())
+    for result in primed:
+        self.finish_job(run_id, endpoint, result.template, result.status, result.as_record())
+    return {endpoint: woken.status, **{result.template: result.status for result in primed}}
 
 
 @app.task(name="preheat.keep_alive_endpoint", arguments=KeepAliveArguments, **DB_RETRY)

@@ -26,6 +26,7 @@ from preheat.endpoints import POOLS
 from preheat.errors import ConfigError, exit_with
 from preheat.registry import Heartbeat
 from preheat.settings import get_settings
+from tasks.demand import DemandWaker
 from tasks.runtime import get_runtime
 from workers.health import HealthServer
 
@@ -72,6 +73,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         super().__init__(worker, **kwargs)
         self.health: HealthServer | None = None
         self.heartbeat: Heartbeat | None = None
+        self.demand: DemandWaker | None = None
 
     def create(self, worker) -> None:
         pool = pool_name(worker.pool_cls)
@@ -83,6 +85,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
                 )
             )
         check_concurrency(pool, worker.concurrency, get_settings())
+        _start_asleep_by_schedule(worker.hostname)
         # The models load from here on, while Celery builds its pool and consumer: torch and
         # transformers (2-3 s, imported lazily: beat and the CLI import the task modules too),
         # then each model's own classes and weights. Pre-fills wait for start(), which sets
@@ -106,6 +109,9 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         def consume(model: str) -> None:
             soon(consumer.add_task_queue, infer_queue(model))
 
+        def stop_consuming(model: str) -> None:  # asleep: its requests wait for a worker awake
+            soon(consumer.cancel_task_queue, infer_queue(model))
+
         def serve_once_warm(model: str) -> None:
             # The scheduler's thread, which runs every forward pass, pays its own first-call
             # costs (measured at 4x steady) before the first request does.
@@ -117,9 +123,10 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
             soon(on_serving_thread)
 
         if settings.gate_inference:
-            runtime.announce_to(serve_once_warm)
+            runtime.announce_to(serve_once_warm, on_model_sleep=stop_consuming)
         else:
             log.warning("PREHEAT_GATE_INFERENCE is off: requests are taken before the models are warm")
+            runtime.announce_to(consume, gated=False, on_model_sleep=stop_consuming)  # again after a wake
             for model in runtime.catalog.models:
                 consume(model)
         try:
@@ -149,9 +156,18 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
             pulses=liveness.pulses_for(settings),
             lost_message_after_s=settings.lost_message_after_s,
         ).start()
+        self.demand = DemandWaker(
+            runtime,
+            worker.hostname,
+            poll_s=settings.wake_on_demand_poll_s,
+            dead_after_s=settings.worker_dead_after_s,
+        ).start()
         threading.Thread(target=runtime.preload, name="preheat-preload", daemon=True).start()
 
     def stop(self, worker) -> None:
+        if self.demand is not None:
+            self.demand.stop()
+            self.demand = None
         POOLS.close_all()  # endpoint connections, closed cleanly rather than dropped
         get_runtime().close()  # prefix files being written are finished, not left half-done
         if self.heartbeat is not None:
@@ -161,6 +177,26 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         if self.health is not None:
             self.health.stop()
             self.health = None
+
+
+def _start_asleep_by_schedule(nodename: str) -> None:
+    """Models the schedules say are asleep now start asleep (preheat.sleeping's rule). With
+    the database away, everything loads: a worker awake off-peak costs memory, one asleep
+    at the peak costs users."""
+    from preheat.catalog import load_catalog
+    from preheat.db import session_scope
+    from preheat.sleeping import asleep_by_schedule
+
+    try:
+        runtime = get_runtime()
+        with session_scope() as session:
+            asleep = asleep_by_schedule(session, load_catalog(get_settings().catalog), nodename, utcnow())
+    except ConfigError:
+        return  # a catalog or setting that cannot be used: start() says so, in one line
+    except Exception as exc:
+        log.warning("could not read the schedules (%s): every model loads", exc)
+        return
+    runtime.start_asleep(asleep)
 
 
 def _load_models() -> None:

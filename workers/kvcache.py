@@ -329,6 +329,15 @@ class KVCacheManager:
                 self._drop(entry, evicted=False)
             return len(idle)
 
+    def drop_model(self, model: str) -> int:
+        """Drop every entry of `model` not in use, pinned ones included (the model goes to
+        sleep); returns the bytes freed."""
+        with self._lock:
+            idle = [e for e in self._entries.values() if e.key.model == model and e.ref_count == 0]
+            for entry in idle:
+                self._drop(entry, evicted=False)
+            return sum(entry.nbytes for entry in idle)
+
     def _require(self, key: CacheKey) -> CacheEntry:
         entry = self._entries.get(key)
         if entry is None:

@@ -77,6 +77,33 @@ class EngineCollector:
         )
 
 
+class SleepCollector:
+    """Each model's sleep state, named as vLLM names its own (`vllm:engine_sleep_state`):
+    one series per state, 1 on the one it is in."""
+
+    STATES = ("awake", "weights_offloaded", "discard_all")  # level 0, 1, 2
+
+    def __init__(self, sleeps, models: Callable[[], list[str]]) -> None:
+        self._sleeps, self._models = sleeps, models
+
+    def collect(self):
+        state = GaugeMetricFamily(
+            "preheat_model_sleep_state",
+            "1 on the model's sleep state: awake, weights_offloaded (level 1) or discard_all (level 2).",
+            labels=["model", "sleep_state"],
+        )
+        for model in self._models():
+            level = self._sleeps.level_of(model) or 0
+            for i, name in enumerate(self.STATES):
+                state.add_metric([model, name], int(i == level))
+        yield state
+        yield CounterMetricFamily(
+            "preheat_model_wakes_on_demand",
+            "Models woken because a request came while they slept here.",
+            value=self._sleeps.wakes_on_demand,
+        )
+
+
 class RuntimeMetrics:
     def __init__(self, cache: KVCacheManager, models: ResidentModels, is_ready: Callable[[], bool]) -> None:
         self.collectors = CollectorRegistry(auto_describe=False)

@@ -101,7 +101,7 @@ def settle(cache, *, trim_every_s: float = 0.0) -> None:
         view.copy_(tensor)
         setattr(layer, name, view)
     del tensors  # the last references to the pre-fill's own tensors: freed before the trim
-    _release_free_heap(trim_every_s)
+    release_free_heap(trim_every_s)
 
 
 @functools.cache
@@ -118,7 +118,7 @@ def _malloc_trim():
 _last_trim = [0.0]  # monotonic seconds; settle runs on the scheduler's one thread
 
 
-def _release_free_heap(at_most_every_s: float = 0.0) -> None:
+def release_free_heap(at_most_every_s: float = 0.0) -> None:
     """Give the heap's free pages back (the pre-fill's own tensors, just copied out, and the
     pass's temporaries): glibc keeps them resident otherwise."""
     now = time.monotonic()

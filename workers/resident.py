@@ -149,6 +149,11 @@ class ResidentModels:
     def get(self, name: str) -> ResidentModel | None:
         return self._models.get(name)
 
+    def drop(self, name: str) -> ResidentModel | None:
+        """No longer resident (asleep at level 2): the next `ensure` loads it again."""
+        with self._lock:
+            return self._models.pop(name, None)
+
     @property
     def resident(self) -> dict[str, ResidentModel]:
         return dict(self._models)

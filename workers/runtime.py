@@ -19,14 +19,15 @@ from dataclasses import dataclass, field
 from preheat.catalog import Catalog, load_catalog
 from workers.chat import Messages, render, system_prompt_of
 from workers.kvcache import CacheBudget, KVCacheManager
-from workers.metrics import EngineCollector, RuntimeMetrics
+from workers.metrics import EngineCollector, RuntimeMetrics, SleepCollector
 from workers.prefix import encode
 from workers.prefixcache import PrefixCache
 from workers.prefixstore import PrefixStore
 from workers.request import Completion, Request, TextStream
 from workers.resident import ModelSource, ResidentModel, ResidentModels
 from workers.sampling import SamplingParams
-from workers.scheduler import BatchLimits, Scheduler
+from workers.scheduler import BatchLimits, ModelAsleepError, Scheduler
+from workers.sleep import SleepResult, Sleeps, WakeResult
 from workers.templates import TEMPLATE_ERRORS, Templates
 from workers.warmup import TemplateWarmup, Warmups
 
@@ -47,6 +48,7 @@ class RuntimeConfig:
     batch_limits: BatchLimits = field(default_factory=BatchLimits)
     # Off only to measure what the cached prefixes give: every request computes its prompt.
     prefix_caching: bool = True
+    sleep_drain_s: float = 30.0  # see Settings.sleep_drain_s
 
     @classmethod
     def from_settings(cls, settings) -> RuntimeConfig:
@@ -62,6 +64,7 @@ class RuntimeConfig:
                 settings.max_running_requests, settings.max_queued_requests, settings.prefill_tokens_per_step
             ),
             prefix_caching=settings.prefix_caching,
+            sleep_drain_s=settings.sleep_drain_s,
         )
 
 
@@ -75,6 +78,8 @@ class RequestGate:
     def __init__(self) -> None:
         self.gated = False
         self.on_model_warm: Callable[[str], None] | None = None
+        # Called when a model goes to sleep: the process stops taking its requests.
+        self.on_model_sleep: Callable[[str], None] | None = None
         self._announced: set[str] = set()
         self._taking: set[str] = set()
 
@@ -86,6 +91,14 @@ class RequestGate:
     def taking(self, model: str) -> None:
         self._taking.add(model)
         log.info("model %s takes requests", model)
+
+    def sleeping(self, model: str) -> None:
+        """`model` goes to sleep: no more of its requests taken; once awake and warm it is
+        announced again."""
+        self._announced.discard(model)
+        self._taking.discard(model)
+        if self.on_model_sleep is not None:
+            self.on_model_sleep(model)
 
     def reason(self, model: str) -> str | None:
         if self.gated and model not in self._taking:
@@ -112,6 +125,16 @@ class WorkerRuntime:
             on_warm=self._announce_if_warm,
         )
         self.gate = RequestGate()
+        self.sleeps = Sleeps(
+            self.resident_models,
+            self.scheduler,
+            self.source,
+            self.warmups.lock,
+            on_sleep=self.gate.sleeping,
+            on_wake=self._announce_if_warm,
+            drain_s=config.sleep_drain_s,
+        )
+        self.metrics.collectors.register(SleepCollector(self.sleeps, lambda: list(catalog.models)))
 
     @classmethod
     def from_settings(cls, settings) -> WorkerRuntime:
@@ -122,10 +145,18 @@ class WorkerRuntime:
 
     # Start-up and readiness --------------------------------------------------------
 
-    def announce_to(self, on_model_warm: Callable[[str], None], *, gated: bool = True) -> None:
-        """Call `on_model_warm` once a model is warm; with `gated`, the model is ready only
-        once `taking_requests` says the process takes its requests."""
+    def announce_to(
+        self,
+        on_model_warm: Callable[[str], None],
+        *,
+        gated: bool = True,
+        on_model_sleep: Callable[[str], None] | None = None,
+    ) -> None:
+        """Call `on_model_warm` once a model is warm (again after a wake), `on_model_sleep`
+        when it goes to sleep; with `gated`, the model is ready only once `taking_requests`
+        says the process takes its requests."""
         self.gate.on_model_warm, self.gate.gated = on_model_warm, gated
+        self.gate.on_model_sleep = on_model_sleep
 
     def preload(self, max_parallel: int = 4) -> list[str]:
         """Load every catalog model in parallel, then pre-fill every template. Failures are
@@ -154,7 +185,8 @@ class WorkerRuntime:
     def load_models(self, max_parallel: int = 4) -> None:
         """Every catalog model resident (in parallel), nothing pre-filled: what a worker
         starts on before its gate is set up. Once: a second call waits for the first."""
-        self.resident_models.preload_once([self.source(name) for name in self.catalog.models], max_parallel)
+        awake = [name for name in self.catalog.models if name not in self.sleeps.asleep]
+        self.resident_models.preload_once([self.source(name) for name in awake], max_parallel)
 
     def readiness(self) -> list[str]:
         """Why this worker should not take traffic yet; empty when it should."""
@@ -163,6 +195,8 @@ class WorkerRuntime:
     def model_readiness(self, model: str) -> list[str]:
         """Why `model` should not take requests yet; empty when it should."""
         reasons = []
+        if (level := self.sleeps.level_of(model)) is not None:
+            return [f"model {model}: asleep (level {level})"]
         if model in self.resident_models.unavailable:
             reasons.append(f"model {model} unavailable: {self.resident_models.unavailable[model]}")
         elif self.resident_models.get(model) is None:
@@ -184,11 +218,20 @@ class WorkerRuntime:
         return ModelSource(model, self.catalog.model_path(model), spec.dtype, spec.revision, template, where)
 
     def _resident(self, model: str) -> ResidentModel:
-        """The model, loaded if it is not resident (its source, files included, read only then)."""
+        """The model, loaded if it is not resident (its source, files included, read only then),
+        woken if it sleeps (someone needs it now)."""
+        if self.sleeps.ensure_awake(model):
+            log.info("model %s woken on demand", model)
+            self._prefill_templates(model)
         resident = self.resident_models.get(model)
         if resident is None:
             resident, _ = self.resident_models.ensure(self.source(model))
         return resident
+
+    def _prefill_templates(self, model: str) -> None:
+        """Every template of `model` pre-filled (restored) and pinned, as at start-up."""
+        for template in self.catalog.templates_of(model):
+            self._preload_template(template)
 
     def _announce_if_warm(self, model: str) -> None:
         if all(self.templates.not_ready(name) is None for name in self.catalog.templates_of(model)):
@@ -222,6 +265,35 @@ class WorkerRuntime:
     def warm_template(self, template: str, only_if_cold: bool = False) -> TemplateWarmup:
         """See Warmups.warm: never raises, the failure is the measurement."""
         return self.warmups.warm(template, only_if_cold)
+
+    # Sleep and wake ---------------------------------------------------------------
+
+    def start_asleep(self, models: dict[str, str]) -> None:
+        """Before start-up loads anything: `models` (model -> why) start asleep, nothing
+        loaded (see preheat.sleeping); a wake or a request loads them."""
+        for model, why in models.items():
+            self.sleeps.start_asleep(model)
+            self.templates.asleep(model)
+            log.info("model %s starts asleep: %s", model, why)
+
+    def sleep(self, model: str, level: int = 1) -> SleepResult:
+        """See Sleeps.sleep. Pinned prefixes are written to the prefix store first (those
+        under way), so a wake restores them. Never raises: the failure is the record."""
+        if (store := self.scheduler.prefixes.store) is not None:
+            store.flush()
+        result = self.sleeps.sleep(model, level)
+        if result.status == "asleep":
+            self.templates.asleep(model)
+        return result
+
+    def wake(self, model: str) -> WakeResult:
+        """The weights back (see Sleeps.wake) and every template restored (or pre-filled) and
+        pinned: the model takes requests again, as after start-up. The caller's warmups then
+        probe and judge each template (a wake is a warmup), as start-up's first job does."""
+        result = self.sleeps.wake(model)
+        if result.status == "awake":
+            self._prefill_templates(model)
+        return result
 
     # Requests ---------------------------------------------------------------------
 
@@ -266,6 +338,13 @@ class WorkerRuntime:
         return self._submit(resident, prompt_ids, sampling, arrived, None, remember=sampling.n > 1)
 
     def _submit(self, resident, prompt_ids, sampling, arrived: float, template: str | None, *, remember=False):
+        try:
+            return self._submit_now(resident, prompt_ids, sampling, arrived, template, remember=remember)
+        except ModelAsleepError:  # it went to sleep since the request looked: woken for it
+            resident = self._resident(resident.name)
+            return self._submit_now(resident, prompt_ids, sampling, arrived, template, remember=remember)
+
+    def _submit_now(self, resident, prompt_ids, sampling, arrived: float, template: str | None, *, remember=False):
         return self.scheduler.submit(
             resident,
             prompt_ids,
@@ -309,6 +388,7 @@ class WorkerRuntime:
                 for name, m in self.resident_models.resident.items()
             },
             "unavailable": self.resident_models.unavailable,
+            "asleep": {name: state.describe() for name, state in self.sleeps.asleep.items()},
             "engine": self.scheduler.load(),
             "cache": {
                 "entries": stats.entries,

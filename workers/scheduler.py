@@ -50,6 +50,10 @@ from workers.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
+class ModelAsleepError(PreheatError):
+    """A request for a model that is asleep here: the caller wakes it first (WorkerRuntime)."""
+
+
 class QueueFullError(PreheatError):
     """More requests wait than the engine queues: the caller should come back later."""
 
@@ -117,6 +121,7 @@ class Scheduler:
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._asleep: set[str] = set()  # parked models: no request is taken for them
         self._request_s = 1.0  # a moving average of how long a request runs, for Retry-After
         self.steps = 0  # decode steps run, and rows they fed: the mean batch size is their ratio
         self.rows_stepped = 0
@@ -151,6 +156,8 @@ class Scheduler:
             on_first_token=on_first_token,
         )
         with self._wakeup:
+            if resident.name in self._asleep:
+                raise ModelAsleepError(f"model {resident.name} is asleep")
             if len(self._waiting) >= self.limits.max_queued:
                 raise QueueFullError(len(self._waiting), self._retry_after_s())
             self._waiting.append(request)
@@ -161,6 +168,34 @@ class Scheduler:
     def prefill(self, resident: ResidentModel, token_ids: torch.Tensor, **how) -> Prefilled:
         """`PrefixCache.prefill` on the scheduler's thread, between two steps."""
         return self._call(self.prefixes.prefill, resident, token_ids, **how)
+
+    def park(self, model: str, drain_s: float) -> int:
+        """Take no more requests for `model` once those it runs and queues have finished
+        (waited for up to `drain_s`, never cut), and free its cached KV; returns the bytes
+        freed. Raises SleepRefused, with nothing changed, when they outlast `drain_s`."""
+        from workers.sleep import SleepRefused
+
+        deadline = time.monotonic() + drain_s
+        while (busy := self._call(self._park, model)) is not None:
+            if time.monotonic() >= deadline:
+                raise SleepRefused(f"{busy} request(s) of {model} still running or waiting after {drain_s:g} s")
+            time.sleep(0.02)
+        return self._call(self.prefixes.cache.drop_model, model)
+
+    def _park(self, model: str) -> int | None:
+        """On the scheduler's thread, between two steps: the requests of `model` it still
+        has, or None once it has none and the model is parked."""
+        with self._wakeup:
+            busy = self._rows(model) + sum(request.model == model for request in self._waiting)
+            if busy:
+                return busy
+            self._asleep.add(model)
+            self._batches.pop(model, None)  # an empty batch still holds its grown buffers
+            return None
+
+    def unpark(self, model: str) -> None:
+        with self._wakeup:
+            self._asleep.discard(model)
 
     def load(self) -> dict[str, int]:
         """Requests running and waiting now (metrics, `preheat workers`)."""
@@ -268,13 +303,18 @@ class Scheduler:
 
     def _next_admissible(self, pending: dict[str, int]) -> Request | None:
         """The first waiting request whose model has a free row (`pending`: admitted in this
-        iteration, not running yet); a cancelled one is taken to be ended."""
+        iteration, not running yet); a cancelled one is taken to be ended. Served requests
+        go before off-the-books ones (a warmup's probes, the first-call exercise): a user
+        never waits behind a measurement, at most behind the pass it is in."""
         with self._wakeup:
-            for request in self._waiting:
-                rows = self._rows(request.model) + pending.get(request.model, 0)
-                if request.cancelled.is_set() or rows < self.limits.max_running:
-                    self._waiting.remove(request)
-                    return request
+            for served in (True, False):
+                for request in self._waiting:
+                    if request.record is not served:
+                        continue
+                    rows = self._rows(request.model) + pending.get(request.model, 0)
+                    if request.cancelled.is_set() or rows < self.limits.max_running:
+                        self._waiting.remove(request)
+                        return request
         return None
 
     def _admit(self) -> None:

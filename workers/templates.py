@@ -106,6 +106,11 @@ class Templates:
         self._note(resolved.name, None)
         return prefilled
 
+    def asleep(self, model: str) -> None:
+        """`model` went to sleep: its prefixes are no longer cached; a wake pre-fills them."""
+        for name in self.catalog.templates_of(model):
+            self._note(name, "model asleep")
+
     def _note(self, name: str, reason: str | None) -> None:
         if name in self._not_ready:  # a name the catalog does not have stays out
             self._not_ready[name] = reason

@@ -34,6 +34,7 @@ def _register() -> None:
         learn,
         schedule,
         serve,
+        sleep,
         warm,
         watch,
         workers,
@@ -48,6 +49,8 @@ def _register() -> None:
     app.add_typer(learn.peaks_app, name="peaks")
     app.add_typer(learn.templates_app, name="templates")
     app.command("warm")(warm.warm)
+    app.command("sleep")(sleep.sleep)
+    app.command("wake")(sleep.wake)
     app.command("history")(history.history)
     app.command("infer")(infer.infer)
     app.command("workers")(workers.workers)

@@ -52,10 +52,17 @@ def suggest(
     default_lead_s: int = typer.Option(
         300, "--default-lead-s", min=0, max=86400, help="Lead time when no warmup of the model is recorded yet."
     ),
+    sleep_between: bool = typer.Option(
+        False, "--sleep-between", help="Also propose sleeps between peaks; each peak then wakes its model."
+    ),
+    min_sleep_h: float = typer.Option(2.0, "--min-sleep-h", min=0, max=168, help="Shortest sleep worth proposing."),
+    sleep_level: int = typer.Option(1, "--sleep-level", min=1, max=2, help="The proposed sleeps' level."),
     apply: bool = typer.Option(False, "--apply", help="Write them as schedules of kind peak."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Find weekly peaks and propose schedules that fire ahead of each by a measured lead time."""
+    """Find weekly peaks and propose schedules that fire ahead of each by a measured lead time;
+    with --sleep-between, the sleep windows between them too (each peak's schedule then wakes
+    the model by its lead: a wake is a warmup)."""
     from preheat.cron import Cron, CronError
     from preheat.errors import ConfigError
     from preheat.prune import check_within_retention
@@ -83,13 +90,20 @@ def suggest(
             margin_s=margin_s,
             default_lead_s=default_lead_s,
         )
-        applied = _apply(session, found, weeks) if apply else []
+        windows = (
+            peaks.sleep_windows(found, min_sleep_s=round(min_sleep_h * 3600), level=sleep_level)
+            if sleep_between
+            else []
+        )
+        applied = _apply(session, found, weeks, windows, catalog) if apply else []
+    at_peak = "wake" if windows else "warm"
     if as_json:
         print(
             json.dumps(
                 [
                     {
                         "name": s.peak.name,
+                        "action": at_peak if any(w.model == s.peak.model for w in windows) else "warm",
                         "cron": s.peak.cron,
                         "timezone": s.timezone,
                         "lead_time_s": s.lead.seconds,
@@ -97,7 +111,8 @@ def suggest(
                         **s.detail(weeks),
                     }
                     for s in found
-                ],
+                ]
+                + [_window_json(w, timezone) for w in windows],
                 indent=2,
             )
         )
@@ -133,38 +148,100 @@ def suggest(
             s.peak.name + (" (written)" if s.peak.name in applied else ""),
         )
     console.print(table)
+    if windows:
+        console.print(_windows_table(windows, timezone, applied))
     if not apply:
         console.print("--apply writes these as schedules of kind peak")
 
 
-def _apply(session, found, weeks: int) -> list[str]:
-    """Write each suggestion as a peak schedule, replacing an earlier one of the same name."""
-    from sqlalchemy import select
+def _window_json(window, timezone: str) -> dict:
+    return {
+        "name": window.name,
+        "action": "sleep",
+        "sleep_level": window.level,
+        "cron": window.cron,
+        "timezone": timezone,
+        "lead_time_s": 0,
+        "model": window.model,
+        "starts": window.start,
+        "shortest_sleep_s": window.shortest_s,
+        "until_wake_of": window.next_peak,
+    }
 
-    from preheat.errors import ConfigError
-    from preheat.models import Schedule, ScheduleKind
+
+def _windows_table(windows, timezone: str, applied: list[str]) -> Table:
+    from schedules import peaks
+
+    table = Table(title=f"sleeps between the peaks, in {timezone}", title_justify="left")
+    for header in ("model", "days", "sleeps at", "level", "shortest sleep h", "until the wake of", "cron", "schedule"):
+        table.add_column(header, no_wrap=True)
+    for w in windows:
+        table.add_row(
+            w.model,
+            peaks._days_field(w.days, names=True),
+            w.start,
+            str(w.level),
+            f"{w.shortest_s / 3600:.1f}",
+            w.next_peak,
+            w.cron,
+            w.name + (" (written)" if w.name in applied else ""),
+        )
+    return table
+
+
+def _apply(session, found, weeks: int, windows, catalog) -> list[str]:
+    """Write each suggestion as a peak schedule (a wake where its model sleeps between peaks)
+    and each sleep window as a sleep schedule, replacing earlier ones of the same names."""
+    from preheat.models import RunAction, ScheduleKind
     from schedules import store
 
+    sleeping = {w.model for w in windows}
+    for name in [s.peak.name for s in found] + [w.name for w in windows]:
+        _replace_peak_schedule(session, name)
     written = []
     for s in found:
-        existing = session.scalars(select(Schedule).where(Schedule.name == s.peak.name)).first()
-        if existing is not None:
-            if existing.kind != ScheduleKind.peak:
-                raise ConfigError(f"schedule {s.peak.name!r} exists and is not a peak schedule; remove or rename it")
-            session.delete(existing)
-            session.flush()
         store.add(
             session,
             name=s.peak.name,
             cron=s.peak.cron,
             timezone=s.timezone,
             lead_time_s=s.lead.seconds,
-            targets={"templates": s.peak.templates},
+            targets={"models": [s.peak.model]} if s.peak.model in sleeping else {"templates": s.peak.templates},
             kind=ScheduleKind.peak,
             detail=s.detail(weeks),
+            action=RunAction.wake if s.peak.model in sleeping else RunAction.warm,
+            catalog=catalog,
         )
         written.append(s.peak.name)
+    for w in windows:
+        store.add(
+            session,
+            name=w.name,
+            cron=w.cron,
+            timezone=found[0].timezone,
+            targets={"models": [w.model]},
+            kind=ScheduleKind.peak,
+            detail={"model": w.model, "starts": w.start, "until_wake_of": w.next_peak, "shortest_s": w.shortest_s},
+            action=RunAction.sleep,
+            sleep_level=w.level,
+            catalog=catalog,
+        )
+        written.append(w.name)
     return written
+
+
+def _replace_peak_schedule(session, name: str) -> None:
+    from sqlalchemy import select
+
+    from preheat.errors import ConfigError
+    from preheat.models import Schedule, ScheduleKind
+
+    existing = session.scalars(select(Schedule).where(Schedule.name == name)).first()
+    if existing is not None:
+        if existing.kind != ScheduleKind.peak:
+            raise ConfigError(f"schedule {name!r} exists and is not a peak schedule; remove or rename it")
+        session.delete(existing)
+        session.flush()
 
 
 @templates_app.command("rank")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import datetime as dt
 from typing import TYPE_CHECKING
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 
-from preheat.states import JobStatus
+from preheat.states import WHOLE_MODEL, JobStatus
 
 if TYPE_CHECKING:
     from preheat.models import WarmupJob, WarmupRun, WorkerRecord
@@ -56,10 +56,49 @@ JOB_COLUMNS = (
 )
 
 
-def jobs_table(run: WarmupRun) -> Table:
-    models = sorted({f"{job.model} on {job.device}" if job.device else job.model for job in run.jobs})
+SLEEP_COLUMNS = ("target", "model", "status", "level", "sleep ms", "wake ms", "load ms", "MiB freed")
+
+
+def jobs_table(run: WarmupRun) -> Table | Group:
+    """A run's jobs: a sleep's or a wake's whole-model rows (their own figures), then the
+    templates' warmups (a wake warms its model's templates)."""
+    whole = [job for job in run.jobs if job.template == WHOLE_MODEL]
+    warmups = [job for job in run.jobs if job.template != WHOLE_MODEL]
+    if not whole:
+        return warmups_table(run, warmups)
+    if not warmups:
+        return sleep_table(run, whole)
+    return Group(sleep_table(run, whole), warmups_table(run, warmups))
+
+
+def sleep_table(run: WarmupRun, jobs: list[WarmupJob]) -> Table:
     table = Table(
-        title=f"run {short_id(run)} · {run.trigger} · {run.status}",
+        title=f"run {short_id(run)} · {run.action} · {run.trigger} · {run.status}",
+        title_justify="left",
+        caption="sleep ms: running requests finished, KV freed, weights off the device; "
+        "MiB freed: KV and weights, as counted; wake ms: the weights back (load ms: level 2's reload)",
+        caption_justify="left",
+    )
+    for header in SLEEP_COLUMNS:
+        table.add_column(header, justify="left" if header in SLEEP_COLUMNS[:3] else "right", no_wrap=True)
+    for job in jobs:
+        table.add_row(
+            job.target,
+            job.model,
+            str(job.status),
+            "-" if job.sleep_level is None else str(job.sleep_level),
+            _ms(job.sleep_ms),
+            _ms(job.wake_ms),
+            _ms(job.load_ms),
+            "-" if job.bytes_freed is None else f"{job.bytes_freed / 2**20:,.1f}",
+        )
+    return table
+
+
+def warmups_table(run: WarmupRun, jobs: list[WarmupJob]) -> Table:
+    models = sorted({f"{job.model} on {job.device}" if job.device else job.model for job in jobs})
+    table = Table(
+        title=f"run {short_id(run)} · {run.action} · {run.trigger} · {run.status}",
         title_justify="left",
         caption=f"{'; '.join(models)} · TTFT in ms, median of the probe runs; "
         "bare = the probe with no system prompt; steady = the worker's served requests; "
@@ -68,7 +107,7 @@ def jobs_table(run: WarmupRun) -> Table:
     )
     for header in JOB_COLUMNS:
         table.add_column(header, justify="left" if header in JOB_COLUMNS[:3] else "right", no_wrap=True)
-    for job in run.jobs:
+    for job in jobs:
         saved = saved_pct(job)
         table.add_row(
             job.target,
@@ -107,7 +146,17 @@ def print_reasons(out: Console, run: WarmupRun) -> None:
 
 def runs_table(runs: list[WarmupRun]) -> Table:
     table = Table(title="warmup runs, newest first", title_justify="left")
-    for header in ("run", "created (UTC)", "trigger", "detail", "requested by", "status", "jobs", "finished (UTC)"):
+    for header in (
+        "run",
+        "created (UTC)",
+        "action",
+        "trigger",
+        "detail",
+        "requested by",
+        "status",
+        "jobs",
+        "finished (UTC)",
+    ):
         table.add_column(header)
     for run in runs:
         done = sum(1 for job in run.jobs if job.status.is_final)
@@ -119,6 +168,7 @@ def runs_table(runs: list[WarmupRun]) -> Table:
         table.add_row(
             short_id(run),
             when(run.created_at),
+            str(run.action),
             str(run.trigger),
             detail,
             run.requested_by,
@@ -136,6 +186,7 @@ def _iso(value: dt.datetime | None) -> str | None:
 def run_json(run: WarmupRun) -> dict:
     return {
         "id": str(run.id),
+        "action": str(run.action),
         "trigger": str(run.trigger),
         "trigger_detail": run.trigger_detail,
         "trigger_key": run.trigger_key,
@@ -167,6 +218,10 @@ def run_json(run: WarmupRun) -> dict:
                 "saved_pct": saved_pct(job),
                 "cached_tokens": job.cached_tokens,
                 "cache_bytes": job.cache_bytes,
+                "sleep_level": job.sleep_level,
+                "sleep_ms": job.sleep_ms,
+                "bytes_freed": job.bytes_freed,
+                "wake_ms": job.wake_ms,
                 "error": job.error,
                 "superseded": job.superseded or [],
             }
@@ -324,6 +379,51 @@ def start_table(report: dict) -> Table:
     return table
 
 
+def sleep_bench_table(report: dict) -> Table:
+    """`preheat bench sleep`: a sleep and a wake per level against the cold start and steady."""
+    table = Table(
+        title=f"{report['shape']}: asleep and woken against a cold start (launch → ready "
+        f"{report['cold_start_s']:.2f} s) and steady TTFT ({report['steady_ttft_ms']:.1f} ms)",
+        title_justify="left",
+        caption=f"median of {report['rounds']} round(s); RSS freed = the worker's resident set before the sleep "
+        "minus after, over the weight bytes; wake → ready = `preheat wake` sent to /health/ready 200; first = the "
+        "first request after the wake's run; at ready = one sent the moment it is ready, beside the wake's probes",
+        caption_justify="left",
+    )
+    headers = (
+        "level",
+        "sleep ms",
+        "weights MiB",
+        "RSS freed",
+        "wake ms",
+        "restore ms",
+        "wake → ready s",
+        "× cold",
+        "first TTFT ms",
+        "× steady",
+        "at ready ms",
+        "× steady ",
+    )
+    for header in headers:
+        table.add_column(header, justify="right", no_wrap=True)
+    for row in report["summary"]:
+        table.add_row(
+            str(row["level"]),
+            f"{row['sleep_ms']:.0f}",
+            f"{row['weight_bytes'] / 2**20:,.1f}",
+            f"{100 * row['rss_freed_over_weights']:.0f}%",
+            f"{row['wake_ms']:.0f}",
+            _ms(row["restore_ms"]),
+            f"{row['wake_ready_s']:.2f}",
+            f"{row['wake_over_cold']:.2f}",
+            f"{row['first_request_ttft_ms']:.1f}",
+            f"{row['first_over_steady']:.2f}",
+            f"{row['at_ready_ttft_ms']:.1f}",
+            f"{row['at_ready_over_steady']:.2f}",
+        )
+    return table
+
+
 def turn_two_table(report: dict) -> Table:
     """`preheat bench ttft`: a conversation's second turn, with and without turn one cached."""
     row = report["turn_two"]
@@ -361,6 +461,8 @@ def turn_two_table(report: dict) -> Table:
 def worker_state(record: WorkerRecord, live: bool) -> str:
     if not live:
         return "stopped" if record.stopped_at else "dead"
+    if asleep := (record.state or {}).get("asleep"):
+        return f"asleep ({', '.join(asleep)})"
     return "ready" if record.ready else "starting"
 
 

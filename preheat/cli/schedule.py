@@ -11,6 +11,7 @@ from rich.table import Table
 
 from preheat.cli import render
 from preheat.cli.lazy import aware, load_catalog, session_scope, utcnow
+from preheat.states import RunAction
 
 if TYPE_CHECKING:
     from preheat.models import Schedule, ScheduleSlot
@@ -31,13 +32,22 @@ def add(
         None, "--worker", "-w", help="Only these workers (repeat; default: every live one)."
     ),
     endpoint: list[str] = typer.Option(None, "--endpoint", "-e", help="Warm these endpoints instead of workers."),
+    action: RunAction = typer.Option(
+        "warm", "--action", help="warm, sleep (off-peak: KV freed, weights off the device) or wake (a warmup)."
+    ),
+    model: list[str] = typer.Option(None, "--model", "-m", help="Sleep or wake this model (repeat; default: all)."),
+    level: int = typer.Option(None, "--level", min=1, max=2, help="A sleep's level: 1 (default) or 2."),
     paused: bool = typer.Option(False, "--paused", help="Add it paused (resume to start it)."),
 ) -> None:
-    """Add a schedule; beat fires it from its next fire time on."""
+    """Add a schedule; beat fires it from its next fire time on. A sleep and a warm (or a
+    wake) of one model in the same minute are refused."""
     from schedules import store
 
     settings = get_settings()
-    targets = store.targets_of(load_catalog(settings.catalog), templates=template, workers=worker, endpoints=endpoint)
+    catalog = load_catalog(settings.catalog)
+    targets = store.targets_of(
+        catalog, templates=template, workers=worker, endpoints=endpoint, models=model, action=action
+    )
     with session_scope() as session:
         schedule = store.add(
             session,
@@ -47,6 +57,9 @@ def add(
             targets=targets,
             lead_time_s=lead,
             enabled=not paused,
+            action=action,
+            sleep_level=level,
+            catalog=catalog,
         )
         console.print(f"schedule [bold]{schedule.name}[/] added: {_describe(schedule)}")
 
@@ -70,6 +83,7 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON instead
     for header in (
         "name",
         "kind",
+        "action",
         "cron",
         "time zone",
         "lead s",
@@ -84,6 +98,7 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON instead
         table.add_row(
             schedule.name,
             str(schedule.kind),
+            _action(schedule),
             schedule.cron,
             schedule.timezone,
             str(schedule.lead_time_s),
@@ -153,7 +168,7 @@ def _set_enabled(name: str, value: bool) -> None:
     from schedules import store
 
     with session_scope() as session:
-        schedule = store.set_enabled(session, name, value)
+        schedule = store.set_enabled(session, name, value, load_catalog(get_settings().catalog))
         console.print(f"schedule [bold]{schedule.name}[/] {'resumed' if value else 'paused'}")
 
 
@@ -163,8 +178,15 @@ def next_fire_at(schedule: Schedule):
     return store.next_fire_at(schedule, utcnow())
 
 
+def _action(schedule: Schedule) -> str:
+    return f"sleep (level {schedule.sleep_level})" if schedule.action == RunAction.sleep else str(schedule.action)
+
+
 def _targets(targets: dict) -> str:
-    parts = [f"templates: {', '.join(targets.get('templates') or ['all'])}"]
+    if targets.get("models"):
+        parts = [f"models: {', '.join(targets['models'])}"]
+    else:
+        parts = [f"templates: {', '.join(targets.get('templates') or ['all'])}"]
     for key in ("workers", "endpoints"):
         if targets.get(key):
             parts.append(f"{key}: {', '.join(targets[key])}")
@@ -173,8 +195,10 @@ def _targets(targets: dict) -> str:
 
 def _describe(schedule: Schedule) -> str:
     next_fire = next_fire_at(schedule)
-    return f"{schedule.cron} ({schedule.timezone}), lead {schedule.lead_time_s} s, {_targets(schedule.targets)}; " + (
-        f"next fire {render.when(next_fire)} UTC" if schedule.enabled else "paused"
+    return (
+        f"{_action(schedule)} {schedule.cron} ({schedule.timezone}), lead {schedule.lead_time_s} s, "
+        + (f"{_targets(schedule.targets)}; ")
+        + (f"next fire {render.when(next_fire)} UTC" if schedule.enabled else "paused")
     )
 
 
@@ -183,6 +207,8 @@ def schedule_json(schedule: Schedule, latest: ScheduleSlot | None = None) -> dic
     return {
         "name": schedule.name,
         "kind": str(schedule.kind),
+        "action": str(schedule.action),
+        "sleep_level": schedule.sleep_level,
         "cron": schedule.cron,
         "timezone": schedule.timezone,
         "lead_time_s": schedule.lead_time_s,

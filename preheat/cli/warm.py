@@ -76,7 +76,8 @@ def wait_for_run(run_id: uuid.UUID, timeout_s: float, show_progress: bool, poll_
         while time.monotonic() < deadline:
             run = _load(run_id)
             progress.update(bar, completed=sum(1 for job in run.jobs if job.status.is_final))
-            if all(job.status.is_final for job in run.jobs):
+            # The run's status as well: a reaper's or an outbox replay's write settles it.
+            if all(job.status.is_final for job in run.jobs) and run.status.is_final:
                 break
             if time.monotonic() > next_reap:
                 _reap()
@@ -116,10 +117,17 @@ def warm(
             requested_by=_requester() if requested_by is None else requested_by,
             only_if_cold=if_cold,
         )
+    what = f"{len(dispatched.templates)} template(s)"
+    follow(dispatched, what, endpoints=bool(endpoint), wait=wait, timeout=timeout, as_json=as_json)
+
+
+def follow(dispatched, what: str, *, endpoints: bool, wait: bool, timeout: float, as_json: bool) -> None:
+    """After a dispatch: what was queued (`what`, on which targets), then the run as JSON, or
+    (with `wait`) its jobs as they finish, and the exit code its outcome says (see `warm`)."""
     if not as_json:
-        kind = "endpoint(s)" if endpoint else "worker(s)"
+        kind = "endpoint(s)" if endpoints else "worker(s)"
         console.print(
-            f"run [bold]{dispatched.run_id.hex[:8]}[/] queued: {len(dispatched.templates)} template(s) "
+            f"run [bold]{dispatched.run_id.hex[:8]}[/] queued: {what} "
             f"on {len(dispatched.workers)} {kind}: {', '.join(dispatched.workers)}"
         )
     if not wait:

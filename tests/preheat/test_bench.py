@@ -102,6 +102,26 @@ def test_start_times_each_stage_against_the_limit_and_a_warm_store_prefills_noth
         assert row["stop_s"] > 0 and row["ready_over_limit"] == pytest.approx(row["ready_s"] / limit["total_s"])
 
 
+@pytest.mark.slow
+def test_sleep_measures_both_levels_against_the_cold_start_from_the_records_and_the_process(embedded_stack, tmp_path):
+    out = tmp_path / "sleep.json"
+    done = bench(embedded_stack, "sleep", "--shape", "tiny", "--rounds", "1", "--json", str(out), timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "asleep and woken against a cold start" in done.stdout and "level 1 gives back" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["cold_start_s"] > 0 and report["steady_ttft_ms"] > 0
+    assert [row["level"] for row in report["summary"]] == [1, 2]
+    for row in report["rows"]:
+        assert row["weight_bytes"] > 10_000_000 and row["kv_bytes"] > 0  # from the sleep job's record
+        assert row["rss_before"] > row["rss_after"] > 0  # read from the worker's /proc
+        assert row["wake_ms"] > 0 and row["wake_ready_s"] > 0 and row["first_request_ttft_ms"] > 0
+        assert row["wake_status"] in ("warm", "degraded")
+    for row in report["summary"]:
+        assert row["wake_over_cold"] == pytest.approx(row["wake_ready_s"] / report["cold_start_s"])
+    refused = embedded_stack.cli_here("bench", "sleep", "--shape", "7b")
+    assert refused.returncode == 2 and "--shape must be one of tiny, 135m" in refused.stderr
+
+
 def test_start_refuses_an_unknown_shape(embedded_stack):
     refused = embedded_stack.cli_here("bench", "start", "--shapes", "tiny,7b")
     assert refused.returncode == 2 and "--shapes: expected a comma-separated list of tiny, 135m" in refused.stderr
@@ -164,12 +184,12 @@ def test_history_measures_each_command_before_and_after_the_indexes_on_a_scratch
     queries = {row["name"]: row for row in report["queries"]}
     assert {"preheat history", "preheat history --status running", "preheat workers"} <= set(queries)
     for row in queries.values():
-        assert set(row["ms"]) == {"0007", "head"} and all(ms > 0 for ms in row["ms"].values())
-        assert row["plans"]["head"], row  # each statement it sent, with PostgreSQL's plan
+        assert set(row["ms"]) == {"without", "with"} and all(ms > 0 for ms in row["ms"].values())
+        assert row["plans"]["with"], row  # each statement it sent, with PostgreSQL's plan
     assert any(
-        "ix_warmup_jobs_celery_task_id" in plan for plan in queries["a task's failure (worker)"]["plans"]["head"]
+        "ix_warmup_jobs_celery_task_id" in plan for plan in queries["a task's failure (worker)"]["plans"]["with"]
     )
-    assert not any("celery_task_id" in plan for plan in queries["a task's failure (worker)"]["plans"]["0007"])
+    assert not any("celery_task_id" in plan for plan in queries["a task's failure (worker)"]["plans"]["without"])
     pruned = report["prune"]
     assert pruned["counted"] == pruned["deleted"] and pruned["deleted"]["warmup_jobs"] > 0
     scratch = pg_admin.execute("SELECT datname FROM pg_database WHERE datname LIKE 'preheat_bench_history_%'")

@@ -59,7 +59,8 @@ def test_embedded_broker_folders_are_created(settings):
 
 def test_every_worker_has_its_own_queue_with_a_transport_safe_name():
     assert worker_queue("gpu0@node-a.cluster.local") == "preheat.w.gpu0_node-a.cluster.local"
-    assert route_task("preheat.warm_worker", (), {"worker": "gpu0@a"}, {}) == {"queue": "preheat.w.gpu0_a"}
+    for name in ("preheat.warm_worker", "preheat.sleep_worker", "preheat.wake_worker"):  # each replica's own
+        assert route_task(name, (), {"worker": "gpu0@a"}, {}) == {"queue": "preheat.w.gpu0_a"}
     assert route_task("preheat.warm_fleet", (), {}, {}) is None
 
 
@@ -128,6 +129,10 @@ def test_tasks_are_named_under_preheat_and_share_the_base_task(settings):
         "preheat.warm_endpoint",
         "preheat.keep_alive_endpoint",
         "preheat.infer",
+        "preheat.sleep_worker",
+        "preheat.wake_worker",
+        "preheat.sleep_endpoint",
+        "preheat.wake_endpoint",
     }
     for name in names:
         assert PreheatTask in type(app.tasks[name]).__mro__

@@ -283,3 +283,27 @@ def test_beat_sleeps_until_the_next_fire_time_when_it_comes_before_the_next_tick
     finally:
         scheduler.close()
         get_settings.cache_clear()
+
+
+def test_a_sleep_due_in_the_minute_of_a_warm_of_its_model_is_overruled_and_the_warm_fires(embedded_stack):
+    """The rule at fire time, for contradictions `schedule add` could not see (past its
+    horizon): the warm or wake fires, the sleep is recorded failed with the reason."""
+    import uuid
+
+    from preheat.models import RunAction
+    from schedules.beat import DueSlot, overruled_sleeps
+
+    at = dt.datetime(2027, 3, 1, 9, 0, 30, tzinfo=dt.UTC)
+
+    def due(name, action, targets):
+        return DueSlot(uuid.uuid4(), name, ScheduleKind.manual, targets, {}, 0, at, at, action, None)
+
+    sleep = due("night", RunAction.sleep, {"models": ["tiny"]})
+    wake = due("morning", RunAction.wake, {"templates": ["support"]})
+    elsewhere = due("other", RunAction.warm, {"templates": ["support"], "workers": ["w2@b"]})
+    assert overruled_sleeps([sleep, wake]) == {
+        sleep.trigger_key: "overruled: schedule 'morning' wakes tiny in the same minute"
+    }
+    mine = due("mine", RunAction.sleep, {"models": ["tiny"], "workers": ["w1@a"]})
+    assert overruled_sleeps([mine, elsewhere]) == {}  # other workers: no contradiction
+    assert overruled_sleeps([sleep]) == {}

@@ -145,6 +145,35 @@ def test_peaks_suggest_finds_the_known_peaks_with_lead_times_from_recorded_warmu
     assert weekday_schedule.detail["days"] == ["mon", "tue", "wed", "thu", "fri"]
 
 
+def test_peaks_suggest_sleeps_between_the_peaks_and_wakes_the_model_by_its_lead(learned):
+    stack = learned
+    args = ("peaks", "suggest", "--tz", "Europe/Berlin", "--weeks", "3", "--sleep-between", "--sleep-level", "2")
+    suggested = stack.cli(*args, "--json")
+    assert suggested.returncode == 0, suggested.stderr
+    found = {s["name"]: s for s in json.loads(suggested.stdout)}
+    assert sorted(found) == [
+        "peak-tiny-mon-fri-0900",
+        "peak-tiny-sat-2000",
+        "sleep-tiny-mon-fri-1000",
+        "sleep-tiny-sat-2100",
+    ]
+    assert {found[name]["action"] for name in ("peak-tiny-mon-fri-0900", "peak-tiny-sat-2000")} == {"wake"}
+    weekday, saturday = found["sleep-tiny-mon-fri-1000"], found["sleep-tiny-sat-2100"]
+    assert (weekday["cron"], weekday["sleep_level"], weekday["action"]) == ("0 10 * * 1-5", 2, "sleep")
+    # Monday to Thursday: asleep from 10:00 until the next day's wake at 09:00 less the 88 s lead.
+    assert weekday["shortest_sleep_s"] == 23 * 3600 - 88 // 60 * 60 and weekday["until_wake_of"]
+    assert (saturday["cron"], saturday["until_wake_of"]) == ("0 21 * * 6", "peak-tiny-mon-fri-0900")
+
+    assert stack.cli(*args, "--apply").returncode == 0
+    with session_scope() as session:
+        schedules = {s.name: (str(s.action), s.sleep_level, s.targets) for s in session.scalars(select(Schedule))}
+    assert schedules["peak-tiny-mon-fri-0900"] == ("wake", None, {"models": ["tiny"]})
+    assert schedules["sleep-tiny-sat-2100"] == ("sleep", 2, {"models": ["tiny"]})
+    # Short gaps are not worth a wake: none proposed when every gap is shorter than asked.
+    none = stack.cli(*args, "--min-sleep-h", "72", "--json")
+    assert [s["action"] for s in json.loads(none.stdout)] == ["warm", "warm"]
+
+
 def test_templates_rank_by_time_saved_and_fit_the_pinned_budget(learned):
     stack = learned
     stack.env.update(PREHEAT_KV_CACHE_MAX_BYTES="800KiB", PREHEAT_KV_CACHE_PINNED_SHARE="0.5")  # 400 KiB pinned

@@ -39,6 +39,15 @@ VALID = {
         "target": "vllm@10.0.0.5:8000",
     },
     "preheat.keep_alive_endpoint": {"endpoint": "vllm"},
+    "preheat.sleep_worker": {"run_id": str(uuid.uuid4()), "worker": "gpu0@node-1", "models": ["llama"], "level": 2},
+    "preheat.wake_worker": {
+        "run_id": str(uuid.uuid4()),
+        "worker": "gpu0@node-1",
+        "models": ["llama"],
+        "templates": ["support"],
+    },
+    "preheat.sleep_endpoint": {"run_id": str(uuid.uuid4()), "endpoint": "vllm", "level": 1},
+    "preheat.wake_endpoint": {"run_id": str(uuid.uuid4()), "endpoint": "vllm", "templates": ["support"]},
     "preheat.infer": {"template": "support", "user_input": "Where is my parcel?", "max_new_tokens": 8},
     "preheat.warm_fleet": {
         "templates": ["support"],
@@ -103,6 +112,10 @@ def test_garbage_arguments_are_one_clear_error(name, data):
         ("preheat.warm_fleet", {"detail": {"note": "\udcfe"}}, "detail.note is not valid text"),
         ("preheat.warm_endpoint", {"base_url": "file:///etc/passwd"}, "base_url"),
         ("preheat.warm_fleet", {"trigger": "cron"}, "trigger"),
+        ("preheat.sleep_worker", {"level": 3}, "level"),
+        ("preheat.sleep_worker", {"models": []}, "models"),
+        ("preheat.sleep_endpoint", {"level": 0}, "level"),
+        ("preheat.wake_endpoint", {"templates": []}, "templates"),
     ],
 )
 def test_bad_values_name_the_argument(name, change, message):

@@ -304,3 +304,26 @@ def test_a_fault_of_the_schedulers_own_ends_its_running_requests_and_the_next_is
     again = scheduler.submit(resident, prompt_ids, greedy(8)).collect()
     assert again.token_ids == reference_generate(resident, prompt_ids, 8)[: len(again.token_ids)]
     scheduler.close()
+
+
+def test_a_served_request_is_admitted_before_waiting_probes(tiny_model):
+    """A user never waits behind a warmup's measurements: with one row, the served request
+    waiting behind three probes is admitted first, and answers as it would alone."""
+    resident = load_resident(tiny_model)
+    scheduler = new_scheduler(limits=BatchLimits(max_running=1))
+    try:
+        ids = TemplatePrefix.of(resident, SUPPORT_PROMPT).prompt_ids(resident, "Where is my parcel?")
+        held, release = threading.Event(), threading.Event()
+        blocker = threading.Thread(target=lambda: scheduler._call(lambda: (held.set(), release.wait(10))))
+        blocker.start()
+        held.wait(10)  # the scheduler's thread is busy: everything below waits
+        probes = [scheduler.submit(resident, ids, greedy(4), record=False) for _ in range(3)]
+        served = scheduler.submit(resident, ids, greedy(4))
+        release.set()
+        blocker.join(10)
+        answer = served.collect()
+        finished = [probe.collect() for probe in probes]
+        assert answer.token_ids == reference_generate(resident, ids, 4)
+        assert all(answer.total_ms < done.total_ms for done in finished)  # it did not wait for them
+    finally:
+        scheduler.close()

@@ -56,6 +56,20 @@ def start_command(
     bench.main(shapes=shapes, rounds=rounds, timeout=timeout, json_path=json_path)
 
 
+@app.command("sleep")
+def sleep_command(
+    shape: str = typer.Option("135m", help="Dev model shape: tiny or 135m."),
+    rounds: int = typer.Option(3, min=1, max=20, help="Sleep and wake rounds per level; figures are medians."),
+    timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for any one stage."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/sleep.json."),
+) -> None:
+    """A worker's model put to sleep and woken (levels 1 and 2) against its cold start: wake →
+    ready, bytes freed against the weights, the first request after a wake against steady."""
+    from preheat.cli.bench import sleep as bench
+
+    bench.main(shape=shape, rounds=rounds, timeout=timeout, json_path=json_path)
+
+
 @app.command("load")
 def load_command(
     shape: str = typer.Option("135m", help="Dev model shape: tiny or 135m (SmolLM-135M's)."),

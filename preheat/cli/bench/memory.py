@@ -38,10 +38,10 @@ def _heap_copies(cache) -> None:
 
 def _heap_copies_trimmed(cache) -> None:
     """The same, and the heap's free pages given back after each pre-fill, as the slab does."""
-    from workers.prefix import _release_free_heap
+    from workers.prefix import release_free_heap
 
     _heap_copies(cache)
-    _release_free_heap()
+    release_free_heap()
 
 
 def child(model_dir: str, templates: int, tokens: int, layout: str) -> dict:

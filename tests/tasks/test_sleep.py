@@ -1,0 +1,108 @@
+"""Sleep and wake on real worker processes, through the CLI and the broker, on the embedded
+default and on Redis + Postgres: recorded in history, the inference queue left alone while
+asleep, a request that comes anyway wakes the worker, and a restart off-peak starts asleep."""
+
+import datetime as dt
+import json
+
+import httpx
+import pytest
+
+from preheat import procs
+from preheat.db import session_scope, utcnow
+from tests.tasks.test_worker import send_infer
+
+pytestmark = pytest.mark.slow
+
+WORKER = "w1@preheat-sleep"
+
+
+@pytest.fixture
+def worker(stack, tmp_path):
+    proc = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
+    with procs.running(proc):
+        procs.wait_for_log(proc, f"{WORKER} ready.")
+        procs.poll(lambda: httpx.get(f"{procs.health_url(proc)}/health/ready").status_code == 200, 60, what="ready")
+        yield proc
+
+
+def _ready(proc) -> httpx.Response:
+    return httpx.get(f"{procs.health_url(proc)}/health/ready")
+
+
+def test_sleep_and_wake_are_recorded_and_a_request_while_asleep_wakes_the_worker(stack, worker):
+    answer = send_infer(max_new_tokens=6).get(timeout=60)
+
+    slept = stack.cli("sleep", "--model", "tiny", "--wait", "--json")
+    assert slept.returncode == 0, slept.stderr + worker.log()[-3000:]
+    run = json.loads(slept.stdout)
+    assert (run["action"], run["status"]) == ("sleep", "succeeded")
+    [job] = run["jobs"]
+    assert (job["target"], job["model"], job["template"], job["status"]) == (WORKER, "tiny", "*", "asleep")
+    assert job["sleep_level"] == 1 and job["sleep_ms"] > 0 and job["bytes_freed"] > job["cache_bytes"] > 0
+    assert _ready(worker).json() == {"status": "not ready", "reasons": ["model tiny: asleep (level 1)"]}
+    procs.wait_for_log(worker, "Canceling queue preheat.infer.tiny", 10)
+    again = stack.cli("sleep", "--model", "tiny", "--wait", "--json")
+    assert json.loads(again.stdout)["jobs"][0]["status"] == "skipped"  # idempotent
+
+    # A request while the only worker sleeps: it waits in the queue, the worker sees it and wakes.
+    woken_answer = send_infer(max_new_tokens=6).get(timeout=90)
+    assert woken_answer["token_ids"] == answer["token_ids"]
+    assert woken_answer["cached_tokens"] == answer["cached_tokens"]
+    demand = json.loads(stack.cli("history", "--trigger", "demand", "--json").stdout)
+    assert len(demand) == 1 and demand[0]["action"] == "wake" and demand[0]["status"] == "succeeded"
+    rows = {job["template"]: job for job in demand[0]["jobs"]}
+    assert rows["*"]["status"] == "awake" and rows["*"]["wake_ms"] > 0
+    assert rows["support"]["status"] == "warm" and rows["support"]["ttft_warm_ms"] > 0
+    procs.poll(lambda: _ready(worker).status_code == 200, 30, what="ready after the wake")
+
+    # A wake of a model awake is skipped, and its templates are warmed all the same.
+    woke = stack.cli("wake", "--template", "support", "--wait", "--json")
+    assert woke.returncode == 0, woke.stderr
+    statuses = {job["template"]: job["status"] for job in json.loads(woke.stdout)["jobs"]}
+    assert statuses == {"*": "skipped", "support": "warm"}
+    shown = stack.cli("history", json.loads(slept.stdout)["id"][:8])
+    assert "sleep" in shown.stdout and "asleep" in shown.stdout
+
+
+def test_a_scheduled_wake_brings_the_worker_back_warm_and_a_restart_off_peak_starts_asleep(
+    stack, stack_app, worker, tmp_path
+):
+    from schedules import beat, store
+
+    added = stack.cli("schedule", "add", "night", "--cron", "* * * * *", "--action", "sleep", "--level", "2")
+    assert added.returncode == 0, added.stderr
+    clash = stack.cli("schedule", "add", "morning", "--cron", "* * * * *", "--action", "wake")
+    assert clash.returncode == 2 and "same minute as schedule 'night'" in clash.stderr
+
+    with session_scope() as session:  # added two minutes ago: its latest slot is due now
+        store.get(session, "night").active_since = utcnow() - dt.timedelta(minutes=2)
+    fired = beat.fire_due(utcnow(), "beat-test", grace_s=300, lease_s=15)
+    assert list(fired.values()) == ["sent"]
+    with session_scope() as session:
+        slot = next(slot for slot in store.recent_slots(session, "night") if slot.status == "sent")
+    run = procs.poll(lambda: _final(stack, str(slot.run_id)), 60, what="the night's sleep")
+    assert run["action"] == "sleep" and run["jobs"][0]["status"] == "asleep" and run["jobs"][0]["sleep_level"] == 2
+
+    # Restarted while the schedule says asleep: it starts asleep, nothing loaded.
+    procs.stop(worker)
+    restarted = procs.start_worker(WORKER, stack.env, tmp_path / "logs2", cwd=stack.home)
+    with procs.running(restarted):
+        procs.wait_for_log(restarted, "model tiny starts asleep: schedule night put it to sleep", 60)
+        procs.poll(lambda: _ready(restarted).status_code == 503, 30, what="health")
+        assert _ready(restarted).json()["reasons"] == ["model tiny: asleep (level 2)"]
+        assert "model tiny resident" not in restarted.log()
+
+        woke = stack.cli("wake", "--wait", "--json", "--timeout", "120")
+        assert woke.returncode == 0, woke.stderr + restarted.log()[-3000:]
+        rows = {job["template"]: job for job in json.loads(woke.stdout)["jobs"]}
+        assert rows["*"]["status"] == "awake" and rows["*"]["load_ms"] > 0  # loaded through the weight loader
+        assert rows["support"]["status"] == "warm"
+        procs.poll(lambda: _ready(restarted).status_code == 200, 30, what="ready after the wake")
+        assert send_infer(max_new_tokens=2).get(timeout=60)["cached_tokens"] > 20
+
+
+def _final(stack, run_id: str):
+    run = json.loads(stack.cli("history", run_id[:8], "--json").stdout)
+    run = run[0] if isinstance(run, list) else run
+    return run if run["status"] in ("succeeded", "degraded", "failed") else None
