@@ -140,7 +140,12 @@ def _due_and_next(now: dt.datetime, grace_s: float) -> tuple[list[DueSlot], dt.d
 
 def send_slot(slot: DueSlot, holder: str, now: dt.datetime) -> tuple[SlotStatus, uuid.UUID | None, str | None]:
     """Dispatch the slot's warmup (its run keyed by the slot); what became of it, and why."""
-    from preheat.dispatch import dispatch_endpoint_warmup, dispatch_sleep_wake, dispatch_warmup
+    from preheat.dispatch import (
+        dispatch_endpoint_sleep_wake,
+        dispatch_endpoint_warmup,
+        dispatch_sleep_wake,
+        dispatch_warmup,
+    )
 
     detail = {
         "schedule": slot.name,
@@ -160,7 +165,11 @@ def send_slot(slot: DueSlot, holder: str, now: dt.datetime) -> tuple[SlotStatus,
         "trigger_key": slot.trigger_key,
     }
     try:
-        if slot.action != RunAction.warm:
+        if slot.action != RunAction.warm and slot.targets.get("endpoints"):
+            dispatched = dispatch_endpoint_sleep_wake(
+                slot.action, slot.targets["endpoints"], level=slot.sleep_level, **common
+            )
+        elif slot.action != RunAction.warm:
             dispatched = dispatch_sleep_wake(
                 slot.action,
                 models=slot.targets.get("models") or None,

@@ -45,8 +45,11 @@ def targets_of(
         raise ConfigError("--model is for sleep and wake schedules; a warm schedule names templates")
     if models and templates:
         raise ConfigError("give --model or --template, not both: a sleep or a wake acts on whole models")
-    if endpoints and action != RunAction.warm:
-        raise ConfigError(f"a {action} schedule acts on workers; endpoints are warmed, not slept, by schedules")
+    if endpoints and models:
+        raise ConfigError("--model names workers' models; an endpoint's sleep or wake acts on the endpoint")
+    for endpoint in endpoints or []:
+        if action != RunAction.warm and catalog.endpoint(endpoint).sleep is None:
+            raise ConfigError(f"endpoint {endpoint!r} declares no sleep: add [endpoints.{endpoint}.sleep]")
     for model in models or []:
         catalog.model(model)
     for template in templates or []:
@@ -73,9 +76,10 @@ def _contradict(a: RunAction, b: RunAction) -> bool:
 
 
 def overlap(catalog: Catalog, a: dict, b: dict) -> set[str]:
-    """Models two schedules' targets share, on workers both may reach."""
+    """What two schedules both act on: the models they share on workers both may reach, or
+    the endpoints they both name."""
     if a.get("endpoints") or b.get("endpoints"):
-        return set()
+        return set(a.get("endpoints") or []) & set(b.get("endpoints") or [])
     if a.get("workers") and b.get("workers") and not set(a["workers"]) & set(b["workers"]):
         return set()
     return models_targeted(catalog, a) & models_targeted(catalog, b)
@@ -157,7 +161,7 @@ def add(
     catalog: Catalog | None = None,
 ) -> Schedule:
     """A new schedule. `catalog`: checked against the enabled schedules for a contradiction
-    (check_contradictions); a sleep's level defaults to 1."""
+    (check_contradictions); a worker sleep's level defaults to 1, an endpoint's to its own."""
     parsed = check(name, cron, timezone, lead_time_s)
     if action != RunAction.sleep and sleep_level is not None:
         raise ConfigError(f"--level is a sleep's; a {action} schedule has none")
@@ -176,7 +180,8 @@ def add(
         detail=detail or {},
         active_since=utcnow(),
         action=action,
-        sleep_level=(sleep_level or 1) if action == RunAction.sleep else None,
+        # An endpoint's sleep without a level takes the level it declares.
+        sleep_level=(sleep_level or (None if targets.get("endpoints") else 1)) if action == RunAction.sleep else None,
     )
     if enabled and catalog is not None:
         check_contradictions(session, catalog, schedule, utcnow())

@@ -179,7 +179,9 @@ def next_fire_at(schedule: Schedule):
 
 
 def _action(schedule: Schedule) -> str:
-    return f"sleep (level {schedule.sleep_level})" if schedule.action == RunAction.sleep else str(schedule.action)
+    if schedule.action == RunAction.sleep and schedule.sleep_level is not None:
+        return f"sleep (level {schedule.sleep_level})"
+    return str(schedule.action)
 
 
 def _targets(targets: dict) -> str:

@@ -137,3 +137,82 @@ def test_preheat_sleep_and_wake_of_an_endpoint_through_a_worker_are_recorded(
 
         refused = cli("sleep", "--endpoint", "vllm", "--worker", "w1")
         assert refused.returncode == 2 and "give --endpoint without --worker" in refused.stderr
+
+
+@pytest.mark.slow
+def test_a_day_in_minutes_the_endpoint_asleep_at_night_and_warm_for_the_morning_peak(
+    embedded_stack, fake_vllm, tmp_path, tiny_model
+):
+    """Beat's own code fires each slot at its moment (a chosen clock); a real worker sends the
+    sleep and the wake to the fake vLLM; the peak's first request finds its prefix cached."""
+    import datetime as dt
+
+    from preheat.celery import app, celery_config
+    from preheat.db import session_scope, utcnow
+    from preheat.settings import get_settings
+    from schedules import beat, store
+    from tests.conftest import SUPPORT_PROMPT, _point_app
+
+    url = fake_vllm("--dev-mode", "--enable-prompt-tokens-details")
+    extra = (
+        f'\n[endpoints.vllm]\nbase_url = "{url}/v1"\nkind = "vllm"\nmodel = "fake-model"\ntemplates = ["support"]\n'
+        "\n[endpoints.vllm.sleep]\nlevel = 2\n"
+    )
+    write_catalog(embedded_stack.catalog.parent, tiny_model, extra)
+    cli = embedded_stack.cli
+    assert cli("schedule", "add", "night", "--cron", "0 22 * * *", "--action", "sleep", "-e", "vllm").returncode == 0
+    wake = ("schedule", "add", "morning", "--cron", "0 7 * * *", "--lead", "60", "--action", "wake", "-e", "vllm")
+    assert cli(*wake).returncode == 0
+    clash = cli("schedule", "add", "late", "--cron", "0 22 * * *", "-e", "vllm", "-t", "support")
+    assert clash.returncode == 2 and "same minute as schedule 'night'" in clash.stderr
+    day = (utcnow() + dt.timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+    _point_app(app, celery_config(get_settings()))
+    worker = procs.start_worker("io@day", embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
+    try:
+        with procs.running(worker):
+            procs.wait_for_log(worker, "io@day ready.")
+
+            def fire(at) -> dict:
+                assert list(beat.fire_due(at, "beat-test", grace_s=300, lease_s=15).values()) == ["sent"]
+                with session_scope() as session:
+                    [slot] = store.recent_slots(session, limit=1)
+
+                def final():
+                    run = json.loads(cli("history", str(slot.run_id)[:8], "--json").stdout)
+                    return run if run["status"] in ("succeeded", "degraded", "failed") else None
+
+                return procs.poll(final, 60, what=f"the slot at {at}")
+
+            night = fire(day + dt.timedelta(hours=22, seconds=5))
+            assert [(job["template"], job["status"], job["sleep_level"]) for job in night["jobs"]] == [
+                ("*", "asleep", 2)
+            ]
+            assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+            morning = fire(day + dt.timedelta(days=1, hours=6, minutes=59, seconds=5))
+            rows = {job["template"]: job for job in morning["jobs"]}
+            assert (rows["*"]["status"], rows["support"]["status"]) == ("awake", "warm")
+    finally:
+        _point_app(app, None)
+    body = {
+        "model": "fake-model",
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "system", "content": SUPPORT_PROMPT}, {"role": "user", "content": "Hi, my order?"}],
+    }
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as reply:
+        usage = [json.loads(line[5:]) for line in reply.iter_lines() if line.startswith("data: {")][-1]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0  # the peak's first request: its prefix cached
+
+
+def test_an_endpoint_without_sleep_is_refused_by_name_and_nothing_is_recorded(embedded_stack, tiny_model):
+    extra = '\n[endpoints.plain]\nbase_url = "http://127.0.0.1:9/v1"\nkind = "vllm"\ntemplates = ["support"]\n'
+    write_catalog(embedded_stack.catalog.parent, tiny_model, extra)
+    for args in (
+        ("sleep", "-e", "plain"),
+        ("schedule", "add", "n", "--cron", "0 1 * * *", "--action", "wake", "-e", "plain"),
+    ):
+        refused = embedded_stack.cli_here(*args)
+        assert refused.returncode == 2 and "endpoint 'plain' declares no sleep" in refused.stderr, refused.stderr
+    assert json.loads(embedded_stack.cli_here("history", "--json").stdout) == []
+    assert json.loads(embedded_stack.cli_here("schedule", "list", "--json").stdout) == []

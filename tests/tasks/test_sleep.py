@@ -106,3 +106,40 @@ def _final(stack, run_id: str):
     run = json.loads(stack.cli("history", run_id[:8], "--json").stdout)
     run = run[0] if isinstance(run, list) else run
     return run if run["status"] in ("succeeded", "degraded", "failed") else None
+
+
+def test_a_day_in_minutes_asleep_at_night_woken_by_a_request_and_warm_for_the_morning_peak(stack, stack_app, worker):
+    """Every slot fired by beat's own code at the moment it falls (a chosen clock), the worker
+    real: a night's sleep, a request at 23:30 that wakes it on demand and is answered as
+    before, the next night's sleep, and the morning's wake ahead of the peak that makes the
+    peak's first request start from the cached prefix."""
+    from schedules import beat, store
+
+    answer = send_infer(max_new_tokens=6).get(timeout=60)
+    assert stack.cli("schedule", "add", "night", "--cron", "0 22 * * *", "--action", "sleep").returncode == 0
+    morning = ("schedule", "add", "morning", "--cron", "0 7 * * *", "--lead", "120", "--action", "wake")
+    assert stack.cli(*morning).returncode == 0
+    day = (utcnow() + dt.timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+
+    def fire(at: dt.datetime) -> dict:
+        fired = beat.fire_due(at, "beat-test", grace_s=300, lease_s=15)
+        assert list(fired.values()) == ["sent"], fired
+        with session_scope() as session:
+            [slot] = store.recent_slots(session, limit=1)
+        return procs.poll(lambda: _final(stack, str(slot.run_id)), 90, what=f"the slot at {at}")
+
+    night = fire(day + dt.timedelta(hours=22, seconds=5))
+    assert (night["action"], night["trigger"], night["jobs"][0]["status"]) == ("sleep", "schedule", "asleep")
+    late = send_infer(max_new_tokens=6).get(timeout=90)  # 23:30, asleep: woken on demand
+    assert late["token_ids"] == answer["token_ids"] and late["cached_tokens"] == answer["cached_tokens"]
+
+    second_night = fire(day + dt.timedelta(days=1, hours=22, seconds=5))  # the morning between: missed
+    assert second_night["jobs"][0]["status"] == "asleep"
+    wake = fire(day + dt.timedelta(days=2, hours=6, minutes=58, seconds=5))  # 07:00 less the lead
+    rows = {job["template"]: job for job in wake["jobs"]}
+    assert (wake["action"], rows["*"]["status"], rows["support"]["status"]) == ("wake", "awake", "warm")
+    first = send_infer(max_new_tokens=6).get(timeout=60)  # the peak's first request
+    assert first["token_ids"] == answer["token_ids"] and first["cached_tokens"] == answer["cached_tokens"]
+    # The two mornings the compressed day skipped are recorded missed, not fired late.
+    slots = json.loads(stack.cli("schedule", "slots", "morning", "--json").stdout)
+    assert [slot["status"] for slot in slots] == ["sent", "missed", "missed"]
