@@ -48,6 +48,17 @@ def infer_queue(model: str) -> str:
 WORKER_TASKS = ("preheat.warm_worker", "preheat.sleep_worker", "preheat.wake_worker")
 
 
+def waiting_messages(channel, queue: str) -> int:
+    """Messages waiting in `queue` (0 for a queue never declared: Redis has none until a
+    message is sent to it)."""
+    from kombu.exceptions import ChannelError
+
+    try:
+        return int(channel.queue_declare(queue=queue, passive=True).message_count)
+    except ChannelError:
+        return 0
+
+
 def route_task(name, args, kwargs, options, task=None, **_):
     if name in WORKER_TASKS:
         return {"queue": worker_queue(kwargs["worker"])}

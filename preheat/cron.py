@@ -19,6 +19,7 @@ this module only says when slots are. ``tests/preheat/test_cron.py`` holds the r
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -74,3 +75,16 @@ class Cron:
     def next_after(self, after: dt.datetime) -> dt.datetime | None:
         """The first slot after `after`, or None if there is none."""
         return next((slot for slot in self._iterate(after) if slot > after), None)
+
+
+@functools.lru_cache(maxsize=256)
+def cron_of(expression: str, timezone: str) -> Cron:
+    """A stored schedule's cron, parsed once per process (beat asks every tick)."""
+    return Cron.parse(expression, timezone)
+
+
+def fire_time_after(expression: str, timezone: str, lead_time_s: int, after: dt.datetime) -> dt.datetime | None:
+    """A schedule's first fire time (cron time − lead) after `after`."""
+    lead = dt.timedelta(seconds=lead_time_s)
+    slot = cron_of(expression, timezone).next_after(after + lead)
+    return None if slot is None else slot - lead

@@ -97,6 +97,7 @@ class WarmupJob(Model):
         UniqueConstraint("run_id", "target", "model", "template", name="uq_warmup_jobs_run_target_model_template"),
         Index("ix_warmup_jobs_status", "status"),
         Index("ix_warmup_jobs_celery_task_id", "celery_task_id"),  # a task's failure finds its jobs
+        Index("ix_warmup_jobs_finished_at", "finished_at"),  # the exporter reads what finished since its last scrape
     )
 
 

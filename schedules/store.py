@@ -8,7 +8,6 @@ before anything is written (cron, time zone, targets against the catalog), so a 
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import re
 import uuid
 
@@ -17,7 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from preheat.catalog import NAME_PATTERN, Catalog
-from preheat.cron import Cron, CronError
+from preheat.cron import Cron, CronError, cron_of, fire_time_after
 from preheat.db import aware, utcnow
 from preheat.errors import ConfigError, UnknownNameError
 from preheat.models import RunAction, Schedule, ScheduleKind, ScheduleSlot, SlotStatus
@@ -132,17 +131,9 @@ def check(name: str, cron: str, timezone: str, lead_time_s: int) -> Cron:
         raise ConfigError(str(exc)) from None
 
 
-@functools.lru_cache(maxsize=256)
-def cron_of(expression: str, timezone: str) -> Cron:
-    """A stored schedule's cron, parsed once per process (beat asks every tick)."""
-    return Cron.parse(expression, timezone)
-
-
 def next_fire_at(schedule: Schedule, after: dt.datetime) -> dt.datetime | None:
     """The schedule's first fire time (cron time − lead) after `after`."""
-    lead = dt.timedelta(seconds=schedule.lead_time_s)
-    slot = cron_of(schedule.cron, schedule.timezone).next_after(after + lead)
-    return None if slot is None else slot - lead
+    return fire_time_after(schedule.cron, schedule.timezone, schedule.lead_time_s, after)
 
 
 def add(

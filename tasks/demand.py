@@ -14,22 +14,12 @@ from __future__ import annotations
 import logging
 import threading
 
-from kombu.exceptions import ChannelError
-
 from preheat import registry
-from preheat.celery import app, infer_queue
+from preheat.celery import app, infer_queue, waiting_messages
 from preheat.db import session_scope
 from preheat.states import RunAction, TriggerKind
 
 log = logging.getLogger(__name__)
-
-
-def waiting_messages(channel, model: str) -> int:
-    """Messages waiting in `model`'s inference queue (0 for a queue never declared)."""
-    try:
-        return int(channel.queue_declare(queue=infer_queue(model), passive=True).message_count)
-    except ChannelError:  # Redis: no such queue until something is sent to it
-        return 0
 
 
 def first_sleeper(model: str, me: str, dead_after_s: float) -> str | None:
@@ -72,7 +62,7 @@ class DemandWaker:
             try:
                 connection = connection or app.connection_for_read()
                 for model, state in asleep.items():
-                    if waiting_messages(connection.default_channel, model):
+                    if waiting_messages(connection.default_channel, infer_queue(model)):
                         self._wake(model, state.since)
             except Exception as exc:  # the broker or the database away: look again next time
                 log.warning("could not look at sleeping models' queues: %s", exc)

@@ -10,7 +10,7 @@ import yaml
 from preheat import procs
 from tests.conftest import PREHEAT_CLI, REPO
 
-SERVICES = {"redis", "postgres", "migrate", "gpu-worker", "beat", "watch-workers", "flower"}
+SERVICES = {"redis", "postgres", "migrate", "gpu-worker", "beat", "watch-workers", "exporter", "flower"}
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +28,10 @@ def preheat_commands(compose) -> dict[str, list[str]]:
 
 def test_the_services_are_all_there(compose):
     assert set(compose["services"]) == SERVICES
-    assert set(preheat_commands(compose)) == {"migrate", "gpu-worker", "beat", "watch-workers", "flower"}
+    assert set(preheat_commands(compose)) == {"migrate", "gpu-worker", "beat", "watch-workers", "exporter", "flower"}
 
 
-@pytest.mark.parametrize("service", ["migrate", "gpu-worker", "beat", "watch-workers", "flower"])
+@pytest.mark.parametrize("service", ["migrate", "gpu-worker", "beat", "watch-workers", "exporter", "flower"])
 def test_each_command_is_a_real_command_with_real_options(compose, service, embedded_stack):
     argv = compose["services"][service]["command"]
     assert argv[0] in {"celery", "preheat", "preheat-worker"}

@@ -136,6 +136,7 @@ def test_the_pod_watcher_may_only_read_pods_and_watches_the_workers_by_their_nam
         "preheat-migrate",
         "preheat-watch-pods",
         "preheat-watch-workers",
+        "preheat-exporter",
     ],
 )
 def test_each_command_is_a_real_command_with_real_options(manifests, component, embedded_stack):

@@ -125,6 +125,15 @@ class RuntimeMetrics:
         )
         self.collectors.register(_StateCollector(cache, models, is_ready))
 
+    def start_series(self, models: list[str]) -> None:
+        """Every labelled series at 0 from the start: a rate over a series that appears only
+        with its first event misses that event, and a dashboard shows nothing, not zero."""
+        for model in models:
+            self.prefills.labels(model=model)
+            self.restores.labels(model=model)
+            for cache in ("hit", "miss"):
+                self.ttft.labels(model=model, cache=cache)
+
     def observe_ttft(self, model: str, cached_tokens: int, ttft_ms: float) -> None:
         self.ttft.labels(model=model, cache="hit" if cached_tokens else "miss").observe(ttft_ms / 1000)
 

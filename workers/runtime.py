@@ -135,6 +135,7 @@ class WorkerRuntime:
             drain_s=config.sleep_drain_s,
         )
         self.metrics.collectors.register(SleepCollector(self.sleeps, lambda: list(catalog.models)))
+        self.metrics.start_series(list(catalog.models))
 
     @classmethod
     def from_settings(cls, settings) -> WorkerRuntime:

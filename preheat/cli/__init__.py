@@ -29,9 +29,11 @@ def _register() -> None:
         db,
         dev,
         endpoints,
+        exporter,
         history,
         infer,
         learn,
+        report,
         schedule,
         serve,
         sleep,
@@ -52,10 +54,12 @@ def _register() -> None:
     app.command("sleep")(sleep.sleep)
     app.command("wake")(sleep.wake)
     app.command("history")(history.history)
+    app.command("report")(report.report)
     app.command("infer")(infer.infer)
     app.command("workers")(workers.workers)
     app.command("serve")(serve.serve)
     app.command("endpoints")(endpoints.endpoints)
+    app.command("exporter")(exporter.exporter)
     app.command("watch-pods")(watch.watch_pods)
     app.command("watch-workers")(watch.watch_workers)
 

@@ -103,5 +103,6 @@ def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait fo
         f"a request with template {template!r} through its model's queue: TTFT {reply['ttft_ms']:,.1f} ms, "
         f"{reply['cached_tokens']} of {reply['prompt_tokens']} prompt tokens from the cached prefix"
     )
+    console.print("plots of the last hour: `preheat report --since 1h` (one HTML file, opens offline)")
     if str(run.status) != "succeeded":
         raise typer.Exit(1)

@@ -1,0 +1,152 @@
+"""Monitoring as shipped in deploy/: the alert rules pass `promtool check rules` and their unit
+tests (`promtool test rules`), and every metric the Grafana dashboard and the rules query is
+one preheat exports, read from a real worker's /metrics and a real `preheat exporter`'s."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from preheat import procs
+from tests.conftest import PREHEAT_CLI
+
+REPO = Path(__file__).resolve().parents[1]
+RULES = REPO / "deploy" / "prometheus" / "preheat-alerts.yml"
+RULE_TESTS = REPO / "deploy" / "prometheus" / "preheat-alerts.test.yml"
+DASHBOARD = REPO / "deploy" / "grafana" / "preheat-fleet.json"
+METRIC = re.compile(r"\b(preheat_[a-z_]+)\b")
+# Names PromQL derives from a histogram's base name.
+HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
+
+
+def promtool() -> str:
+    found = shutil.which("promtool")
+    if found is None:
+        pytest.fail("promtool is not installed: it comes with Debian's prometheus package (.ci/run installs it)")
+    return found
+
+
+def test_the_alert_rules_are_valid_and_their_unit_tests_pass():
+    checked = subprocess.run([promtool(), "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert checked.returncode == 0 and "SUCCESS: 8 rules found" in checked.stdout, checked.stdout + checked.stderr
+    tested = subprocess.run(
+        [promtool(), "test", "rules", RULE_TESTS.name], capture_output=True, text=True, cwd=RULE_TESTS.parent
+    )
+    assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
+
+
+def test_every_alert_has_a_test_that_fires_it_and_one_that_does_not():
+    alerts = {rule["alert"] for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]}
+    fired, quiet = set(), set()
+    for case in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
+        for check in case["alert_rule_test"]:
+            (fired if check["exp_alerts"] else quiet).add(check["alertname"])
+    assert fired == alerts and quiet == alerts
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = [panel for panel in dashboard["panels"] if panel["type"] != "row"]
+    titles = [panel["title"] for panel in panels]
+    assert len(titles) == len(set(titles)) and all(panel["targets"] for panel in panels)
+    assert all(panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"} for panel in panels)
+    return [target["expr"] for panel in panels for target in panel["targets"]]
+
+
+def rule_queries() -> list[str]:
+    return [rule["expr"] for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+
+
+def exported_names(text: str) -> set[str]:
+    names = set()
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0)
+            names.add(name)
+            names.update(name.removesuffix(suffix) for suffix in HISTOGRAM_SUFFIXES if name.endswith(suffix))
+    return names
+
+
+@pytest.mark.slow
+def test_every_metric_the_dashboard_and_the_rules_query_is_exported(embedded_stack, tmp_path):
+    from preheat.db import session_scope, utcnow
+    from preheat.models import Schedule, ScheduleSlot, SlotStatus
+    from tests.tasks.test_worker import send_infer
+
+    with session_scope() as session:  # a schedule with a sent slot: its series exist
+        schedule = Schedule(name="morning", cron="0 9 * * *", targets={"templates": ["support"]}, lead_time_s=60)
+        session.add(schedule)
+        session.flush()
+        now = utcnow()
+        session.add(
+            ScheduleSlot(
+                schedule_id=schedule.id,
+                schedule_name="morning",
+                slot_at=now,
+                fire_at=now - dt.timedelta(minutes=1),
+                status=SlotStatus.sent,
+                claimed_at=now,
+            )
+        )
+    worker = procs.start_worker("w1@monitoring", embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
+    exporter = None
+    with procs.running(worker):
+        send_infer().get(timeout=120)  # a request served: its histogram has samples
+        done = embedded_stack.cli("warm", "--wait", "--json")
+        assert done.returncode == 0, done.stderr
+        worker_metrics = httpx.get(f"{procs.health_url(worker)}/metrics").text
+        exporter = subprocess.Popen(
+            [PREHEAT_CLI, "exporter", "--port", "0"], env=embedded_stack.env, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            url = re.search(r"http://\S+/metrics", exporter.stdout.readline()).group(0)
+            fleet_metrics = httpx.get(url.replace("0.0.0.0", "127.0.0.1")).text
+        finally:
+            exporter.terminate()
+            exporter.wait(10)
+    exported = exported_names(worker_metrics) | exported_names(fleet_metrics)
+    for source, queries in (("dashboard", dashboard_queries()), ("alert rules", rule_queries())):
+        named = {name for query in queries for name in METRIC.findall(query)}
+        assert named and named <= exported, f"{source} queries what preheat does not export: {named - exported}"
+
+
+NAME = re.compile(r"^preheat_[a-z][a-z0-9_]*$")
+# Labels of bounded cardinality: a fleet's workers, models, templates, schedules, and enums.
+LABELS = {"model", "cache", "template", "worker", "schedule", "status", "trigger", "action", "state", "sleep_state"}
+LABELS |= {"le", "path", "code"}
+
+
+def test_worker_and_fleet_metric_names_follow_the_conventions(embedded_stack, tmp_path, tiny_model):
+    """Counters end in _total, times and sizes are in base units (_seconds, _bytes), and every
+    label is of bounded cardinality. Read from what a runtime and the fleet collector render."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from preheat.catalog import load_catalog
+    from preheat.fleet import FleetCollector
+    from preheat.settings import get_settings
+    from tests.workers.test_runtime import make_runtime
+    from workers.sampling import SamplingParams
+
+    runtime = make_runtime(tmp_path, tiny_model)
+    runtime.preload()
+    runtime.infer("support", "Where is my parcel?", SamplingParams(max_tokens=2))
+    fleet = CollectorRegistry(auto_describe=False)
+    fleet.register(FleetCollector(load_catalog(get_settings().catalog), get_settings(), queue_depth=lambda m: 0))
+    for text in (runtime.render_metrics().decode(), generate_latest(fleet).decode()):
+        for family in text_string_to_metric_families(text):
+            assert NAME.match(family.name), family.name
+            assert not re.search(r"_(ms|milliseconds|kb|kib|mb|mib|minutes|hours)(_|$)", family.name), family.name
+            for sample in family.samples:
+                if family.type == "counter":
+                    assert sample.name.endswith(("_total", "_created")), sample.name
+                assert set(sample.labels) <= LABELS, (sample.name, sample.labels)
+    runtime.close()
