@@ -13,7 +13,7 @@ import threading
 import time
 
 from celery import Celery, Task, states
-from celery.signals import celeryd_after_setup, worker_process_init
+from celery.signals import celeryd_after_setup, task_postrun, worker_process_init
 from sqlalchemy.exc import OperationalError
 
 from preheat import fstransport, history
@@ -179,6 +179,19 @@ _IN_FLIGHT: dict[str, threading.Event] = {}  # task id -> set when its first run
 _IN_FLIGHT_LOCK = threading.Lock()
 
 
+def _release(task_id: str | None) -> None:
+    """Wake the deliveries of `task_id` waiting for its first run (PreheatTask.alone)."""
+    with _IN_FLIGHT_LOCK:
+        first = _IN_FLIGHT.pop(task_id, None)
+    if first is not None:
+        first.set()
+
+
+@task_postrun.connect
+def _answered(task_id=None, **_) -> None:
+    _release(task_id)
+
+
 class PreheatTask(Task):
     """The plumbing every task shares, so task bodies are only domain work:
     timing and logging, and failed jobs recorded in history when a task raises."""
@@ -209,17 +222,19 @@ class PreheatTask(Task):
         with _IN_FLIGHT_LOCK:
             first = _IN_FLIGHT.get(task_id)
             if first is None:
-                _IN_FLIGHT[task_id] = mine = threading.Event()
+                _IN_FLIGHT[task_id] = threading.Event()
         if first is not None:
             first.wait(self.app.conf.task_time_limit)
             yield
             return
         try:
             yield
-        finally:
-            with _IN_FLIGHT_LOCK:
-                _IN_FLIGHT.pop(task_id, None)
-            mine.set()
+        except BaseException:  # raised before the tracer stores anything: released now
+            _release(task_id)
+            raise
+        # Otherwise released once the answer is stored (task_postrun, after the tracer's
+        # mark_as_done): released at the body's end, a delivery waiting on it read no answer
+        # yet and computed it again (seen under load with a broker blip).
 
     def answered_before(self) -> object | None:
         """The stored result of this very message, when it was answered already: a message

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import html
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -243,6 +244,7 @@ STYLE = """
 body{font:14px system-ui,sans-serif;margin:24px;color:#222;max-width:960px}
 h1{font-size:20px} figure{margin:24px 0} figcaption{font-weight:600;margin-bottom:4px}
 svg text{font:11px system-ui,sans-serif;fill:#444} svg .unit{font-weight:600}
+.stat{font-size:18px}
 .legend{display:flex;flex-wrap:wrap;gap:12px;font-size:12px}.key i{display:inline-block;width:12px;height:12px;
 margin-right:4px;vertical-align:middle}
 """
@@ -266,8 +268,63 @@ def render(data: ReportData) -> str:
             "kv-bytes", "KV bytes of each template's prefix, as its warmups measured", data.kv_bytes, x0, x1, "MiB"
         )
     )
+    return page("preheat report", body)
+
+
+def page(title: str, body: str) -> str:
+    """A whole page that fetches nothing: everything inline, and a policy that forbids the rest."""
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
         "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">"
-        f"<title>preheat report</title><style>{STYLE}</style></head><body>{body}</body></html>\n"
+        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>{body}</body></html>\n"
     )
+
+
+# The Grafana dashboard, drawn from a real Prometheus (`preheat dev dashboard-snapshot`) --------------
+
+
+def draw_dashboard(prometheus: str, panels: list[dict], minutes: int) -> str:
+    """Each panel's own queries through Prometheus's query_range, drawn as this module draws:
+    time series as lines, stats as their latest value."""
+    import time
+
+    import httpx
+
+    until = time.time()
+    since = until - minutes * 60
+    step = max(5, minutes * 60 // 240)
+    figures = []
+    with httpx.Client(base_url=prometheus, timeout=30) as client:
+        for index, panel in enumerate(panels):
+            series = []
+            for target in panel["targets"]:
+                answer = client.get(
+                    "/api/v1/query_range",
+                    params={"query": target["expr"], "start": since, "end": until, "step": step},
+                ).json()
+                for i, result in enumerate(answer.get("data", {}).get("result", [])):
+                    legend = _legend(target.get("legendFormat") or target["expr"], result["metric"])
+                    points = [(float(t), float(v)) for t, v in result["values"] if v not in ("NaN", "+Inf", "-Inf")]
+                    series.append(Series(legend, points, COLOURS[(len(series) + i) % len(COLOURS)]))
+            unit = (panel.get("fieldConfig", {}).get("defaults", {}) or {}).get("unit", "")
+            if panel["type"] == "stat":
+                figures.append(_stat(f"panel-{index}", panel["title"], series, unit))
+            else:
+                figures.append(line_plot(f"panel-{index}", panel["title"], series, since, until, unit))
+    source = html.escape(prometheus)
+    heading = f"<h1>preheat fleet (deploy/grafana/preheat-fleet.json)</h1><p>the last {minutes} min, from {source}</p>"
+    return page("preheat fleet dashboard", heading + "".join(figures))
+
+
+def _legend(template: str, labels: dict) -> str:
+    return re.sub(r"{{\s*(\w+)\s*}}", lambda m: labels.get(m.group(1), ""), template)
+
+
+def _stat(plot_id: str, title: str, series: list[Series], unit: str) -> str:
+    values = " · ".join(
+        f"{html.escape(s.name)}: <b>{s.points[-1][1]:,.1f}</b>{' ' + unit if unit and unit != 'short' else ''}"
+        for s in series
+        if s.points
+    )
+    caption = f"<figcaption>{html.escape(title)}</figcaption>"
+    return f'<figure id="{plot_id}">{caption}<p class="stat">{values or "-"}</p></figure>'

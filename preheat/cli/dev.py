@@ -106,3 +106,29 @@ def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait fo
     console.print("plots of the last hour: `preheat report --since 1h` (one HTML file, opens offline)")
     if str(run.status) != "succeeded":
         raise typer.Exit(1)
+
+
+@app.command("dashboard-snapshot")
+def dashboard_snapshot(
+    prometheus: str = typer.Option("http://127.0.0.1:9090", "--prometheus", help="A Prometheus that scrapes preheat."),
+    dashboard: Path = typer.Option(
+        Path("deploy/grafana/preheat-fleet.json"), "--dashboard", help="The Grafana dashboard to draw."
+    ),
+    minutes: int = typer.Option(15, "--minutes", min=1, max=1440, help="The range drawn, up to now."),
+    out: Path = typer.Option(Path("dashboard.html"), "--out", "-o", help="The HTML file to write."),
+) -> None:
+    """Draw the Grafana dashboard's panels from a real Prometheus (its own queries, through the
+    HTTP API's query_range) into one offline HTML file: a picture of the dashboard where no
+    Grafana can run (docs/monitoring.md)."""
+    import json
+
+    from preheat import report
+    from preheat.errors import ConfigError
+
+    try:
+        panels = [p for p in json.loads(dashboard.read_text())["panels"] if p["type"] != "row"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"--dashboard {dashboard}: not a Grafana dashboard ({exc})") from None
+    drawn = report.draw_dashboard(prometheus, panels, minutes)
+    out.write_text(drawn)
+    print(f"wrote {out}: {len(panels)} panels from {prometheus}")
