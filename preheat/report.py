@@ -302,6 +302,8 @@ def draw_dashboard(prometheus: str, panels: list[dict], minutes: int) -> str:
                     "/api/v1/query_range",
                     params={"query": target["expr"], "start": since, "end": until, "step": step},
                 ).json()
+                if answer.get("status") != "success":
+                    raise ValueError(f"panel {panel['title']!r}: {target['expr']}: {answer.get('error')}")
                 for i, result in enumerate(answer.get("data", {}).get("result", [])):
                     legend = _legend(target.get("legendFormat") or target["expr"], result["metric"])
                     points = [(float(t), float(v)) for t, v in result["values"] if v not in ("NaN", "+Inf", "-Inf")]

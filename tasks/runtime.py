@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 _RUNTIME: WorkerRuntime | None = None
 _BUILDING = threading.Lock()  # the worker's start-up thread and its bootstep may ask at once
+_NODENAME: list[str] = []  # this worker's name, once its bootstep knows it
 
 
 def get_runtime() -> WorkerRuntime:
@@ -27,4 +28,30 @@ def get_runtime() -> WorkerRuntime:
             from workers.runtime import WorkerRuntime
 
             _RUNTIME = WorkerRuntime.from_settings(get_settings())
+            if _NODENAME:
+                # Asked once, by whichever start-up thread loads the models first.
+                _RUNTIME.asleep_at_start = lambda: asleep_by_schedule(_NODENAME[0])
         return _RUNTIME
+
+
+def start_asleep_by_schedule(nodename: str) -> None:
+    """This process is worker `nodename`: its runtime starts with the models asleep that the
+    schedules say are (preheat.sleeping's rule), before it loads any."""
+    _NODENAME[:] = [nodename]
+
+
+def asleep_by_schedule(nodename: str) -> dict[str, str]:
+    """The models to start asleep, and why. With the database away, none: a worker awake
+    off-peak costs memory, one asleep at the peak costs users."""
+    import logging
+
+    from preheat.catalog import load_catalog
+    from preheat.db import session_scope, utcnow
+    from preheat.sleeping import asleep_by_schedule as rule
+
+    try:
+        with session_scope() as session:
+            return rule(session, load_catalog(get_settings().catalog), nodename, utcnow())
+    except Exception as exc:
+        logging.getLogger(__name__).warning("could not read the schedules (%s): every model loads", exc)
+        return {}

@@ -27,7 +27,7 @@ from preheat.errors import ConfigError, exit_with
 from preheat.registry import Heartbeat
 from preheat.settings import get_settings
 from tasks.demand import DemandWaker
-from tasks.runtime import get_runtime
+from tasks.runtime import get_runtime, start_asleep_by_schedule
 from workers.health import HealthServer
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
                 )
             )
         check_concurrency(pool, worker.concurrency, get_settings())
-        _start_asleep_by_schedule(worker.hostname)
+        start_asleep_by_schedule(worker.hostname)
         # The models load from here on, while Celery builds its pool and consumer: torch and
         # transformers (2-3 s, imported lazily: beat and the CLI import the task modules too),
         # then each model's own classes and weights. Pre-fills wait for start(), which sets
@@ -177,26 +177,6 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         if self.health is not None:
             self.health.stop()
             self.health = None
-
-
-def _start_asleep_by_schedule(nodename: str) -> None:
-    """Models the schedules say are asleep now start asleep (preheat.sleeping's rule). With
-    the database away, everything loads: a worker awake off-peak costs memory, one asleep
-    at the peak costs users."""
-    from preheat.catalog import load_catalog
-    from preheat.db import session_scope
-    from preheat.sleeping import asleep_by_schedule
-
-    try:
-        runtime = get_runtime()
-        with session_scope() as session:
-            asleep = asleep_by_schedule(session, load_catalog(get_settings().catalog), nodename, utcnow())
-    except ConfigError:
-        return  # a catalog or setting that cannot be used: start() says so, in one line
-    except Exception as exc:
-        log.warning("could not read the schedules (%s): every model loads", exc)
-        return
-    runtime.start_asleep(asleep)
 
 
 def _load_models() -> None:

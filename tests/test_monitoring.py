@@ -150,3 +150,66 @@ def test_worker_and_fleet_metric_names_follow_the_conventions(embedded_stack, tm
                     assert sample.name.endswith(("_total", "_created")), sample.name
                 assert set(sample.labels) <= LABELS, (sample.name, sample.labels)
     runtime.close()
+
+
+@pytest.mark.slow
+def test_a_real_prometheus_accepts_every_dashboard_query_and_the_snapshot_draws_them(embedded_stack, tmp_path):
+    """Debian's Prometheus (the package promtool comes in) scrapes a real exporter; every
+    panel's query runs through its query_range API without an error, and the snapshot is
+    one offline page."""
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        pytest.fail("prometheus is not installed: Debian's prometheus package (.ci/run installs it)")
+    exporter = subprocess.Popen(
+        [PREHEAT_CLI, "exporter", "--port", "0"], env=embedded_stack.env, stdout=subprocess.PIPE, text=True
+    )
+    server = None
+    try:
+        target = re.search(r"http://0.0.0.0:(\d+)/metrics", exporter.stdout.readline()).group(1)
+        config = tmp_path / "prometheus.yml"
+        scrape = {"job_name": "preheat-exporter", "static_configs": [{"targets": [f"127.0.0.1:{target}"]}]}
+        config.write_text(yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": [scrape]}))
+        port = procs.free_port()
+        server = subprocess.Popen(
+            [
+                prometheus,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        url = f"http://127.0.0.1:{port}"
+
+        def scraped():
+            try:
+                answer = httpx.get(f"{url}/api/v1/query", params={"query": "preheat_fleet_workers"}).json()
+            except httpx.HTTPError:
+                return False
+            return answer["status"] == "success" and answer["data"]["result"]
+
+        procs.poll(scraped, 60, 0.5, "the exporter scraped")
+        out = tmp_path / "dashboard.html"
+        done = embedded_stack.cli(
+            "dev", "dashboard-snapshot", "--prometheus", url, "--dashboard", str(DASHBOARD), "--out", str(out)
+        )
+        assert done.returncode == 0, done.stderr
+        page = out.read_text()
+        panels = [panel for panel in json.loads(DASHBOARD.read_text())["panels"] if panel["type"] != "row"]
+        assert page.count("<figure") == len(panels)
+        assert 'http-equiv="Content-Security-Policy"' in page and "<script" not in page
+        broken = tmp_path / "broken.json"
+        broken.write_text(
+            json.dumps({"panels": [{"type": "timeseries", "title": "bad", "targets": [{"expr": "rate(x["}]}]})
+        )
+        refused = embedded_stack.cli(
+            "dev", "dashboard-snapshot", "--prometheus", url, "--dashboard", str(broken), "--out", str(out)
+        )
+        assert refused.returncode == 2 and "Prometheus refused a query of the dashboard: panel 'bad'" in refused.stderr
+    finally:
+        exporter.terminate()
+        exporter.wait(10)
+        if server is not None:
+            server.terminate()
+            server.wait(10)

@@ -12,6 +12,7 @@ a warm model takes requests.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -125,6 +126,10 @@ class WorkerRuntime:
             on_warm=self._announce_if_warm,
         )
         self.gate = RequestGate()
+        # Asked once before the first load: the models to start asleep, and why (a worker
+        # restarted off-peak; tasks.runtime sets it from the schedules).
+        self.asleep_at_start: Callable[[], dict[str, str]] | None = None
+        self._starting = threading.Lock()
         self.sleeps = Sleeps(
             self.resident_models,
             self.scheduler,
@@ -186,8 +191,12 @@ class WorkerRuntime:
     def load_models(self, max_parallel: int = 4) -> None:
         """Every catalog model resident (in parallel), nothing pre-filled: what a worker
         starts on before its gate is set up. Once: a second call waits for the first."""
-        awake = [name for name in self.catalog.models if name not in self.sleeps.asleep]
-        self.resident_models.preload_once([self.source(name) for name in awake], max_parallel)
+        with self._starting:
+            if self.asleep_at_start is not None:
+                ask, self.asleep_at_start = self.asleep_at_start, None
+                self.start_asleep(ask())
+            awake = [name for name in self.catalog.models if name not in self.sleeps.asleep]
+            self.resident_models.preload_once([self.source(name) for name in awake], max_parallel)
 
     def readiness(self) -> list[str]:
         """Why this worker should not take traffic yet; empty when it should."""

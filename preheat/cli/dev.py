@@ -129,6 +129,13 @@ def dashboard_snapshot(
         panels = [p for p in json.loads(dashboard.read_text())["panels"] if p["type"] != "row"]
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"--dashboard {dashboard}: not a Grafana dashboard ({exc})") from None
-    drawn = report.draw_dashboard(prometheus, panels, minutes)
+    import httpx
+
+    try:
+        drawn = report.draw_dashboard(prometheus, panels, minutes)
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"--prometheus {prometheus}: {exc}") from None
+    except ValueError as exc:  # Prometheus refused a query: the dashboard is wrong
+        raise ConfigError(f"Prometheus refused a query of the dashboard: {exc}") from None
     out.write_text(drawn)
     print(f"wrote {out}: {len(panels)} panels from {prometheus}")

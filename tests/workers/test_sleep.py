@@ -119,8 +119,11 @@ def test_metrics_say_each_models_sleep_state_as_vllm_names_it(runtime):
 
 def test_a_runtime_told_to_start_asleep_loads_nothing_and_a_wake_loads_it(tmp_path, tiny_model):
     runtime = make_runtime(tmp_path, tiny_model)
-    runtime.start_asleep({"tiny": "schedule night put it to sleep"})
+    asked = []
+    runtime.asleep_at_start = lambda: asked.append(1) or {"tiny": "schedule night put it to sleep"}
     assert runtime.preload() == ["model tiny: asleep (level 2)"]
+    runtime.load_models()
+    assert asked == [1]  # asked once, before the first load, whichever start-up thread comes first
     assert runtime.resident_models.get("tiny") is None and runtime.cache.stats().entries == 0
     woken = runtime.wake("tiny")
     assert woken.status == "awake" and woken.load_ms > 0 and runtime.readiness() == []
