@@ -22,7 +22,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from preheat.db import aware
-from preheat.models import Schedule, ScheduleKind, ScheduleSlot, SlotStatus, TrafficCount, WarmupJob, WarmupRun
+from preheat.models import Schedule, ScheduleKind, ScheduleSlot, SlotStatus, TrafficCount, WarmupJob
 from preheat.states import WHOLE_MODEL, JobStatus
 
 WIDTH, HEIGHT, PAD = 900, 260, 48
@@ -63,16 +63,15 @@ class ReportData:
 
 def gather(session: Session, since: dt.datetime, until: dt.datetime) -> ReportData:
     data = ReportData(since, until)
-    jobs = session.execute(
-        select(WarmupJob, WarmupRun.trigger)
-        .join(WarmupRun, WarmupRun.id == WarmupJob.run_id)
+    jobs = session.scalars(
+        select(WarmupJob)
         .where(WarmupJob.finished_at >= since, WarmupJob.finished_at <= until)
         .order_by(WarmupJob.finished_at)
     ).all()
     data.jobs = len(jobs)
     ttft: dict[str, dict[str, list]] = defaultdict(lambda: {"cold": [], "warm": [], "bare": []})
     kv: dict[str, list] = defaultdict(list)
-    for job, _trigger in jobs:
+    for job in jobs:
         at = aware(job.finished_at).timestamp()
         data.verdicts.setdefault(job.target, Counter())[str(job.status)] += 1
         if job.template == WHOLE_MODEL or job.status not in (JobStatus.warm, JobStatus.degraded):
