@@ -77,7 +77,11 @@ def test_a_broker_blip_mid_request_still_answers_every_caller_once(services_stac
 
             procs.poll(computed_once, 30, what="every delivery after the first answered from the store")
             log = worker.log()
-            assert "raised unexpected" not in log and "CRITICAL" not in log, log[-4000:]
+            # An ack sent on the connection the blip broke is logged CRITICAL by kombu ("Couldn't
+            # ack"); its message comes again and is answered from the store (computed_once above).
+            # Any other CRITICAL (an unrecoverable consumer) is a failure.
+            critical = [line for line in log.splitlines() if "CRITICAL" in line and "Couldn't ack" not in line]
+            assert "raised unexpected" not in log and critical == [], log[-4000:]
     finally:
         proxy.close()
 
