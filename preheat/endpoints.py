@@ -494,12 +494,22 @@ def sleep_endpoint(name: str, spec: EndpointSpec, level: int | None = None) -> E
 def sleep_level_of(client: httpx.Client, spec: EndpointSpec) -> int | None:
     """The level the server sleeps at, from `vllm:engine_sleep_state` on /metrics (None when
     it does not say)."""
-    for line in _call(client, spec, "GET", "/metrics").text.splitlines():
-        if line.startswith("vllm:engine_sleep_state{") and line.rstrip().endswith(" 1.0"):
-            for level, state in ((1, "weights_offloaded"), (2, "discard_all")):
-                if f'sleep_state="{state}"' in line:
-                    return level
+    levels = {"weights_offloaded": 1, "discard_all": 2}
+    for sample in _samples(_call(client, spec, "GET", "/metrics").text):
+        if (
+            sample.name == "vllm:engine_sleep_state"
+            and sample.value == 1
+            and sample.labels.get("sleep_state") in levels
+        ):
+            return levels[sample.labels["sleep_state"]]
     return None
+
+
+def _samples(text: str) -> list:
+    """Every sample of a Prometheus text exposition (prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
 
 
 def wake_endpoint(name: str, spec: EndpointSpec) -> EndpointSleep:
@@ -538,19 +548,19 @@ def wake_endpoint(name: str, spec: EndpointSpec) -> EndpointSleep:
 
 def prefix_cache_counters(name: str, spec: EndpointSpec) -> tuple[float, float] | None:
     """(hits, queries) of vLLM's prefix cache, in tokens, from /metrics (None if absent)."""
-    values = {}
     try:
         with build_client(name, spec) as client:
             text = client.get(_root(spec, "/metrics")).text
     except httpx.HTTPError:
         return None
-    for line in text.splitlines():
-        for metric in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
-            if line.startswith(metric + "{") or line.startswith(metric + " "):
-                values[metric] = values.get(metric, 0.0) + float(line.rsplit(" ", 1)[1])
-    if len(values) < 2:
-        return None
-    return values["vllm:prefix_cache_hits_total"], values["vllm:prefix_cache_queries_total"]
+    wanted = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+    values = {metric: 0.0 for metric in wanted}
+    seen = set()
+    for sample in _samples(text):
+        if sample.name in values:  # summed over engines and models
+            values[sample.name] += sample.value
+            seen.add(sample.name)
+    return (values[wanted[0]], values[wanted[1]]) if len(seen) == 2 else None
 
 
 def wake_and_prime(

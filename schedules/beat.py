@@ -242,9 +242,7 @@ def overruled_sleeps(due: list[DueSlot]) -> dict[str, str]:
     for sleep in (slot for slot in due if slot.action == RunAction.sleep):
         for other in (slot for slot in due if slot.action != RunAction.sleep):
             shared = store.overlap(catalog, sleep.targets, other.targets)
-            if shared and sleep.fire_at.replace(second=0, microsecond=0) == other.fire_at.replace(
-                second=0, microsecond=0
-            ):
+            if shared and store.minute_of(sleep.fire_at) == store.minute_of(other.fire_at):
                 overruled[sleep.trigger_key] = (
                     f"overruled: schedule {other.name!r} {other.action}s {', '.join(sorted(shared))} in the same minute"
                 )

@@ -87,7 +87,12 @@ def overlap(catalog: Catalog, a: dict, b: dict) -> set[str]:
 def _fire_minutes(cron: str, timezone: str, lead_s: int, now: dt.datetime) -> set[dt.datetime]:
     lead = dt.timedelta(seconds=lead_s)
     slots = cron_of(cron, timezone).slots(now + lead, now + lead + CONTRADICTION_HORIZON)
-    return {(slot - lead).replace(second=0, microsecond=0) for slot in slots}
+    return {minute_of(slot - lead) for slot in slots}
+
+
+def minute_of(moment: dt.datetime) -> dt.datetime:
+    """The minute a fire time falls in: what two contradicting schedules are compared by."""
+    return moment.replace(second=0, microsecond=0)
 
 
 def check_contradictions(session: Session, catalog: Catalog, schedule: Schedule, now: dt.datetime) -> None:

@@ -100,11 +100,7 @@ def restore_weights(resident: ResidentModel, offloaded: Offloaded) -> None:
         synchronize(device)
     else:
         _read_by_name(resident.path, parameters, offloaded)
-    if digest_contents(model) != resident.content_digest:
-        raise ModelLoadError(
-            f"model {resident.name}: the weights read back from {resident.path} are not the ones it slept with "
-            "(the files changed while it slept)"
-        )
+    _prove(resident)
 
 
 def _read_by_name(path: str, parameters: dict, offloaded: Offloaded) -> None:
@@ -142,8 +138,16 @@ def reload_into(resident: ResidentModel, source: ModelSource, loader: str) -> No
     state = dict(fresh.named_parameters(remove_duplicate=False))
     for name, parameter in resident.model.named_parameters(remove_duplicate=False):
         parameter.data = state[name].data.to(resident.placement.device)
+    _prove(resident)
+
+
+def _prove(resident: ResidentModel) -> None:
+    """The weights back are the ones the model slept with: its content digest, taken at load."""
     if digest_contents(resident.model) != resident.content_digest:
-        raise ModelLoadError(f"model {resident.name}: the weights in {source.path} changed while it slept")
+        raise ModelLoadError(
+            f"model {resident.name}: the weights read back from {resident.path} are not the ones it slept with "
+            "(the files changed while it slept)"
+        )
 
 
 def _give_back(device: torch.device) -> None:
@@ -155,12 +159,12 @@ def _give_back(device: torch.device) -> None:
     release_free_heap()
 
 
-def resident_set_bytes() -> int:
-    """This process's resident set, from /proc (0 where there is none)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            import os
+def resident_set_bytes(pid: int | str = "self") -> int:
+    """A process's resident set (this one's by default), from /proc (0 where there is none)."""
+    import os
 
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0

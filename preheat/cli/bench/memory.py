@@ -23,11 +23,6 @@ LAYOUTS = ("heap", "heap + trim", "slab")
 TARGET_RATIO = 1.1
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096
-
-
 def _heap_copies(cache) -> None:
     """The layout before the slab: each key/value tensor a heap allocation of its own."""
     from workers.prefix import kv_tensors
@@ -53,6 +48,7 @@ def child(model_dir: str, templates: int, tokens: int, layout: str) -> dict:
     from workers.prefixcache import PrefixCache
     from workers.resident import ModelSource, ResidentModels
     from workers.scheduler import BatchLimits, Scheduler
+    from workers.sleep import resident_set_bytes
 
     if layout != "slab":
         prefixcache.settle = prefix.settle = _heap_copies if layout == "heap" else _heap_copies_trimmed
@@ -67,12 +63,12 @@ def child(model_dir: str, templates: int, tokens: int, layout: str) -> dict:
 
     try:
         scheduler.prefill(resident, prompt())  # the allocator's first pass, not counted
-        before, kv_bytes = _resident_bytes(), 0
+        before, kv_bytes = resident_set_bytes(), 0
         for _ in range(templates):
             kv_bytes += scheduler.prefill(resident, prompt()).entry.nbytes
-        grown = _resident_bytes() - before
+        grown = resident_set_bytes() - before
         cache.clear()  # every entry evicted: what comes back at once, with no pre-fill after
-        returned = before + grown - _resident_bytes()
+        returned = before + grown - resident_set_bytes()
     finally:
         scheduler.close()
     return {

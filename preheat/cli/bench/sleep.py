@@ -59,19 +59,17 @@ def main(shape: str, rounds: int, timeout: float, json_path: Path | None) -> Non
 
 
 def measure(env: dict, model: str, template: str, probe: str, rounds: int, timeout: float, logs: Path) -> dict:
-    import httpx
-
     from preheat import procs
 
     name = worker_name("sleep")
     # A first start fills the prefix store, so the measured cold start restores as a wake does.
     with procs.running(procs.start_worker(name, env, logs)) as (first,):
-        _ready(httpx, procs.health_url(first, timeout), timeout)
+        _ready(procs.health_url(first, timeout), timeout)
     launched = time.perf_counter()
     worker = procs.start_worker(name, env, logs)
     with procs.running(worker):
         health = procs.health_url(worker, timeout)
-        _ready(httpx, health, timeout)
+        _ready(health, timeout)
         cold_s = time.perf_counter() - launched
         steady_ms = statistics.median(_ask(template, probe, timeout)["ttft_ms"] for _ in range(STEADY_REQUESTS))
         rows = [
@@ -83,21 +81,20 @@ def measure(env: dict, model: str, template: str, probe: str, rounds: int, timeo
 
 
 def _round(worker, name: str, model: str, template: str, probe: str, level: int, health: str, timeout: float) -> dict:
-    import httpx
-
     from preheat.cli.warm import wait_for_run
     from preheat.dispatch import dispatch_sleep_wake
     from preheat.states import WHOLE_MODEL, RunAction
+    from workers.sleep import resident_set_bytes
 
-    before = _rss(worker.popen.pid)
+    before = resident_set_bytes(worker.popen.pid)
     slept = dispatch_sleep_wake(RunAction.sleep, models=[model], workers=[name], level=level, requested_by="bench")
     [sleep_job] = wait_for_run(slept.run_id, timeout, show_progress=False).jobs
     if sleep_job.status != "asleep":
         raise RuntimeError(f"the sleep did not happen: {sleep_job.status} {sleep_job.error}")
-    after = _rss(worker.popen.pid)
+    after = resident_set_bytes(worker.popen.pid)
     woken_at = time.perf_counter()
     woke = dispatch_sleep_wake(RunAction.wake, models=[model], workers=[name], requested_by="bench")
-    _ready(httpx, health, timeout)
+    _ready(health, timeout)
     wake_ready_s = time.perf_counter() - woken_at
     # A request the moment it is ready (an on-demand wake's user): the wake's probes still run
     # beside it. Then the first after the wake's run, what a scheduled wake's lead delivers.
@@ -161,7 +158,9 @@ def _met(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-def _ready(httpx, health: str, timeout: float) -> None:
+def _ready(health: str, timeout: float) -> None:
+    import httpx
+
     from preheat import procs
 
     with httpx.Client(timeout=5) as client:
@@ -174,11 +173,3 @@ def _ask(template: str, probe: str, timeout: float) -> dict:
     return app.send_task("preheat.infer", kwargs={"template": template, "user_input": probe, "max_new_tokens": 1}).get(
         timeout=timeout
     )
-
-
-def _rss(pid: int) -> int:
-    """A process's resident set in bytes (VmRSS)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
