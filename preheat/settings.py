@@ -81,11 +81,19 @@ class Settings(BaseSettings):
     # Retired: every request goes through the scheduler (workers/scheduler.py). Refused by
     # name, so a deployment that still sets it learns what replaced it.
     engine: str | None = None
-    # The scheduler: requests decoded together, each from its cached prefix.
-    max_running_requests: int = Field(16, ge=1, le=4096, description="Requests decoded together, per model.")
+    # The scheduler: requests run together, each from its cached prefix; how many follows
+    # the KV their rows may need (running_kv_max_bytes), up to max_running_requests.
+    max_running_requests: int = Field(
+        64, ge=1, le=4096, description="Requests running together per model, at most (the KV budget decides below)."
+    )
+    running_kv_max_bytes: ByteSize = Field(
+        ByteSize(2 * 1024**3),
+        gt=0,
+        description="KV bytes a model's running requests may need, each as long as its prompt and max_tokens.",
+    )
     max_queued_requests: int = Field(64, ge=1, le=1_000_000, description="Requests waiting; more get a 429.")
     prefill_tokens_per_step: int = Field(
-        512, ge=1, le=1_000_000, description="Prompt tokens computed between two decode steps."
+        128, ge=1, le=1_000_000, description="Prompt tokens a step computes beside its decoding requests."
     )
     # Off only to measure what the cached prefixes give (`preheat bench load`): every
     # request then computes its whole prompt.

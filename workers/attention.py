@@ -20,6 +20,8 @@ def sdpa_grouped(
 ):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if (layout := kwargs.get("preheat_layout")) is not None:
+        return _ragged(module, query, key, value, layout, scaling, kwargs), None
     groups = getattr(module, "num_key_value_groups", 1)
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None
     if groups == 1 or attention_mask is None or query.device.type != "cpu" or not plain:
@@ -30,6 +32,17 @@ def sdpa_grouped(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
     )
     return output.transpose(1, 2).contiguous(), None
+
+
+# What a layer may pass that the rows' attention does not compute: refused, never ignored.
+UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks")
+
+
+def _ragged(module, query, keys, values, layout, scaling, kwargs):
+    """The running rows' attention (workers.raggedkv.Layout.attend): the layout came with the pass."""
+    if extra := [name for name in UNSUPPORTED if kwargs.get(name) is not None]:
+        raise TypeError(f"running requests together does not compute attention with {', '.join(extra)}")
+    return layout.attend(query, keys, values, scaling, kwargs.get("sliding_window"))
 
 
 def register() -> str:

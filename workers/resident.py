@@ -206,7 +206,7 @@ def _load(source: ModelSource, placement: Placement, loader: str) -> ResidentMod
     elif not tokenizer.chat_template:
         tokenizer.chat_template, template_source = DEFAULT_CHAT_TEMPLATE, DEFAULT_CHAT_TEMPLATE_NAME
     model = load_weights(source.path, placement, loader, _onto(placement), pinned)
-    if placement.device.type == "cpu" and model.config._attn_implementation == "sdpa":
+    if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(attention.register())
     model.to(placement.device).eval()
     model.requires_grad_(False)  # inference only: no autograd bookkeeping on any forward

@@ -62,7 +62,10 @@ class RuntimeConfig:
                 settings.kv_cache_max_entries, int(settings.kv_cache_max_bytes), settings.kv_cache_pinned_share
             ),
             batch_limits=BatchLimits(
-                settings.max_running_requests, settings.max_queued_requests, settings.prefill_tokens_per_step
+                settings.max_running_requests,
+                settings.max_queued_requests,
+                settings.prefill_tokens_per_step,
+                int(settings.running_kv_max_bytes),
             ),
             prefix_caching=settings.prefix_caching,
             sleep_drain_s=settings.sleep_drain_s,

@@ -7,21 +7,24 @@ other). Callers (HTTP handlers, Celery pool threads) hand it work and read a req
 
 1. runs one queued *call* (a pre-fill): work that is not a request is scheduled with the
    traffic, one piece per iteration, so decoding goes on between the pieces;
-2. admits waiting requests while their model has a free row and the iteration's
-   prompt-token budget lasts: each starts from a clone of the longest cached prefix of its
-   ids (``PrefixCache.start``: the entry is held only while it is cloned) and computes its
-   own remaining ids; those of one model are pre-filled together where their caches allow it,
-   a prompt longer than the budget a chunk an iteration;
-3. runs one decode step per model: a single forward pass feeds every running row its next
-   token (``workers.batchkv``). A request whose cache cannot join a batch (layers that are
-   written in place, or of other shapes) runs as a batch of one.
+2. admits waiting requests while their model's running rows, with theirs, fit the KV
+   budget (``BatchLimits.running_kv_bytes``: each row as long as its prompt and
+   ``max_tokens``) and the step's prompt-token budget lasts: each starts from a clone of the
+   longest cached prefix of its ids (``PrefixCache.start``), copied into a row of its
+   model's running KV (``workers.raggedkv``);
+3. runs one *step* per model: a single forward pass feeds every decoding row its next id
+   and the pre-filling rows the next chunks of their prompts, up to
+   ``prefill_tokens_per_step`` prompt tokens, oldest first. So an arrival starts within a
+   step or two and the running streams keep their pace. A request whose cache cannot run
+   with the others (layers written in place, or of other shapes) runs alone, a chunk or a
+   token an iteration.
 
 Each token goes to ``Request.append_token``, which applies every per-token rule
 (workers/request.py). A request leaves its row when it finishes, when its reader goes away
-(the stream closed), or when it fails: a failure in its own pre-fill or sampling ends that
-request only; a decode step that fails for the batch (out of memory) is undone, and the
-newest row leaves with the error while the others go on. A full queue refuses at once
-(``QueueFullError``: HTTP 429 with Retry-After).
+(the stream closed), or when it fails: a failure in its own sampling ends that request
+only; a step that fails for the batch (out of memory) is undone, and the newest row leaves
+with the error while the others go on. A full queue refuses at once (``QueueFullError``:
+HTTP 429 with Retry-After).
 """
 
 from __future__ import annotations
@@ -39,10 +42,10 @@ from dataclasses import dataclass, field
 import torch
 
 from preheat.errors import PreheatError
-from workers.batchkv import BatchKV, batchable
 from workers.device import out_of_memory_as_error
-from workers.prefix import check_context, clone_for_request, forward, truncatable
+from workers.prefix import cache_nbytes, check_context, forward
 from workers.prefixcache import Prefilled, PrefixCache, Start
+from workers.raggedkv import RaggedKV, Segment, batchable
 from workers.request import Request, RequestStatus, TextStream
 from workers.resident import ResidentModel
 from workers.sampling import SamplingParams
@@ -66,22 +69,36 @@ class QueueFullError(PreheatError):
 
 @dataclass(frozen=True)
 class BatchLimits:
-    max_running: int = 16  # rows decoding together, per model
+    max_running: int = 64  # rows running together, per model, at most (the KV budget decides below it)
     max_queued: int = 64  # requests waiting for a row; one more is refused
-    prefill_tokens_per_step: int = 512  # prompt tokens computed between two decode steps
+    prefill_tokens_per_step: int = 128  # prompt tokens a step computes beside its decoding rows
+    running_kv_bytes: int = 2 * 1024**3  # the KV the running rows of a model may need
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_queued", "prefill_tokens_per_step"):
+        for name in ("max_running", "max_queued", "prefill_tokens_per_step", "running_kv_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
+@dataclass(eq=False)
+class _Row:
+    """A running request of the batch: its prompt ids still to compute (none once it decodes)."""
+
+    request: Request
+    feed: list[int]
+    order: int  # when it was admitted: pre-fills go oldest first, the newest leaves on a failed step
+
+
 @dataclass
 class _Batch:
-    """The running requests of one model whose caches are one left-padded cache."""
+    """The running requests of one model: row i holds slot i of `kv`."""
 
-    kv: BatchKV
-    requests: list[Request] = field(default_factory=list)
+    kv: RaggedKV
+    rows: list[_Row] = field(default_factory=list)
+
+    @property
+    def requests(self) -> list[Request]:
+        return [row.request for row in self.rows]
 
 
 @dataclass(eq=False)
@@ -122,6 +139,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._asleep: set[str] = set()  # parked models: no request is taken for them
+        self._token_bytes: dict[str, int] = {}  # KV bytes per position, per model
+        self._admitted = 0  # requests given a row so far: each row's order
         self._request_s = 1.0  # a moving average of how long a request runs, for Retry-After
         self.steps = 0  # decode steps run, and rows they fed: the mean batch size is their ratio
         self.rows_stepped = 0
@@ -186,7 +205,7 @@ class Scheduler:
         """On the scheduler's thread, between two steps: the requests of `model` it still
         has, or None once it has none and the model is parked."""
         with self._wakeup:
-            busy = self._rows(model) + sum(request.model == model for request in self._waiting)
+            busy = len(self._model_requests(model)) + sum(request.model == model for request in self._waiting)
             if busy:
                 return busy
             self._asleep.add(model)
@@ -290,41 +309,58 @@ class Scheduler:
         requests = [*self._waiting, *(p.request for p in self._prefilling), *(s.request for s in self._singles)]
         return requests + [r for batch in list(self._batches.values()) for r in batch.requests]
 
-    def _rows(self, model: str) -> int:
-        """The rows `model`'s requests hold: decoding, alone or batched, and pre-filling."""
+    def _model_requests(self, model: str) -> list[Request]:
+        """The requests of `model` that hold a row: in its batch, or running alone."""
         batch = self._batches.get(model)
-        return (
-            (len(batch.requests) if batch else 0)
-            + sum(s.request.model == model for s in self._singles)
-            + sum(p.request.model == model for p in self._prefilling)
-        )
+        alone = [s.request for s in self._singles] + [p.request for p in self._prefilling]
+        return (batch.requests if batch else []) + [r for r in alone if r.model == model]
 
     # Admission ------------------------------------------------------------------------
 
-    def _next_admissible(self, pending: dict[str, int]) -> Request | None:
-        """The first waiting request whose model has a free row (`pending`: admitted in this
-        iteration, not running yet); a cancelled one is taken to be ended. Served requests
-        go before off-the-books ones (a warmup's probes, the first-call exercise): a user
-        never waits behind a measurement, at most behind the pass it is in."""
+    def _next_admissible(self, pending: dict[str, list[Request]]) -> Request | None:
+        """The first waiting request whose model has room for its row (`pending`: admitted
+        in this iteration, not running yet); a cancelled one is taken to be ended. Served
+        requests go before off-the-books ones (a warmup's probes, the first-call exercise):
+        a user never waits behind a measurement, at most behind the step it is in."""
         with self._wakeup:
             for served in (True, False):
                 for request in self._waiting:
                     if request.record is not served:
                         continue
-                    rows = self._rows(request.model) + pending.get(request.model, 0)
-                    if request.cancelled.is_set() or rows < self.limits.max_running:
+                    if request.cancelled.is_set() or self._room_for(request, pending.get(request.model, [])):
                         self._waiting.remove(request)
                         return request
         return None
 
+    def _room_for(self, request: Request, pending: list[Request]) -> bool:
+        """Whether `request` may run beside its model's rows: at most `max_running` of them,
+        and the KV they may need (each as long as its prompt and max_tokens, in the batch's
+        slots of the longest) within `running_kv_bytes`. A model with nothing running takes
+        one, whatever it needs (the context check bounds it)."""
+        running = self._model_requests(request.model) + pending
+        if len(running) >= self.limits.max_running:
+            return False
+        if not running:
+            return True
+        longest = max(_need(r) for r in [*running, request])
+        per_token = self._token_bytes.get(request.model, 0)  # measured when its first request started
+        return (len(running) + 1) * longest * per_token <= self.limits.running_kv_bytes
+
+    def _bytes_per_token(self, resident: ResidentModel) -> int:
+        """Bytes one position of the model's KV takes, every layer's keys and values (measured
+        once, with a pass of one id, on the scheduler's thread)."""
+        if resident.name not in self._token_bytes:
+            _, kv = forward(resident, torch.zeros((1, 1), dtype=torch.long))
+            self._token_bytes[resident.name] = cache_nbytes(kv)
+        return self._token_bytes[resident.name]
+
     def _admit(self) -> None:
-        """Waiting requests join, up to the iteration's prompt-token budget, each from a
-        clone of its cached entry (PrefixCache.start). Those of one model that start from a
-        cache that can be cut (or none) are pre-filled together, in one forward pass; the
-        others (a prompt that is a cached entry, a window past its size) one by one."""
+        """Waiting requests join while there is room for their rows and the step's prompt
+        budget lasts, each from a clone of its cached entry (PrefixCache.start) copied into a
+        row; a request whose cache cannot run with the others starts alone."""
         budget = self._continue_prefills(self.limits.prefill_tokens_per_step)
-        admitted: list[tuple[Request, Start]] = []
-        pending: dict[str, int] = {}
+        budget -= sum(len(row.feed) for batch in self._batches.values() for row in batch.rows)
+        pending: dict[str, list[Request]] = {}
         while budget > 0 and (request := self._next_admissible(pending)) is not None:
             if request.cancelled.is_set():
                 self._finish(request, None, RequestStatus.FINISHED_ABORTED)
@@ -333,48 +369,61 @@ class Scheduler:
                 start = self.prefixes.start(
                     request.resident, request.prompt_ids, use_cache=request.use_cache, record=request.record
                 )
+                request.started(start.cached_tokens, start.reuse_ms)
+                budget -= int(start.feed_ids.shape[-1])
+                pending.setdefault(request.model, []).append(request)
+                self._start(request, start)
             except Exception as exc:
                 self._fail(request, exc)
-                continue
-            request.started(start.cached_tokens, start.reuse_ms)
-            admitted.append((request, start))
-            pending[request.model] = pending.get(request.model, 0) + 1
-            budget -= max(1, int(start.feed_ids.shape[-1]))
-        # A prompt is cut into chunks so that other rows decode between them: a request with
-        # nothing else running or waiting is computed whole (two passes cost more than one).
-        chunk = self.limits.prefill_tokens_per_step
-        if len(admitted) == 1 and not (self._batches or self._singles or self._prefilling or self._waiting):
-            chunk = int(admitted[0][1].feed_ids.shape[-1])
-        groups: dict[str, list[tuple[Request, Start]]] = {}
-        for request, start in admitted:
-            if start.logits is None and (start.cache is None or _croppable(start.cache)):
-                groups.setdefault(request.model, []).append((request, start))
-            else:
-                self._start_alone(request, start, chunk)
-        for group in groups.values():
-            for similar in _by_feed_length(group):
-                if len(similar) > 1 and any(start.cache is not None for _, start in similar):
-                    self._prefill_together(similar)
-                else:
-                    for request, start in similar:
-                        self._start_alone(request, start, chunk)
 
-    def _start_alone(self, request: Request, start: Start, chunk: int | None = None) -> None:
-        """Pre-fill one request from its start and choose its first token; a prompt longer
-        than `chunk` (an iteration's budget) is computed a chunk an iteration. A failure here
-        is the request's alone."""
+    def _start(self, request: Request, start: Start) -> None:
+        """The request takes a row of its model's batch: its cached positions copied in, the
+        rest of its prompt to feed (a prompt that is a cached entry has its first token now)."""
+        self._bytes_per_token(request.resident)
+        batch = self._batch_for(request, start.cache)
+        if batch is None:
+            self._start_alone(request, start)
+            return
+        self._admitted += 1
+        if start.logits is None:
+            batch.kv.add(start.cache, _need(request))
+            batch.rows.append(_Row(request, start.feed_ids[0].tolist(), self._admitted))
+            return
+        request.prefilled(start.logits, lambda: start.cache)
+        if request.append_token(start.logits):
+            self._finish(request, start.cache)
+            return
+        batch.kv.add(start.cache, _need(request))
+        batch.rows.append(_Row(request, [], self._admitted))
+
+    def _batch_for(self, request: Request, cache) -> _Batch | None:
+        """The batch of the request's model, made at its first row; None when the request
+        cannot run in it (its cache's layers, or an attention the rows' pass cannot run)."""
+        batch = self._batches.get(request.model)
+        if batch is None:
+            from transformers import DynamicCache
+
+            shell = DynamicCache(config=request.resident.model.config)
+            if not (batchable(shell) and ragged_attention(request.resident)):
+                return None
+            batch = self._batches[request.model] = _Batch(RaggedKV(shell, request.resident.placement.device))
+        return batch if cache is None or batchable(cache) else None
+
+    def _start_alone(self, request: Request, start: Start) -> None:
+        """A request that runs by itself: its prompt a chunk an iteration, then a token an
+        iteration. A failure here is the request's alone."""
         try:
             if start.logits is not None:
-                self._first_token(request, start.logits, start.cache)
+                self._first_token_alone(request, start.logits, start.cache)
                 return
             prefilling = _Prefilling(request, start.cache, start.feed_ids)
-            if not self._advance(prefilling, chunk or self.limits.prefill_tokens_per_step):
+            if not self._advance(prefilling, self.limits.prefill_tokens_per_step):
                 self._prefilling.append(prefilling)
         except Exception as exc:
             self._fail(request, exc)
 
     def _continue_prefills(self, budget: int) -> int:
-        """Each long prompt under way gets its next chunk, while the budget lasts; returns
+        """Each prompt running alone gets its next chunk, while the budget lasts; returns
         what is left of it."""
         under_way = []
         for prefilling in self._prefilling:
@@ -394,87 +443,77 @@ class Scheduler:
         return budget
 
     def _advance(self, prefilling: _Prefilling, tokens: int) -> bool:
-        """Compute the next `tokens` ids of a prompt; True once its first token is chosen."""
+        """Compute the next `tokens` ids of a prompt running alone; True once its first token is chosen."""
         piece, prefilling.feed = prefilling.feed[:, :tokens], prefilling.feed[:, tokens:]
         logits, prefilling.kv = forward(prefilling.request.resident, piece, prefilling.kv)
         if prefilling.feed.shape[-1]:
             return False
-        self._first_token(prefilling.request, logits, prefilling.kv)
+        self._first_token_alone(prefilling.request, logits, prefilling.kv)
         return True
 
-    def _first_token(self, request: Request, logits: torch.Tensor, kv) -> None:
+    def _first_token_alone(self, request: Request, logits: torch.Tensor, kv) -> None:
         request.prefilled(logits, lambda: kv)
         if request.append_token(logits):
             self._finish(request, kv)
         else:
-            self._join(request, kv)
-
-    def _prefill_together(self, group: list[tuple[Request, Start]]) -> None:
-        """One forward pass pre-fills every request of `group`. All feed as many ids as the
-        longest remaining prompt: a request with fewer left to compute feeds some of its
-        cached ids again (its cache cut back to make room), so each row's positions stay
-        contiguous (workers.batchkv). If the pass fails, each request is started alone, so
-        a failure stays with the request that causes it."""
-        resident = group[0][0].resident
-        longest = max(int(start.feed_ids.shape[-1]) for _, start in group)
-        shell = next(start.cache for _, start in group if start.cache is not None)
-        try:
-            kv, feeds = BatchKV.like(shell), []
-            for request, start in group:
-                keep = max(0, len(request.ids) - longest)
-                kv.add(_cut(start.cache, keep, start.cached_tokens) if keep else shell, keep)
-                feeds.append(request.ids[keep:])
-            logits = self._forward_inputs(resident, kv, kv.prefill_inputs(feeds, 0), len(group))
-            kv.prefilled(feeds)
-        except Exception as exc:
-            log.info("pre-filling %d requests together failed (%s): one by one", len(group), exc)
-            for request, start in group:
-                self._start_alone(request, start)
-            return
-        requests = [request for request, _ in group]
-        for i, request in enumerate(requests):
-            request.prefilled(logits[i], lambda i=i: kv.row(i))
-        batch = self._batches.get(resident.name)
-        if batch is None:
-            batch = self._batches[resident.name] = _Batch(kv)
-        else:
-            batch.kv.merge(kv)
-        first = len(batch.requests)
-        batch.requests += requests
-        self._drop(batch, [first + i for i, request in enumerate(requests) if self._append(request, logits[i])])
-
-    def _join(self, request: Request, kv) -> None:
-        """A request whose first token is chosen joins its model's batch (or runs alone)."""
-        if not batchable(kv):
             self._singles.append(_Single(request, kv))
-            return
-        batch = self._batches.get(request.model)
-        if batch is None:
-            batch = self._batches[request.model] = _Batch(BatchKV.like(kv))
-        batch.kv.add(kv, len(request.ids) - 1)  # every id but the one just chosen, which the next step feeds
-        batch.requests.append(request)
 
-    # Decode steps ---------------------------------------------------------------------
+    # Steps ----------------------------------------------------------------------------
+
+    def _segments(self, batch: _Batch) -> list[Segment]:
+        """What the step feeds each row: its next id when it decodes; the next chunk of its
+        prompt when it pre-fills, oldest first, up to the step's prompt budget (a lone
+        prompt with nothing else to do is computed whole: two passes cost more than one)."""
+        kv, segments = batch.kv, []
+        decoding = [slot for slot, row in enumerate(batch.rows) if not row.feed]
+        for slot in decoding:
+            segments.append(Segment(slot, kv.lengths[slot], (batch.rows[slot].request.ids[-1],)))
+        prefilling = sorted((row.order, slot) for slot, row in enumerate(batch.rows) if row.feed)
+        budget = self.limits.prefill_tokens_per_step
+        if len(prefilling) == 1 and not decoding and not self._waiting:
+            budget = len(batch.rows[prefilling[0][1]].feed)
+        for _, slot in prefilling:
+            if budget <= 0:
+                break
+            chunk = batch.rows[slot].feed[:budget]
+            budget -= len(chunk)
+            segments.append(Segment(slot, kv.lengths[slot], tuple(chunk)))
+        return segments
 
     def _step(self, model: str) -> None:
         batch = self._batches[model]
-        self._drop(batch, [i for i, request in enumerate(batch.requests) if request.cancelled.is_set()])
-        if not batch.requests:
+        self._drop(batch, [slot for slot, row in enumerate(batch.rows) if row.request.cancelled.is_set()])
+        if not batch.rows:
             del self._batches[model]
             return
-        resident = batch.requests[0].resident
+        resident = batch.rows[0].request.resident
+        segments = self._segments(batch)
         before = batch.kv.snapshot()
         try:
-            logits = self._forward(resident, batch)
+            logits = self._forward(resident, batch.kv, segments)
         except Exception as exc:
             # Undone for all; the newest row (the one that made the batch this large) leaves.
             batch.kv.restore(before)
-            self._fail(batch.requests[-1], exc)
-            self._drop(batch, [len(batch.requests) - 1])
+            newest = max(range(len(batch.rows)), key=lambda slot: batch.rows[slot].order)
+            self._fail(batch.rows[newest].request, exc)
+            self._drop(batch, [newest])
             return
         batch.kv.stepped()
-        self.steps, self.rows_stepped = self.steps + 1, self.rows_stepped + len(batch.requests)
-        self._drop(batch, [i for i, request in enumerate(batch.requests) if self._append(request, logits[i])])
+        leaving = []
+        decoded = 0
+        for segment, row_logits in zip(segments, logits, strict=True):
+            row = batch.rows[segment.slot]
+            if row.feed:
+                row.feed = row.feed[len(segment.ids) :]
+                if row.feed:
+                    continue
+                row.request.prefilled(row_logits, lambda slot=segment.slot: batch.kv.row(slot))
+            else:
+                decoded += 1
+            if self._append(row.request, row_logits):
+                leaving.append(segment.slot)
+        self.steps, self.rows_stepped = self.steps + 1, self.rows_stepped + decoded
+        self._drop(batch, leaving)
 
     def _step_single(self, single: _Single) -> None:
         request = single.request
@@ -493,40 +532,34 @@ class Scheduler:
             if request.status is not RequestStatus.FINISHED_FAILED:
                 self._finish(request, single.kv, None if request.status.finished else RequestStatus.FINISHED_ABORTED)
 
-    @classmethod
-    def _forward(cls, resident: ResidentModel, batch: _Batch) -> torch.Tensor:
-        inputs = batch.kv.step_inputs([request.ids[-1] for request in batch.requests])
-        return cls._forward_inputs(resident, batch.kv, inputs, len(batch.requests))
-
     @staticmethod
-    def _forward_inputs(resident: ResidentModel, kv: BatchKV, inputs: dict, rows: int) -> torch.Tensor:
-        """One forward pass over the batch: the next-token logits of every row, [rows, vocab]."""
-        doing = f"running {rows} requests together on {resident.name} ({inputs['input_ids'].shape[-1]} ids each)"
+    def _forward(resident: ResidentModel, kv: RaggedKV, segments: list[Segment]) -> torch.Tensor:
+        """The step's one forward pass: the logits after each segment's last id, [segments, vocab]."""
+        fed = sum(len(segment.ids) for segment in segments)
+        doing = f"running {len(segments)} requests together on {resident.name} ({fed} ids)"
 
         def run():
             with torch.inference_mode():
-                return resident.model(
-                    **inputs, use_cache=True, logits_to_keep=1, **{resident.cache_kwarg: kv.cache}
-                ).logits[:, -1]
+                return resident.model(**kv.step_inputs(segments), use_cache=True, **{resident.cache_kwarg: kv}).logits[
+                    0
+                ]
 
         return out_of_memory_as_error(resident.placement.device, doing, run)
 
-    def _drop(self, batch: _Batch, rows: list[int]) -> None:
-        """Take `rows` out of the batch; those that did not fail are finished (a row still
-        running leaves because its reader went away)."""
-        if not rows:
-            return
-        for i in rows:
-            request = batch.requests[i]
+    def _drop(self, batch: _Batch, slots: list[int]) -> None:
+        """Take the rows in `slots` out of the batch; those that did not fail are finished (a
+        row still running leaves because its reader went away)."""
+        for slot in slots:
+            request = batch.rows[slot].request
             if request.status is RequestStatus.FINISHED_FAILED:
                 continue
             # Its KV is copied out only for a request that remembers (see Request.to_remember).
-            kv = batch.kv.row(i) if request.remember else None
+            kv = batch.kv.row(slot) if request.remember and not batch.rows[slot].feed else None
             self._finish(request, kv, None if request.status.finished else RequestStatus.FINISHED_ABORTED)
-        leaving = set(rows)
-        keep = [i for i in range(len(batch.requests)) if i not in leaving]
-        batch.kv.keep(keep)
-        batch.requests = [batch.requests[i] for i in keep]
+        for slot in sorted(slots, reverse=True):  # the last row moves into a freed slot: highest first
+            if batch.kv.remove(slot) is not None:
+                batch.rows[slot] = batch.rows[-1]
+            batch.rows.pop()
 
     # One request's end ----------------------------------------------------------------
 
@@ -555,8 +588,9 @@ class Scheduler:
         request.fail(exc)
 
     def _retry_after_s(self) -> int:
-        """About when a row frees up: the queue ahead, over the rows, times a request's run."""
-        waves = (len(self._waiting) + 1) / self.limits.max_running
+        """About when a row frees up: the queue ahead, over the rows running now (what the
+        KV budget lets run, not the cap), times a request's run."""
+        waves = (len(self._waiting) + 1) / max(1, len(self._taken()) - len(self._waiting))
         return max(1, min(60, math.ceil(waves * self._request_s)))
 
 
@@ -572,31 +606,14 @@ def _stop_all() -> None:
         scheduler.close(timeout_s=5.0)
 
 
-def _by_feed_length(group: list[tuple[Request, Start]]) -> list[list[tuple[Request, Start]]]:
-    """`group` split so that every request feeds at least half as many ids as the longest
-    of its part: a pass pre-filling rows together computes rows x longest positions, so a
-    long prompt beside short ones would mostly compute padding."""
-    ordered = sorted(group, key=lambda pair: -int(pair[1].feed_ids.shape[-1]))
-    parts: list[list[tuple[Request, Start]]] = []
-    for pair in ordered:
-        feed = int(pair[1].feed_ids.shape[-1])
-        if parts and 2 * feed >= int(parts[-1][0][1].feed_ids.shape[-1]):
-            parts[-1].append(pair)
-        else:
-            parts.append([pair])
-    return parts
+def _need(request: Request) -> int:
+    """Positions a request's row may hold: its prompt and every token it may generate."""
+    need = request.prompt_tokens + request.sampling.max_tokens
+    return min(need, request.resident.max_context) if request.resident.max_context else need
 
 
-def _croppable(cache) -> bool:
-    """Whether a request's starting cache can join a pre-fill together (cut back if need be)."""
-    return batchable(cache) and truncatable(cache)
+def ragged_attention(resident: ResidentModel) -> bool:
+    """Whether the model's attention is preheat's, which runs the rows' pass (workers/attention.py)."""
+    from workers import attention
 
-
-def _cut(cache, keep: int, cached: int):
-    """The first `keep` positions of a request's starting cache (a clone: the start itself
-    stays whole, should the request be started alone after all)."""
-    if keep == cached:
-        return cache
-    cut = clone_for_request(cache)
-    cut.crop(keep - cached)
-    return cut
+    return resident.model.config._attn_implementation == attention.NAME

@@ -93,9 +93,9 @@ def test_a_worker_runs_as_many_threads_as_its_engine_has_rows_and_one_more(setti
 @pytest.mark.parametrize(
     ("pool", "concurrency", "outcome"),
     [
-        ("thread", 17, "fine"),
-        ("thread", 80, "fine"),
-        ("thread", 81, "refused"),
+        ("thread", 65, "fine"),  # the default: the rows' cap (64) and a thread for a warmup
+        ("thread", 128, "fine"),  # every row and every queued request
+        ("thread", 129, "refused"),
         ("solo", 1, "warned"),
         ("thread", 1, "warned"),
     ],
@@ -110,7 +110,7 @@ def test_the_pool_is_checked_against_the_engine_at_start(settings, pool, concurr
         return
     with caplog.at_level("WARNING"):
         check_concurrency(pool, concurrency, settings)
-    assert ("decodes up to PREHEAT_MAX_RUNNING_REQUESTS=16 together" in caplog.text) == (outcome == "warned")
+    assert ("decodes up to PREHEAT_MAX_RUNNING_REQUESTS=64 together" in caplog.text) == (outcome == "warned")
 
 
 def test_beat_uses_the_database_scheduler_and_keeps_no_state_file(settings):

@@ -9,9 +9,9 @@ import threading
 import time
 
 import pytest
+import torch
 
 import workers.request as request_module
-import workers.scheduler as scheduler_module
 from tests.conftest import SUPPORT_PROMPT, greedy, load_resident, new_scheduler, reference_generate
 from workers.chat import TemplatePrefix
 from workers.device import DeviceOutOfMemory
@@ -80,6 +80,18 @@ def run_together(scheduler: Scheduler, resident, requests):
     for thread in threads:
         thread.join(120)
     return results
+
+
+def record_steps(monkeypatch) -> list[list]:
+    """The segments of every step the scheduler runs from now on (Scheduler._forward)."""
+    steps, real_forward = [], Scheduler._forward
+
+    def recorded(resident, kv, segments):
+        steps.append(list(segments))
+        return real_forward(resident, kv, segments)
+
+    monkeypatch.setattr(Scheduler, "_forward", staticmethod(recorded))
+    return steps
 
 
 def warm_scheduler(resident, known, limits: BatchLimits = BatchLimits()) -> Scheduler:
@@ -156,11 +168,11 @@ def test_one_requests_failure_is_its_own(resident, monkeypatch):
     monkeypatch.setattr(request_module, "sampler_for", failing_for_seed_13)
     real_forward, failed = Scheduler._forward, {"n": 0}
 
-    def out_of_memory_once_at_five(resident, batch):
-        if len(batch.requests) == 5 and not failed["n"]:
+    def out_of_memory_once_at_five(resident, kv, segments):
+        if len(kv) == 5 and not failed["n"]:
             failed["n"] += 1
-            raise DeviceOutOfMemory("injected: out of memory decoding 5 requests")
-        return real_forward(resident, batch)
+            raise DeviceOutOfMemory("injected: out of memory running 5 requests")
+        return real_forward(resident, kv, segments)
 
     monkeypatch.setattr(Scheduler, "_forward", staticmethod(out_of_memory_once_at_five))
     bad = (requests[0][0], SamplingParams(max_tokens=5, temperature=0.0, seed=13))
@@ -206,19 +218,37 @@ def test_limits_are_checked():
         BatchLimits(max_running=0)
 
 
-def test_requests_are_pre_filled_together_only_beside_feeds_of_similar_length():
-    """A pass over rows together computes rows × the longest feed: a 3,000-id prompt beside
-    30-id turns goes alone, turns of 20 to 40 ids go together."""
-    import torch
+def test_a_step_feeds_every_decoding_row_and_prompt_chunks_oldest_first_up_to_the_budget():
+    """Decoding rows get their next id each; pre-filling rows the next chunks of their
+    prompts, oldest first, until the step's prompt budget is spent (model-free)."""
+    from types import SimpleNamespace
 
-    from workers.prefixcache import Start
-    from workers.scheduler import _by_feed_length
+    from transformers.cache_utils import DynamicCache, DynamicLayer
 
-    def start(ids: int) -> tuple[str, Start]:
-        return f"r{ids}", Start(None, torch.zeros((1, ids), dtype=torch.long), None, 0, 0.0)
+    from workers.raggedkv import RaggedKV, Segment
+    from workers.scheduler import _Batch, _Row
 
-    parts = _by_feed_length([start(n) for n in (30, 3000, 20, 40, 1600, 9)])
-    assert [[name for name, _ in part] for part in parts] == [["r3000", "r1600"], ["r40", "r30", "r20"], ["r9"]]
+    shell = DynamicCache()
+    shell.layers = [DynamicLayer()]
+    batch = _Batch(RaggedKV(shell, torch.device("cpu")))
+    rows = [  # (ids so far, feed left, admitted as)
+        ([1, 2, 3, 40], [], 1),
+        ([1, 2, 3, 4, 5, 6, 7], [5, 6, 7], 4),
+        ([1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5, 6, 7, 8, 9], 3),
+        ([1, 2, 41], [], 2),
+        ([1, 2, 3], [1, 2, 3], 5),
+    ]
+    for ids, feed, order in rows:
+        batch.kv.lengths.append(len(ids) - max(1, len(feed)))
+        batch.kv.offsets.append(0)
+        batch.rows.append(_Row(SimpleNamespace(ids=ids), feed, order))
+    scheduler = Scheduler(None, BatchLimits(prefill_tokens_per_step=8))
+    assert scheduler._segments(batch) == [
+        Segment(0, 3, (40,)),
+        Segment(3, 2, (41,)),
+        Segment(2, 3, (4, 5, 6, 7, 8, 9)),  # the oldest pre-fill first, whole: 6 of the 8
+        Segment(1, 4, (5, 6)),  # the next gets what is left; the newest waits for the next step
+    ]
 
 
 def test_a_long_prompt_is_pre_filled_a_chunk_a_step_while_the_others_decode(resident):
@@ -269,16 +299,10 @@ def test_a_long_prompt_with_nothing_else_to_run_is_computed_in_one_pass(resident
     """Chunks make room for other rows' decode steps; alone, a prompt is one pass."""
     known, _ = mixed_requests(resident, 1)
     scheduler = warm_scheduler(resident, known, BatchLimits(prefill_tokens_per_step=8))
-    fed, real_forward = [], scheduler_module.forward
-
-    def counted(resident, ids, cache=None):
-        fed.append(int(ids.shape[-1]))
-        return real_forward(resident, ids, cache)
-
-    monkeypatch.setattr(scheduler_module, "forward", counted)
+    fed = record_steps(monkeypatch)
     long_ids = known[1].prompt_ids(resident, "Summarise: " + "the quarterly numbers went up. " * 12)
     answer = scheduler.submit(resident, long_ids, greedy(1), use_cache=False).collect()
-    assert fed == [long_ids.shape[-1]]
+    assert [[len(segment.ids) for segment in step] for step in fed] == [[long_ids.shape[-1]]]
     assert answer.token_ids == reference_generate(resident, long_ids, 1)
     scheduler.close()
 
@@ -327,3 +351,42 @@ def test_a_served_request_is_admitted_before_waiting_probes(tiny_model):
         assert all(answer.total_ms < done.total_ms for done in finished)  # it did not wait for them
     finally:
         scheduler.close()
+
+
+def test_an_arrival_is_pre_filled_inside_the_running_rows_decode_steps(resident, monkeypatch):
+    """One pass per step: a request that arrives while another decodes is pre-filled in the
+    same forward passes as the other's next tokens, a chunk a step, and the running stream
+    gets a token in every step (it never stalls for the pre-fill)."""
+    known, _ = mixed_requests(resident, 1)
+    scheduler = warm_scheduler(resident, known, BatchLimits(prefill_tokens_per_step=8))
+    running = scheduler.submit(resident, known[0].prompt_ids(resident, "hi"), greedy(400))
+    pieces = iter(running)
+    next(pieces)
+    steps = record_steps(monkeypatch)  # from here the first request decodes
+    late_ids = known[1].prompt_ids(resident, "Summarise: " + "the quarterly numbers went up. " * 6)
+    late = scheduler.submit(resident, late_ids, greedy(4), use_cache=False).collect()
+    running.close()
+    scheduler.close()
+    pre_filling = [step for step in steps if any(len(segment.ids) > 1 for segment in step)]
+    assert len(pre_filling) >= late_ids.shape[-1] // 8
+    assert all(sum(len(segment.ids) == 1 for segment in step) >= 1 for step in pre_filling)  # decoding beside
+    assert all(sum(len(segment.ids) for segment in step) <= 8 + 1 for step in pre_filling)  # the budget held
+    assert late.token_ids == reference_generate(resident, late_ids, 4)[: len(late.token_ids)]
+
+
+def test_rows_are_as_many_as_their_kv_fits_in_the_budget(resident, monkeypatch):
+    """Each row needs its prompt and max_tokens of KV; with room for three such rows, six
+    requests run three at a time, and each answers as transformers does."""
+    known, _ = mixed_requests(resident, 1)
+    prompt_ids = known[0].prompt_ids(resident, "Where is my parcel?")
+    probe = warm_scheduler(resident, known)
+    per_token = probe._bytes_per_token(resident)
+    probe.close()
+    need = prompt_ids.shape[-1] + 6
+    scheduler = warm_scheduler(resident, known, BatchLimits(running_kv_bytes=3 * need * per_token))
+    steps = record_steps(monkeypatch)
+    together = run_together(scheduler, resident, [(prompt_ids, greedy(6))] * 6)
+    truth = reference_generate(resident, prompt_ids, 6)
+    assert all(got.token_ids == truth[: len(got.token_ids)] for got in together)
+    assert max(len(step) for step in steps) == 3
+    scheduler.close()

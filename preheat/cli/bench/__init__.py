@@ -73,7 +73,7 @@ def sleep_command(
 @app.command("load")
 def load_command(
     shape: str = typer.Option("135m", help="Dev model shape: tiny or 135m (SmolLM-135M's)."),
-    users: str = typer.Option("1,4,16,64", help="Closed-loop user counts, comma-separated."),
+    users: str = typer.Option("1,4,16,32,64", help="Closed-loop user counts, comma-separated."),
     requests_per_user: int = typer.Option(4, min=1, max=1000, help="Requests each closed-loop user sends."),
     max_tokens: int = typer.Option(32, min=1, max=4096, help="max_tokens of every request."),
     rate: float = typer.Option(4.0, min=0.01, max=10_000, help="Open loop: Poisson arrivals per second."),

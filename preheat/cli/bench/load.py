@@ -45,7 +45,7 @@ USER_INPUTS = (
 )
 # Targets of the issue, on the 135 M-shaped model with 16 users.
 TOKENS_TARGET = 1.2  # × transformers serve --continuous-batching
-TTFT_P50_TARGET = 3.0  # × the single-user warm TTFT
+TTFT_P50_TARGETS = {16: 3.0, 32: 5.0}  # users: × the single user's TTFT p50, same server
 TARGET_USERS = 16
 
 
@@ -503,12 +503,17 @@ def verdicts(rows: list[Row], skipped: dict[str, str]) -> list[str]:
         )
     else:
         lines.append(f"transformers serve not measured ({skipped.get('transformers', 'not asked for')})")
-    if single is not None:
-        ratio = ours.ttft_p50_ms / single.ttft_p50_ms
-        lines.append(
-            f"TTFT p50 at {TARGET_USERS} users: {ours.ttft_p50_ms:.1f} ms = {ratio:.2f}× the single user's "
-            f"{single.ttft_p50_ms:.1f} ms (target ≤ {TTFT_P50_TARGET}: {_met(ratio <= TTFT_P50_TARGET)})"
-        )
+    for users, target in TTFT_P50_TARGETS.items():
+        if single is not None and (row := at("batch", f"closed {users} users")) is not None:
+            ratio = row.ttft_p50_ms / single.ttft_p50_ms
+            lines.append(
+                f"TTFT p50 at {users} users: {row.ttft_p50_ms:.1f} ms = {ratio:.2f}× the single user's "
+                f"{single.ttft_p50_ms:.1f} ms (target ≤ {target}: {_met(ratio <= target)})"
+            )
+    lines.append(
+        f"ITL at {TARGET_USERS} users: p99 {ours.itl_p99_ms:.1f} ms, p50 {ours.itl_p50_ms:.1f} ms "
+        "(a pre-fill rides in the decode steps: the p99 is a step with a chunk in it)"
+    )
     if (alone := at("one-at-a-time", target)) is not None and alone.tokens_per_s:
         lines.append(
             f"batching vs one at a time at {TARGET_USERS} users: {ours.tokens_per_s / alone.tokens_per_s:.2f}×"
