@@ -17,7 +17,7 @@ from celery.signals import celeryd_after_setup, task_postrun, worker_process_ini
 from sqlalchemy.exc import OperationalError
 
 from preheat import fstransport, history
-from preheat.errors import ConfigError, PreheatError, exit_with
+from preheat.errors import ConfigError, PreheatError, UnknownNameError, exit_with
 from preheat.settings import Settings, get_settings
 from preheat.text import safe_name
 
@@ -63,11 +63,24 @@ def route_task(name, args, kwargs, options, task=None, **_):
     if name in WORKER_TASKS:
         return {"queue": worker_queue(kwargs["worker"])}
     if name == "preheat.infer":
-        from preheat.catalog import current_catalog
-
-        template = kwargs["template"] if "template" in kwargs else args[0]
-        return {"queue": infer_queue(current_catalog(get_settings().catalog).template(template).model)}
+        return {"queue": infer_queue(model_of_request(kwargs, args))}
     return None
+
+
+def model_of_request(kwargs: dict, args: tuple = ()) -> str:
+    """The catalog model a `preheat.infer` is for: its template's, or the chat form's `model`.
+    An unknown name is refused here, before anything is sent."""
+    from preheat.catalog import current_catalog
+
+    catalog = current_catalog(get_settings().catalog)
+    template = kwargs.get("template") or (args[0] if args else None)
+    if template is not None:
+        return catalog.template(template).model
+    model = kwargs.get("model")
+    if not isinstance(model, str):
+        raise UnknownNameError("preheat.infer needs a template or a model")
+    catalog.model(model)
+    return model
 
 
 def _result_backend(url: str) -> str:
@@ -270,8 +283,9 @@ class PreheatTask(Task):
             self.arguments.model_validate(values)
         except ValidationError as exc:
             first = exc.errors()[0]
-            where = ".".join(str(part) for part in first["loc"]) or "arguments"
-            raise BadTaskArguments(f"{self.name}: {where}: {first['msg']}") from None
+            where = ".".join(str(part) for part in first["loc"])
+            # A whole-request check (the chat form's, as the HTTP route words it) names its field itself.
+            raise BadTaskArguments(f"{self.name}: {where + ': ' if where else ''}{first['msg']}") from None
         return kwargs
 
     # History of the run a warmup task works for: the task takes ids and re-fetches rows.

@@ -42,3 +42,17 @@ def exit_with(exc: PreheatError) -> NoReturn:
     traceback would bury the message."""
     print(f"preheat: {exc}", file=sys.stderr, flush=True)
     raise SystemExit(exc.exit_code)
+
+
+class RequestRefused(PreheatError):
+    """A request the API refuses (bad input, an unknown model, a full queue), in the words and
+    with the status and code `/v1/chat/completions` answers it with."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message, status, code)
+        self.message, self.status, self.code = message, status, code
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.code or 'error'}: {self.message}"

@@ -34,26 +34,67 @@ class Pulse:
     at: dt.datetime
     idle_since: dt.datetime | None  # None: busy with a task right now
     pending: int = 0  # history writes waiting in its outbox: its record is behind its work
+    # What the router reads (preheat.routing): the models it takes requests for, the
+    # templates it holds pinned and warm, and its engine's rows running and waiting.
+    node: str = ""
+    serving: tuple[str, ...] = ()
+    holds: tuple[str, ...] = ()
+    running: int = 0
+    waiting: int = 0
+    max_running: int = 0
 
     def as_json(self) -> str:
-        return json.dumps({"at": self.at.isoformat(), "idle_since": _iso(self.idle_since), "pending": self.pending})
+        return json.dumps(
+            {
+                "at": self.at.isoformat(),
+                "idle_since": _iso(self.idle_since),
+                "pending": self.pending,
+                "node": self.node,
+                "serving": list(self.serving),
+                "holds": list(self.holds),
+                "running": self.running,
+                "waiting": self.waiting,
+                "max_running": self.max_running,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Pulse | None:
         try:
             raw = json.loads(text)
-            return cls(dt.datetime.fromisoformat(raw["at"]), _parse(raw.get("idle_since")), int(raw.get("pending", 0)))
+            return cls(
+                dt.datetime.fromisoformat(raw["at"]),
+                _parse(raw.get("idle_since")),
+                int(raw.get("pending", 0)),
+                str(raw.get("node") or ""),
+                tuple(str(m) for m in raw.get("serving") or ()),
+                tuple(str(t) for t in raw.get("holds") or ()),
+                int(raw.get("running", 0)),
+                int(raw.get("waiting", 0)),
+                int(raw.get("max_running", 0)),
+            )
         except (ValueError, KeyError, TypeError):
             return None
 
     @classmethod
-    def from_state(cls, state: dict | None, at: dt.datetime) -> Pulse:
+    def from_state(cls, state: dict | None, at: dt.datetime, node: str = "") -> Pulse:
         """The pulse a worker's heartbeat state describes (`idle_since`, the outbox's
-        `pending`): what the worker sends, and what the reaper reads off the database row
-        when the broker has no pulse."""
+        `pending`, what it serves and holds, its engine's load): what the worker sends, and
+        what the reaper reads off the database row when the broker has no pulse."""
         state = state or {}
         pending = int((state.get("outbox") or {}).get("pending") or 0)
-        return cls(at, _parse(state.get("idle_since")), pending)
+        engine = state.get("engine") or {}
+        return cls(
+            at,
+            _parse(state.get("idle_since")),
+            pending,
+            node,
+            tuple(state.get("serving") or ()),
+            tuple((state.get("templates") or {}).get("held") or ()),
+            int(engine.get("running") or 0),
+            int(engine.get("waiting") or 0),
+            int(engine.get("max_running") or 0),
+        )
 
 
 def _iso(moment: dt.datetime | None) -> str | None:
@@ -81,6 +122,16 @@ class RedisPulses:
         raw = self.client.get(PREFIX + nodename)
         return Pulse.from_json(raw) if raw else None
 
+    def read_all(self) -> dict[str, Pulse]:
+        """Every pulse not yet expired, by nodename (a fleet is tens of keys: one SCAN, one MGET)."""
+        keys = list(self.client.scan_iter(match=PREFIX + "*", count=1000))
+        found = {}
+        for key, raw in zip(keys, self.client.mget(keys) if keys else [], strict=True):
+            pulse = Pulse.from_json(raw) if raw else None
+            if pulse is not None:
+                found[pulse.node or key.decode()[len(PREFIX) :]] = pulse
+        return found
+
 
 class FilePulses:
     """The embedded default: one file per worker beside the filesystem broker's folders."""
@@ -103,6 +154,18 @@ class FilePulses:
             return Pulse.from_json(self._path(nodename).read_text())
         except OSError:
             return None
+
+    def read_all(self) -> dict[str, Pulse]:
+        """Every pulse file's, by the nodename written in it."""
+        found = {}
+        for path in self.folder.glob("*.json") if self.folder.is_dir() else ():
+            try:
+                pulse = Pulse.from_json(path.read_text())
+            except OSError:
+                continue
+            if pulse is not None and pulse.node:
+                found[pulse.node] = pulse
+        return found
 
 
 def pulses_for(settings) -> RedisPulses | FilePulses | None:

@@ -61,6 +61,18 @@ class Settings(BaseSettings):
     # twice the heartbeat interval: idleness is seen through heartbeats.
     lost_message_after_s: float = Field(120.0, gt=0, le=86400)
     worker_dead_after_s: float = Field(45.0, gt=0, le=31_536_000)
+    # Routing (preheat.routing): a request goes to the worker holding its prefix unless that
+    # worker has this many requests waiting behind a full batch (its rows, PREHEAT_MAX_RUNNING_REQUESTS,
+    # all running); then to the model's shared queue.
+    route_max_waiting: int = Field(2, ge=0, le=100_000)
+    # A request sent to one worker's queue that it has not started this long after is sent
+    # again to the shared queue (the worker died, or stopped, with it queued).
+    route_take_s: float = Field(3.0, gt=0, le=3600)
+    # How long the router remembers which worker holds a conversation's turn or an ad hoc
+    # system prompt (an LRU entry there may be gone sooner: the next turn is then a miss).
+    route_held_ttl_s: float = Field(1800.0, gt=0, le=31_536_000)
+    # Off only to measure what routing gives (`preheat bench route`): every request to the shared queue.
+    routing: bool = True
     # Off only to measure what gating prevents (`preheat bench first-request`): a worker
     # then consumes inference queues from start, cold models and all.
     gate_inference: bool = True

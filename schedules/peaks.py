@@ -5,10 +5,8 @@ zone, find where the rate rises to `factor` times the week's mean, and propose a
 per start time that fires ahead of it by a lead time measured from history: the p95 of
 how long this model's warmups took (dispatch to the last job finished), plus a margin.
 
-`rank`: order templates by the time pre-filling saves, request rate × measured prefill
-time, and say which fit the pinned share of the KV cache budget. Measure first, then
-choose what to pre-fill: a long system prompt asked for twice a day saves less than a
-short one asked for every second.
+`rank` (preheat.placement, which spreads templates across workers by it): order templates
+by the time pre-filling saves, request rate × measured prefill time.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from __future__ import annotations
 import datetime as dt
 import math
 import statistics
-from collections import defaultdict
 from dataclasses import dataclass, field
 from zoneinfo import ZoneInfo
 
@@ -26,7 +23,7 @@ from sqlalchemy.orm import Session
 from preheat import traffic
 from preheat.catalog import Catalog
 from preheat.db import aware
-from preheat.models import JobStatus, RunAction, RunStatus, TargetKind, WarmupJob, WarmupRun
+from preheat.models import RunAction, RunStatus, TargetKind, WarmupJob, WarmupRun
 
 DAY_NAMES = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")  # cron's numbering: 0 is Sunday
 MINUTES_PER_WEEK = 7 * 24 * 60
@@ -298,86 +295,3 @@ def suggest(
 
 
 # Template ranks --------------------------------------------------------------------------------
-
-
-@dataclass
-class TemplateRank:
-    template: str
-    model: str
-    requests_per_hour: float
-    prefix_tokens: int | None
-    prefill_ms: float | None  # median of measured warmups
-    cache_bytes: int | None  # median of measured warmups
-    in_catalog: bool
-    fits: bool | None = None  # within the pinned budget, in rank order; None when not measured
-
-    @property
-    def saved_s_per_hour(self) -> float | None:
-        if self.prefill_ms is None:
-            return None
-        return self.requests_per_hour * self.prefill_ms / 1000
-
-
-def rank(
-    session: Session, catalog: Catalog, *, days: int, max_bytes: int, max_entries: int, model: str | None = None
-) -> list[TemplateRank]:
-    until = traffic.latest_minute(session, model)
-    rows = traffic.counts(session, model, until - dt.timedelta(days=days), until) if until else []
-    hours = days * 24
-    requests, prefix, models = defaultdict(int), {}, {}
-    for row in rows:
-        if row.template:
-            requests[row.template] += row.requests
-            prefix[row.template] = row.prefix_tokens or prefix.get(row.template)
-            models[row.template] = row.model
-    names = set(requests) | {t for t in catalog.templates if model is None or catalog.templates[t].model == model}
-    measured = _measured(session)
-    ranks = []
-    for name in names:
-        prefill, cache_bytes, tokens = measured.get(name, (None, None, None))
-        ranks.append(
-            TemplateRank(
-                name,
-                models.get(name) or catalog.templates[name].model,
-                requests[name] / hours,
-                prefix.get(name) or tokens,
-                prefill,
-                cache_bytes,
-                name in catalog.templates,
-            )
-        )
-    ranks.sort(key=lambda r: (-(r.saved_s_per_hour or 0), -r.requests_per_hour, r.template))
-    used_bytes = used_entries = 0
-    for entry in ranks:
-        if entry.cache_bytes is None:
-            continue
-        entry.fits = used_bytes + entry.cache_bytes <= max_bytes and used_entries + 1 <= max_entries
-        if entry.fits:
-            used_bytes, used_entries = used_bytes + entry.cache_bytes, used_entries + 1
-    return ranks
-
-
-def _measured(session: Session) -> dict[str, tuple[float, int, int]]:
-    """Per template: median prefill ms, cache bytes and cached tokens of its warm worker jobs."""
-    query = (
-        select(WarmupJob.template, WarmupJob.prefill_ms, WarmupJob.cache_bytes, WarmupJob.cached_tokens)
-        .where(
-            WarmupJob.status == JobStatus.warm,
-            WarmupJob.target_kind == TargetKind.worker,
-            WarmupJob.prefill_ms.is_not(None),
-            WarmupJob.cache_bytes.is_not(None),
-        )
-        .order_by(WarmupJob.finished_at.desc())
-        .limit(5000)
-    )
-    found = defaultdict(list)
-    for template, prefill_ms, cache_bytes, tokens in session.execute(query):
-        found[template].append((prefill_ms, cache_bytes, tokens))
-    return {
-        template: (
-            statistics.median(v[0] for v in values),
-            int(statistics.median(v[1] for v in values)),
-            int(statistics.median(v[2] or 0 for v in values)),
-        )
-        for template, values in found.items()
-    }

@@ -75,9 +75,10 @@ class KeepAliveArguments(_Arguments):
     endpoint: Name
 
 
-class InferArguments(_Arguments):
-    """A template request; the decoding fields mean what the OpenAI parameters of the same
-    names mean (workers.sampling checks their values, naming the one that is wrong)."""
+class TemplateInferArguments(_Arguments):
+    """The template form: a template and one user input; the decoding fields mean what the
+    OpenAI parameters of the same names mean (workers.sampling checks their values, naming
+    the one that is wrong)."""
 
     template: Name
     user_input: str = Field(max_length=200_000)
@@ -93,7 +94,7 @@ class InferArguments(_Arguments):
     stop: list[str] = Field(default_factory=list, max_length=4)
 
     @model_validator(mode="after")
-    def _decodable(self) -> InferArguments:
+    def _decodable(self) -> TemplateInferArguments:
         self.sampling()  # a value out of range is refused here, before the task runs
         return self
 
@@ -103,6 +104,73 @@ class InferArguments(_Arguments):
 
         fields = self.model_dump(exclude={"template", "user_input", "max_new_tokens"})
         return sampling_of({**fields, "max_tokens": self.max_new_tokens})
+
+
+# The template form's own fields: the chat form says the same with messages and max_tokens.
+TEMPLATE_FORM_ONLY = {"user_input": "messages", "max_new_tokens": "max_tokens"}
+
+
+def chat_ask(values: dict, catalog, system_prompt=None):
+    """The chat form as `/v1/chat/completions` reads it (workers.protocol.parse_chat: one
+    schema, the same refusals by name), with preheat's two additions: `template`, whose
+    system prompt leads the messages and whose model is the request's, and no `stream` (a
+    task returns the whole answer). `system_prompt(template)` gives the template's prompt as
+    the worker resolved it (default: the catalog's). Returns (Ask, template or None); raises
+    ApiError, or UnknownNameError for a template the catalog does not have."""
+    from dataclasses import replace
+
+    from workers.protocol import invalid, parse_chat, refuse
+
+    body, template = dict(values), values.get("template")
+    body.pop("template", None)
+    if body.pop("stream", False) not in (False, None):
+        raise refuse("stream", "a task returns the whole answer; stream over HTTP (`preheat serve`)")
+    for name, instead in TEMPLATE_FORM_ONLY.items():
+        if name in body:
+            raise refuse(name, f"the template form's field; the chat form takes {instead}")
+    if template is None:
+        return parse_chat(body), None
+    spec = catalog.template(template)  # an unknown template: UnknownNameError, a 404
+    if body.get("model", spec.model) != spec.model:
+        raise invalid("model", f"template {template!r} is for model {spec.model!r}, not {body['model']!r}")
+    ask = parse_chat({**body, "model": spec.model})
+    for i, message in enumerate(ask.messages):
+        if message["role"] in ("system", "developer"):
+            raise invalid(f"messages[{i}].role", f"template {template!r} gives the system prompt; send none beside it")
+    system = {"role": "system", "content": (system_prompt or catalog.system_prompt)(template)}
+    return replace(ask, messages=(system, *ask.messages)), template
+
+
+class ChatInferArguments(_Arguments):
+    """The chat form, checked as the HTTP route checks its body (see chat_ask)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _as_the_route_reads_it(cls, values):
+        from pydantic_core import PydanticCustomError
+
+        from preheat.catalog import current_catalog
+        from preheat.errors import PreheatError
+        from preheat.settings import get_settings
+        from workers.protocol import ApiError
+
+        try:
+            chat_ask(values, current_catalog(get_settings().catalog), system_prompt=lambda _: "")
+        except (ApiError, PreheatError) as exc:
+            raise PydanticCustomError("request", "{message}", {"message": getattr(exc, "message", str(exc))}) from None
+        return values
+
+
+class InferArguments:
+    """`preheat.infer` takes two forms: chat `messages` (with a `model` or a `template`), or
+    the older `template` + `user_input`. Each is checked by its own schema."""
+
+    @staticmethod
+    def model_validate(values: dict):
+        chat = "messages" in values
+        return (ChatInferArguments if chat else TemplateInferArguments).model_validate(values)
 
 
 class WarmFleetArguments(_Arguments):

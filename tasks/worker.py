@@ -119,6 +119,8 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
                 runtime.exercise(model)
                 consumer.add_task_queue(infer_queue(model))
                 runtime.taking_requests(model)  # /health/ready turns 200 now, not before
+                if self.heartbeat is not None:  # the router sends to it from now, not a beat later
+                    self.heartbeat.pulse_now()
 
             soon(on_serving_thread)
 
@@ -152,7 +154,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
             settings.heartbeat_interval_s,
             settings.worker_dead_after_s,
             settings.task_time_limit_s,
-            on_beat=_bookkeeping,
+            on_beat=lambda: _bookkeeping(runtime),
             pulses=liveness.pulses_for(settings),
             lost_message_after_s=settings.lost_message_after_s,
         ).start()
@@ -162,6 +164,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
             poll_s=settings.wake_on_demand_poll_s,
             dead_after_s=settings.worker_dead_after_s,
         ).start()
+        runtime.planner = lambda: planned_share(runtime, worker.hostname, settings)
         threading.Thread(target=runtime.preload, name="preheat-preload", daemon=True).start()
 
     def stop(self, worker) -> None:
@@ -216,10 +219,43 @@ task_prerun.connect(ACTIVITY.started, weak=False)
 task_postrun.connect(ACTIVITY.finished, weak=False)
 
 
-def _bookkeeping() -> None:
-    """With each heartbeat: history writes that waited for the database, then traffic counts."""
+def _bookkeeping(runtime) -> None:
+    """With each heartbeat: history writes that waited for the database, then traffic
+    counts, then the fleet's template plan (a worker joined or left: pins move)."""
     outbox.replay()
     traffic.flush()
+    _PLAN_FOLLOWER.follow(runtime)
+
+
+def planned_share(runtime, nodename: str, settings) -> set[str] | None:
+    """This worker's templates in the fleet's plan (preheat.placement), read now; None when
+    it is every template (the catalog fits: nothing is spread)."""
+    from preheat.db import session_scope
+    from preheat.placement import Capacity, fleet_plan
+
+    budget = runtime.config.cache_budget
+    own = Capacity(budget.max_pinned_bytes, budget.max_pinned_entries)
+    sizes = {name: runtime.template_nbytes(name) for name in runtime.catalog.templates}
+    with session_scope() as session:
+        plan = fleet_plan(session, runtime.catalog, sizes, nodename, own, settings.worker_dead_after_s)
+    share = set(plan[nodename])
+    return None if share == set(runtime.catalog.templates) else share
+
+
+class PlanFollower:
+    """Pins move in a thread of their own: a pre-fill must not hold up the heartbeat."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+
+    def follow(self, runtime) -> None:
+        if runtime.planner is None or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._thread = threading.Thread(target=runtime.follow_plan, name="preheat-plan", daemon=True)
+        self._thread.start()
+
+
+_PLAN_FOLLOWER = PlanFollower()
 
 
 app.steps["worker"].add(WorkerRuntimeStep)

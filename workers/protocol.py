@@ -103,11 +103,11 @@ STREAM_OPTIONS = {"include_usage"}
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's own limit
 
 
-def _refuse(name: str, why: str) -> ApiError:
+def refuse(name: str, why: str) -> ApiError:
     return ApiError(HTTPStatus.BAD_REQUEST, f"{name}: {why}", "unsupported_parameter")
 
 
-def _invalid(name: str, why: str) -> ApiError:
+def invalid(name: str, why: str) -> ApiError:
     return ApiError(HTTPStatus.BAD_REQUEST, f"{name}: {why}", "invalid_value")
 
 
@@ -246,22 +246,22 @@ def check_fields(body: dict, route: str) -> None:
     """Every field is one this route reads, and one it can honour; else a 400 naming it."""
     for name in body:
         if name in NOT_SERVED:
-            raise _refuse(name, NOT_SERVED[name])
+            raise refuse(name, NOT_SERVED[name])
         if name not in ROUTE_FIELDS[route]:
-            raise _refuse(name, f"not a parameter of /v1/{'chat/completions' if route == 'chat' else 'completions'}")
+            raise refuse(name, f"not a parameter of /v1/{'chat/completions' if route == 'chat' else 'completions'}")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
-        raise _refuse("response_format", 'only {"type": "text"} is served')
+        raise refuse("response_format", 'only {"type": "text"} is served')
     for name, default in (("echo", False), ("suffix", None)):
         if name in body and body[name] not in (default, None):
-            raise _refuse(name, f"only {default!r} is served")
+            raise refuse(name, f"only {default!r} is served")
     if body.get("best_of") not in (None, 1, body.get("n") or 1):
-        raise _refuse("best_of", "only best_of equal to n is served (no ranking of extra candidates)")
+        raise refuse("best_of", "only best_of equal to n is served (no ranking of extra candidates)")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise _invalid("stream_options", "must be an object")
+        raise invalid("stream_options", "must be an object")
     if options and (extra := set(options) - STREAM_OPTIONS):
-        raise _refuse(f"stream_options.{sorted(extra)[0]}", "only include_usage is served")
+        raise refuse(f"stream_options.{sorted(extra)[0]}", "only include_usage is served")
 
 
 def _common(body: dict, route: str) -> dict:
@@ -278,7 +278,7 @@ def _common(body: dict, route: str) -> dict:
         }
     except SamplingError as exc:
         name = f"stream_options.{exc.parameter}" if exc.parameter == "include_usage" else exc.parameter
-        raise _invalid(name, str(exc).removeprefix(f"{exc.parameter}: ")) from None
+        raise invalid(name, str(exc).removeprefix(f"{exc.parameter}: ")) from None
 
 
 def _text_of(content, where: str) -> str:
@@ -286,16 +286,16 @@ def _text_of(content, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _invalid(f"{where}.content", "must be a string or a list of text parts")
+        raise invalid(f"{where}.content", "must be a string or a list of text parts")
     for j, part in enumerate(content):
         if not isinstance(part, dict):
-            raise _invalid(f"{where}.content[{j}]", "must be a content part (an object)")
+            raise invalid(f"{where}.content[{j}]", "must be a content part (an object)")
         if part.get("type") != "text":
-            raise _refuse(f"{where}.content[{j}].type", f"only text parts are served (got {part.get('type')!r})")
+            raise refuse(f"{where}.content[{j}].type", f"only text parts are served (got {part.get('type')!r})")
         if extra := sorted(set(part) - {"type", "text"}):
-            raise _refuse(f"{where}.content[{j}].{extra[0]}", "not served (text parts only)")
+            raise refuse(f"{where}.content[{j}].{extra[0]}", "not served (text parts only)")
         if not isinstance(part.get("text"), str):
-            raise _invalid(f"{where}.content[{j}].text", f"must be a string (got {part.get('text')!r})")
+            raise invalid(f"{where}.content[{j}].text", f"must be a string (got {part.get('text')!r})")
     return "".join(part["text"] for part in content)
 
 
@@ -311,11 +311,11 @@ def parse_chat(body: dict) -> Ask:
         if role not in ROLES:
             raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].role must be one of {list(ROLES)}", "invalid_value")
         if extra := sorted(set(message) - {"role", "content", "name"}):
-            raise _refuse(f"messages[{i}].{extra[0]}", "not served (text messages only)")
+            raise refuse(f"messages[{i}].{extra[0]}", "not served (text messages only)")
         turn = {"role": role, "content": _text_of(message.get("content"), f"messages[{i}]")}
         if "name" in message:
             if not isinstance(message["name"], str) or not message["name"]:
-                raise _invalid(f"messages[{i}].name", f"must be a non-empty string (got {message['name']!r})")
+                raise invalid(f"messages[{i}].name", f"must be a non-empty string (got {message['name']!r})")
             turn["name"] = message["name"]
         parsed.append(turn)
     if parsed[-1]["role"] != "user":
@@ -345,7 +345,7 @@ def api_error(exc: Exception) -> ApiError | None:
     if isinstance(exc, ContextLengthError):
         return ApiError(HTTPStatus.BAD_REQUEST, str(exc), "context_length_exceeded")
     if isinstance(exc, SamplingError):
-        return _invalid(exc.parameter, str(exc).removeprefix(f"{exc.parameter}: "))
+        return invalid(exc.parameter, str(exc).removeprefix(f"{exc.parameter}: "))
     if isinstance(exc, ChatTemplateError):
         return ApiError(HTTPStatus.BAD_REQUEST, str(exc), "invalid_value")
     if isinstance(exc, QueueFullError):

@@ -56,6 +56,18 @@ class ResidentModel:
         return frozenset(i for i in ids if i is not None)
 
     @functools.cached_property
+    def kv_bytes_per_token(self) -> int:
+        """What one position of its KV takes, every layer's keys and values, from its config:
+        what a fleet plans pins by (preheat.placement). The cache counts exact bytes."""
+        config = self.model.config
+        config = getattr(config, "get_text_config", lambda: config)()
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        itemsize = next(self.model.parameters()).element_size()
+        return 2 * config.num_hidden_layers * kv_heads * head_dim * itemsize
+
+    @functools.cached_property
     def content_digest(self) -> str:
         """The model's identity from what it computes with: its configuration and a strided
         sample of every weight and buffer (`digest_contents`). Computed at load."""

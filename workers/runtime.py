@@ -24,6 +24,7 @@ from workers.metrics import EngineCollector, RuntimeMetrics, SleepCollector
 from workers.prefix import encode
 from workers.prefixcache import PrefixCache
 from workers.prefixstore import PrefixStore
+from workers.protocol import Ask, LogprobShapes, whole_answer
 from workers.request import Completion, Request, TextStream
 from workers.resident import ModelSource, ResidentModel, ResidentModels
 from workers.sampling import SamplingParams
@@ -104,6 +105,10 @@ class RequestGate:
         if self.on_model_sleep is not None:
             self.on_model_sleep(model)
 
+    def serving(self, models: list[str]) -> list[str]:
+        """Of `models`, those whose requests this process takes now."""
+        return [model for model in models if (model in self._taking if self.gated else model in self._announced)]
+
     def reason(self, model: str) -> str | None:
         if self.gated and model not in self._taking:
             return f"model {model}: warm, not taking requests yet"
@@ -133,6 +138,9 @@ class WorkerRuntime:
         # restarted off-peak; tasks.runtime sets it from the schedules).
         self.asleep_at_start: Callable[[], dict[str, str]] | None = None
         self._starting = threading.Lock()
+        # This worker's share of the fleet's templates, from the registry (tasks.placement);
+        # None: every template is pinned here.
+        self.planner: Callable[[], set[str] | None] | None = None
         self.sleeps = Sleeps(
             self.resident_models,
             self.scheduler,
@@ -172,8 +180,11 @@ class WorkerRuntime:
         kept (and reported by `readiness`), never raised. Returns the reasons not ready."""
         with self.warmups.lock:
             self.load_models(max_parallel)
+            if self.planner is not None:
+                self.templates.planned = self._planned_quietly()
             for template in self.catalog.templates:
-                if self.catalog.template(template).model in self.resident_models.resident:
+                resident = self.catalog.template(template).model in self.resident_models.resident
+                if resident and self.templates.in_plan(template):
                     self._preload_template(template)
         reasons = self.readiness()
         log.info("preload done: %s", "ready" if not reasons else "; ".join(reasons))
@@ -201,6 +212,46 @@ class WorkerRuntime:
             awake = [name for name in self.catalog.models if name not in self.sleeps.asleep]
             self.resident_models.preload_once([self.source(name) for name in awake], max_parallel)
 
+    # The fleet's plan -------------------------------------------------------------
+
+    def _planned_quietly(self) -> set[str] | None:
+        try:
+            return self.planner()
+        except Exception as exc:  # the registry away: keep what this worker holds
+            log.warning("template plan not read (%s): keeping %s", exc, self.templates.planned or "every template")
+            return self.templates.planned
+
+    def template_nbytes(self, name: str) -> int | None:
+        """What pinning `name` takes here: its prefix ids × its model's KV per position.
+        None while its model is not resident (asleep, or loading)."""
+        resident = self.resident_models.get(self.catalog.template(name).model)
+        if resident is None or self.sleeps.level_of(resident.name) is not None:
+            return None
+        return int(self.templates.resolve(name).prefix.ids.shape[-1]) * resident.kv_bytes_per_token
+
+    def follow_plan(self) -> bool:
+        """Pin this worker's share of the plan now: templates new to it pre-filled and pinned,
+        those gone from it unpinned (LRU entries now, evicted when room is needed). True when
+        the share changed."""
+        if self.planner is None:
+            return False
+        with self.warmups.lock:
+            planned = self._planned_quietly()
+            if planned == self.templates.planned:
+                return False
+            before, self.templates.planned = self.templates.planned, planned
+            log.info("template plan: %s (was %s)", sorted(planned or ()) or "every template", before)
+            for name in self.catalog.templates:  # pins freed first: the pin cap holds the new share
+                if not self.templates.in_plan(name):
+                    self.templates.unpin(name)
+            for name in self.catalog.templates:
+                resident = self.catalog.template(name).model in self.resident_models.resident
+                if self.templates.in_plan(name) and resident and not self.templates.is_warm(name):
+                    self._preload_template(name)
+            for model in self.catalog.models:
+                self._announce_if_warm(model)
+            return True
+
     def readiness(self) -> list[str]:
         """Why this worker should not take traffic yet; empty when it should."""
         return [reason for model in self.catalog.models for reason in self.model_readiness(model)]
@@ -215,7 +266,7 @@ class WorkerRuntime:
         elif self.resident_models.get(model) is None:
             reasons.append(f"model {model} not loaded yet")
         for name in self.catalog.templates_of(model):
-            if (reason := self.templates.not_ready(name)) is not None:
+            if self.templates.in_plan(name) and (reason := self.templates.not_ready(name)) is not None:
                 reasons.append(f"template {name}: {reason}")
         if not reasons and (gated := self.gate.reason(model)) is not None:
             reasons.append(gated)
@@ -244,10 +295,12 @@ class WorkerRuntime:
     def _prefill_templates(self, model: str) -> None:
         """Every template of `model` pre-filled (restored) and pinned, as at start-up."""
         for template in self.catalog.templates_of(model):
-            self._preload_template(template)
+            if self.templates.in_plan(template):
+                self._preload_template(template)
 
     def _announce_if_warm(self, model: str) -> None:
-        if all(self.templates.not_ready(name) is None for name in self.catalog.templates_of(model)):
+        planned = [name for name in self.catalog.templates_of(model) if self.templates.in_plan(name)]
+        if all(self.templates.not_ready(name) is None for name in planned):
             self.gate.warm(model)
 
     def _exercise(self, template: str) -> None:
@@ -350,6 +403,22 @@ class WorkerRuntime:
         prompt_ids = encode(resident, prompt, with_bos=True)
         return self._submit(resident, prompt_ids, sampling, arrived, None, remember=sampling.n > 1)
 
+    def open_choice(self, ask: Ask, index: int = 0) -> TextStream:
+        """Choice `index` of a parsed request (workers.protocol), chat or plain: what
+        `/v1/*` and `preheat.infer` both open. Each later choice starts from what the ones
+        before left cached."""
+        sampling = ask.sampling.for_choice(index)
+        if ask.prompt is not None:
+            return self.generate_text(ask.model, ask.prompt, sampling)
+        return self.generate_chat(ask.model, ask.messages, sampling)
+
+    def answer(self, ask: Ask, request_id: str) -> dict:
+        """The whole answer to a parsed request, every choice, in the route's own shape
+        (`chat.completion`, usage with cached_tokens): `preheat.infer`'s chat form."""
+        completions = [self.open_choice(ask, index).collect() for index in range(ask.sampling.n)]
+        shapes = LogprobShapes(self.resident_models.get(ask.model).tokenizer)
+        return whole_answer(ask, request_id, completions, shapes)
+
     def _submit(self, resident, prompt_ids, sampling, arrived: float, template: str | None, *, remember=False):
         try:
             return self._submit_now(resident, prompt_ids, sampling, arrived, template, remember=remember)
@@ -403,6 +472,13 @@ class WorkerRuntime:
             "unavailable": self.resident_models.unavailable,
             "asleep": {name: state.describe() for name, state in self.sleeps.asleep.items()},
             "engine": self.scheduler.load(),
+            "serving": self.gate.serving(list(self.catalog.models)),
+            # What the router sends template requests by (preheat.routing): the templates
+            # pinned and warm here, and this worker's share of the fleet's plan (None: all).
+            "templates": {
+                "held": [name for name in self.catalog.templates if self.templates.is_warm(name)],
+                "planned": None if self.templates.planned is None else sorted(self.templates.planned),
+            },
             "cache": {
                 "entries": stats.entries,
                 "bytes": stats.bytes,
@@ -411,6 +487,8 @@ class WorkerRuntime:
                 "evictions": stats.evictions,
                 "max_entries": budget.max_entries,
                 "max_bytes": budget.max_bytes,
+                "max_pinned_entries": budget.max_pinned_entries,
+                "max_pinned_bytes": budget.max_pinned_bytes,
             },
             # What this worker measured at its latest warmup of each template, as it
             # reported it to history.

@@ -239,11 +239,8 @@ class GenerateHandler(BaseHandler):
     def _open(self, ask: Ask, index: int) -> TextStream:
         """Choice `index`'s stream; on the forward thread, after the choices before it (each
         later choice starts from what the ones before left cached)."""
-        runtime, sampling = self.server.runtime, ask.sampling.for_choice(index)
         try:
-            if ask.prompt is not None:
-                return runtime.generate_text(ask.model, ask.prompt, sampling)
-            return runtime.generate_chat(ask.model, ask.messages, sampling)
+            return self.server.runtime.open_choice(ask, index)
         except Exception as exc:
             raise self._api_error(exc) from None
 

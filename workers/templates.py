@@ -57,6 +57,12 @@ class Templates:
         self._prefixes: dict[str, TemplatePrefix] = {}
         self._not_ready: dict[str, str | None] = dict.fromkeys(catalog.templates, "not pre-filled yet")
         self._ad_hoc: OrderedDict[tuple[str, str], TemplatePrefix] = OrderedDict()
+        # This worker's share of the fleet's templates (preheat.placement); None: every one.
+        # Only these are pinned and asked of readiness; the others are served from the LRU.
+        self.planned: set[str] | None = None
+
+    def in_plan(self, name: str) -> bool:
+        return self.planned is None or name in self.planned
 
     def resolve(self, name: str, *, reread: bool = False) -> ResolvedTemplate:
         """Everything a call needs of a template: its spec, its model (loaded if need be),
@@ -105,6 +111,12 @@ class Templates:
             self._metrics.restores.labels(model=model).inc()
         self._note(resolved.name, None)
         return prefilled
+
+    def unpin(self, name: str) -> None:
+        """`name` left this worker's share of the plan: its prefix stays, as an LRU entry."""
+        known, cache = self._prefixes.get(name), self._scheduler.prefixes.cache
+        if known is not None and known.key in cache:
+            cache.unpin(known.key)
 
     def asleep(self, model: str) -> None:
         """`model` went to sleep: its prefixes are no longer cached; a wake pre-fills them."""
@@ -159,6 +171,8 @@ class Templates:
         return self._not_ready.get(name, "not in the catalog")
 
     def is_warm(self, name: str) -> bool:
-        """Ready, and its prefix in the cache now."""
+        """In this worker's plan, ready, and its prefix in the cache now, pinned."""
         known = self._prefixes.get(name)
-        return self.not_ready(name) is None and known is not None and known.key in self._scheduler.prefixes.cache
+        entry = self._scheduler.prefixes.cache.peek(known.key) if known is not None else None
+        # Pinned too: a template out of the plan and back keeps an LRU entry that may go any time.
+        return self.in_plan(name) and self.not_ready(name) is None and entry is not None and entry.pinned

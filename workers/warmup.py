@@ -257,7 +257,9 @@ class Warmups:
         try:
             result.model = self._templates.catalog.template(template).model
             with self.lock:
-                if only_if_cold and self._templates.is_warm(template):
+                if not self._templates.in_plan(template):
+                    result.status, result.error = "skipped", "not this worker's share of the fleet's template plan"
+                elif only_if_cold and self._templates.is_warm(template):
                     result.status, result.error = "skipped", "already warm: prefix cached and pinned"
                 else:
                     self._warm(template, result)

@@ -34,17 +34,19 @@ def infer(
     from celery.exceptions import TimeoutError as ResultTimeout
 
     from preheat.celery import app
+    from preheat.routing import send_infer
 
     # The router resolves the template's model queue: an unknown template fails here, unsent.
     decoding = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop}
     kwargs = {"template": template, "user_input": user_input, "max_new_tokens": max_tokens}
     kwargs.update({name: value for name, value in decoding.items() if value is not None})
     _check_decoding(kwargs)
-    pending = app.send_task("preheat.infer", kwargs=kwargs)
+    # To a worker that holds the template pinned, within its bound; else the shared queue.
+    call = send_infer(app, kwargs)
     try:
-        answer = pending.get(timeout=timeout, propagate=True)
+        answer = call.get(timeout=timeout)
     except ResultTimeout:
-        pending.revoke()
+        call.result.revoke()
         console.print(
             f"[yellow]no warm worker answered within {timeout:.0f} s; is a worker running with "
             f"{template!r} warm? (`preheat warm`)[/]"
@@ -53,15 +55,15 @@ def infer(
     except Exception as exc:  # raised on the worker, re-raised here by Celery
         raise PreheatError(f"the worker refused the request: {exc}") from None
     finally:
-        _stop_waiting(app, pending)
+        _stop_waiting(app, call.result)
     if as_json:
-        print(json.dumps(answer, indent=2))
+        print(json.dumps({**answer, "route": [route.reason for route in call.routes]}, indent=2))
         return
     console.print(answer["text"], highlight=False, markup=False)
     console.print(
         f"[dim]TTFT {answer['ttft_ms']:,.1f} ms · {answer['cached_tokens']} of {answer['prompt_tokens']} "
         f"prompt tokens from the cache · {len(answer['token_ids'])} tokens in {answer['total_ms']:,.1f} ms · "
-        f"{answer['finish_reason']}[/]"
+        f"{answer['finish_reason']} · answered by {answer['worker']} ({call.route.reason})[/]"
     )
 
 

@@ -1,4 +1,4 @@
-"""Learning from traffic: `preheat traffic import`, `preheat peaks suggest`, `preheat templates rank`."""
+"""Learning from traffic: `preheat traffic import`, `peaks suggest`, `templates rank`; `templates plan`."""
 
 from __future__ import annotations
 
@@ -251,15 +251,15 @@ def rank(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Order templates by time saved (request rate x measured prefill) and say which fit the cache."""
+    from preheat import placement
     from preheat.prune import check_within_retention
-    from schedules import peaks
 
     settings = get_settings()
     check_within_retention(days, settings.history_retention_days, f"--days {days}")
     max_bytes = int(settings.kv_cache_max_bytes * settings.kv_cache_pinned_share)
     max_entries = max(1, int(settings.kv_cache_max_entries * settings.kv_cache_pinned_share))
     with session_scope() as session:
-        ranks = peaks.rank(
+        ranks = placement.rank(
             session,
             load_catalog(settings.catalog),
             days=days,
@@ -267,6 +267,7 @@ def rank(
             max_entries=max_entries,
             model=model,
         )
+        held_by = placement.held_by(session, settings.worker_dead_after_s)
     if as_json:
         print(
             json.dumps(
@@ -281,6 +282,7 @@ def rank(
                         "saved_s_per_hour": r.saved_s_per_hour,
                         "fits": r.fits,
                         "in_catalog": r.in_catalog,
+                        "held_by": held_by.get(r.template, []),
                     }
                     for r in ranks
                 ],
@@ -295,8 +297,9 @@ def rank(
         f"(PREHEAT_KV_CACHE_* x pinned share)",
         caption_justify="left",
     )
-    for header in ("#", "template", "model", "req/h", "prefix tokens", "prefill ms", "saved s/h", "KiB", "fits"):
-        table.add_column(header, justify="left" if header in ("template", "model", "fits") else "right")
+    headers = ("#", "template", "model", "req/h", "prefix tokens", "prefill ms", "saved s/h", "KiB", "fits", "held by")
+    for header in headers:
+        table.add_column(header, justify="left" if header in ("template", "model", "fits", "held by") else "right")
     for position, r in enumerate(ranks, 1):
         fits = "not measured" if r.fits is None else ("yes" if r.fits else "over budget")
         table.add_row(
@@ -309,5 +312,51 @@ def rank(
             "-" if r.saved_s_per_hour is None else f"{r.saved_s_per_hour:,.2f}",
             "-" if r.cache_bytes is None else f"{r.cache_bytes / 1024:,.0f}",
             fits,
+            ", ".join(held_by.get(r.template, [])) or "-",
+        )
+    console.print(table)
+
+
+@templates_app.command("plan")
+def plan(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Where each template is pinned across the live workers (the fleet's plan), and which none holds."""
+    from preheat import placement, registry
+
+    settings = get_settings()
+    catalog = load_catalog(settings.catalog)
+    with session_scope() as session:
+        held_by = placement.held_by(session, settings.worker_dead_after_s)
+        shares = {
+            record.nodename: ((record.state or {}).get("templates") or {}).get("planned")
+            for record in registry.live_workers(session, settings.worker_dead_after_s)
+        }
+    rows = [
+        {
+            "template": name,
+            "model": catalog.template(name).model,
+            "planned_on": sorted(w for w, share in shares.items() if share is None or name in share),
+            "held_by": sorted(held_by.get(name, [])),
+        }
+        for name in catalog.templates
+    ]
+    if as_json:
+        print(json.dumps({"spread": any(share is not None for share in shares.values()), "templates": rows}, indent=2))
+        return
+    spread = any(share is not None for share in shares.values())
+    table = Table(
+        title=f"templates across {len(shares)} live worker(s)"
+        + (": spread (the catalog does not fit one worker's pinned budget)" if spread else ": pinned on every worker"),
+        title_justify="left",
+        caption="planned on: the workers whose share it is; held by: pinned and warm there now",
+        caption_justify="left",
+    )
+    for header in ("template", "model", "planned on", "held by"):
+        table.add_column(header)
+    for row in rows:
+        table.add_row(
+            row["template"],
+            row["model"],
+            ", ".join(row["planned_on"]) or "[yellow]none: answered from the LRU part[/]",
+            ", ".join(row["held_by"]) or "-",
         )
     console.print(table)

@@ -19,7 +19,7 @@ def short_id(run: WarmupRun) -> str:
     return run.id.hex[:8]
 
 
-def _ms(value: float | None) -> str:
+def ms_cell(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
@@ -87,9 +87,9 @@ def sleep_table(run: WarmupRun, jobs: list[WarmupJob]) -> Table:
             job.model,
             str(job.status),
             "-" if job.sleep_level is None else str(job.sleep_level),
-            _ms(job.sleep_ms),
-            _ms(job.wake_ms),
-            _ms(job.load_ms),
+            ms_cell(job.sleep_ms),
+            ms_cell(job.wake_ms),
+            ms_cell(job.load_ms),
             "-" if job.bytes_freed is None else f"{job.bytes_freed / 2**20:,.1f}",
         )
     return table
@@ -113,14 +113,14 @@ def warmups_table(run: WarmupRun, jobs: list[WarmupJob]) -> Table:
             job.target,
             job.template,
             str(job.status),
-            _ms(job.load_ms),
-            _ms(job.connect_ms),
-            _ms(job.prefill_ms),
-            _ms(job.restore_ms),
-            _ms(job.ttft_cold_ms),
-            _ms(job.ttft_warm_ms),
-            _ms(job.ttft_bare_ms),
-            _ms(job.ttft_steady_ms),
+            ms_cell(job.load_ms),
+            ms_cell(job.connect_ms),
+            ms_cell(job.prefill_ms),
+            ms_cell(job.restore_ms),
+            ms_cell(job.ttft_cold_ms),
+            ms_cell(job.ttft_warm_ms),
+            ms_cell(job.ttft_bare_ms),
+            ms_cell(job.ttft_steady_ms),
             "-" if saved is None else f"{saved:.0f}%",
             "-" if job.cached_tokens is None else str(job.cached_tokens),
             _kib(job.cache_bytes),
@@ -284,11 +284,11 @@ def ttft_table(report: dict) -> Table:
         table.add_row(
             f"{row['system_tokens']:,}",
             f"{row['prefix_tokens']:,}",
-            _ms(row["prefill_ms"]),
-            _ms(row["restore_ms"]),
-            _ms(row["ttft_cold_ms"]),
-            _ms(row["ttft_warm_ms"]),
-            _ms(row["ttft_bare_ms"]),
+            ms_cell(row["prefill_ms"]),
+            ms_cell(row["restore_ms"]),
+            ms_cell(row["ttft_cold_ms"]),
+            ms_cell(row["ttft_warm_ms"]),
+            ms_cell(row["ttft_bare_ms"]),
             f"{row['saved_pct']:.1f}%",
             f"{row['warm_over_bare']:.2f}",
             f"{row['reuse_ms']:.3f}",
@@ -413,7 +413,7 @@ def sleep_bench_table(report: dict) -> Table:
             f"{row['weight_bytes'] / 2**20:,.1f}",
             f"{100 * row['rss_freed_over_weights']:.0f}%",
             f"{row['wake_ms']:.0f}",
-            _ms(row["restore_ms"]),
+            ms_cell(row["restore_ms"]),
             f"{row['wake_ready_s']:.2f}",
             f"{row['wake_over_cold']:.2f}",
             f"{row['first_request_ttft_ms']:.1f}",
@@ -442,7 +442,7 @@ def turn_two_table(report: dict) -> Table:
         f"{row['turn_one_tokens']:,}",
         f"{row['turn_two_tokens']:,}",
         f"{row['cached_with_turn_one']:,}",
-        _ms(row["ttft_with_turn_one_ms"]),
+        ms_cell(row["ttft_with_turn_one_ms"]),
         same,
         "system prompt + turn one (remembered)",
     )
@@ -451,7 +451,7 @@ def turn_two_table(report: dict) -> Table:
         f"{row['turn_one_tokens']:,}",
         f"{row['turn_two_tokens']:,}",
         f"{row['cached_prefix_only']:,}",
-        _ms(row["ttft_prefix_only_ms"]),
+        ms_cell(row["ttft_prefix_only_ms"]),
         same,
         "system prompt only",
     )
@@ -467,7 +467,9 @@ def worker_state(record: WorkerRecord, live: bool) -> str:
 
 
 def workers_table(records: list[tuple[WorkerRecord, bool]]) -> Table:
-    """`preheat workers`: what each worker's latest heartbeat said."""
+    """`preheat workers`: what each worker's latest heartbeat said; with a catalog spread
+    across the fleet (preheat.placement), which templates each pins."""
+    spread = any(((r.state or {}).get("templates") or {}).get("planned") is not None for r, _ in records)
     table = Table(
         title="preheat workers",
         title_justify="left",
@@ -483,6 +485,7 @@ def workers_table(records: list[tuple[WorkerRecord, bool]]) -> Table:
         "cache entries",
         "cache MiB",
         "hit rate",
+        *(["templates pinned"] if spread else []),
         "outbox",
         "not ready because",
     ):
@@ -499,10 +502,23 @@ def workers_table(records: list[tuple[WorkerRecord, bool]]) -> Table:
             f"{cache.get('entries', 0)}/{cache.get('max_entries', '-')}",
             f"{cache.get('bytes', 0) / 2**20:,.1f}/{cache.get('max_bytes', 0) / 2**20:,.0f}",
             f"{100 * cache.get('hits', 0) / lookups:.0f}%" if lookups else "-",
+            *([templates_cell(state.get("templates"))] if spread else []),
             outbox_cell(state.get("outbox")),
             "; ".join(state.get("reasons", [])) or "-",
         )
     return table
+
+
+def templates_cell(templates: dict | None) -> str:
+    """The templates pinned and warm, and this worker's share of the fleet's plan when the
+    catalog is spread (preheat.placement)."""
+    if not templates:
+        return "-"
+    held, planned = templates.get("held") or [], templates.get("planned")
+    shown = ", ".join(held) or "none"
+    if planned is not None and set(planned) != set(held):
+        shown += f" (plan: {', '.join(planned) or 'none'})"
+    return shown
 
 
 def _model_cell(name: str, spec: dict) -> str:

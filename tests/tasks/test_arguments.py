@@ -125,3 +125,48 @@ def test_bad_values_name_the_argument(name, change, message):
         return
     with pytest.raises(BadTaskArguments, match=message):
         task.checked((), {**VALID[name], **change})
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Where is my parcel?"}]}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({}, None),
+        # The fields of /v1/chat/completions, in the types clients send (integer temperature).
+        ({"temperature": 0, "max_tokens": 16, "n": 2, "seed": 3, "stop": "\n", "logprobs": True}, None),
+        ({"top_logprobs": 2, "logprobs": True, "logit_bias": {"5": -100}, "max_completion_tokens": 8}, None),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}, None),
+        ({"template": "support", "model": None}, None),  # the template's model is the request's
+        ({"template": "support"}, None),
+        # Refused by name, in the route's own words.
+        ({"tools": [{"type": "function"}]}, "tools: tool calls are not served"),
+        ({"stream": True}, "stream: a task returns the whole answer"),
+        ({"max_new_tokens": 8}, "max_new_tokens: the template form's field"),
+        ({"user_input": "x"}, "user_input: the template form's field"),
+        ({"messages": []}, "messages must be a non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, r"messages\[0\].role must be one of"),
+        ({"messages": [{"role": "assistant", "content": "x"}]}, "the last message must be the user's"),
+        ({"temperature": 5}, "temperature: must be in"),
+        ({"max_tokens": "16"}, "max_tokens: must be an integer"),
+        ({"frobnicate": 1}, "frobnicate: not a parameter of /v1/chat/completions"),
+        ({"model": "nope"}, None),  # which models exist is the worker's to say (a 404 there)
+        ({"template": "nope"}, "unknown template 'nope'"),
+        ({"template": "support", "model": "other"}, "model: template 'support' is for model 'tiny'"),
+        (
+            {"template": "support", "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]},
+            r"messages\[0\].role: template 'support' gives the system prompt",
+        ),
+        ({"messages": [{"role": "user", "content": "parcel \ud800"}]}, "messages.0.content is not valid text"),
+    ],
+)
+def test_the_chat_form_is_checked_as_the_http_route_checks_its_body(embedded_stack, change, message):
+    """preheat.infer's chat form: one schema with /v1/chat/completions, its refusals by name."""
+    task = app.tasks["preheat.infer"]
+    kwargs = {key: value for key, value in {**CHAT, **change}.items() if value is not None}
+    if message is None:
+        assert task.checked((), kwargs) == kwargs
+        return
+    with pytest.raises(BadTaskArguments, match=message):
+        task.checked((), kwargs)

@@ -3,6 +3,8 @@
 import threading
 import time
 
+import pytest
+
 import workers.resident as models
 from workers.resident import ModelSource, ResidentModels
 
@@ -56,3 +58,16 @@ def test_concurrent_callers_for_one_model_load_it_once(monkeypatch, tiny_model):
     assert len(calls) == 1
     assert len({id(resident) for resident, _ in results}) == 1
     assert sorted(load_ms > 0 for _, load_ms in results) == [False, False, True]  # only the loader reports it
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "gpt2"])
+def test_kv_bytes_per_token_from_the_config_is_what_one_position_of_its_kv_holds(dev_model, arch):
+    """What the fleet plans pins by (preheat.placement) equals the exact bytes the cache counts."""
+    import torch
+
+    from tests.conftest import load_resident
+    from workers.prefix import cache_nbytes, forward
+
+    resident = load_resident(dev_model(arch), arch)
+    _, kv = forward(resident, torch.zeros((1, 1), dtype=torch.long))
+    assert resident.kv_bytes_per_token == cache_nbytes(kv) > 0

@@ -1,0 +1,249 @@
+"""The router on real workers, Redis and Postgres: a conversation's next turn goes to the
+worker that holds its earlier turn, to the shared queue when that worker is busy, and is
+sent again when that worker dies with it queued; templates that do not fit one worker are
+spread across the fleet, requests for them go to a holder, and the plan follows a worker
+leaving. Every answer equals the same request answered on one worker."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+
+import pytest
+
+from preheat import procs
+from preheat.celery import worker_queue
+from preheat.errors import RequestRefused, UnknownNameError
+from preheat.routing import Router, answered_keys, conversation_keys
+from tests.conftest import write_catalog
+
+W1, W2 = "w1@route-test", "w2@route-test"
+COURIER = "You are the dispatch assistant of a courier. Answer in one short sentence and name the depot."
+GREEDY = {"temperature": 0, "max_tokens": 12}
+
+
+def test_a_turns_answer_makes_the_key_its_next_turn_looks_up():
+    turn1 = [{"role": "system", "content": COURIER}, {"role": "user", "content": "Where is parcel 7?"}]
+    held = answered_keys("tiny", None, turn1, "At the north depot.")
+    turn2 = [*turn1, {"role": "assistant", "content": "At the north depot."}, {"role": "user", "content": "When?"}]
+    looked_up = conversation_keys("tiny", None, turn2)
+    assert looked_up[0] == held[0]  # the whole earlier turn, longest first
+    assert looked_up[-1] == held[-1]  # and the ad hoc system prompt, last
+    # Another answer, another model, or the template form: another conversation.
+    other = [*turn1, {"role": "assistant", "content": "At the south depot."}, {"role": "user", "content": "When?"}]
+    assert conversation_keys("tiny", None, other)[0] not in held
+    assert conversation_keys("big", None, turn2)[0] not in held
+    assert conversation_keys("tiny", "support", turn2)[0] not in held
+    # Content given as text parts is the same text.
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in turn2]
+    assert conversation_keys("tiny", None, parts) == looked_up
+
+
+def _router(**overrides):
+    from preheat.celery import create_app
+    from preheat.settings import Settings
+
+    settings = Settings(**overrides)
+    return Router(create_app(settings), settings)
+
+
+def _serving(router, *names, model="tiny"):
+    router._fleet = (0.0, {})  # read every pulse now
+    fleet = router.fleet()
+    return all(model in fleet.get(name, None).serving for name in names if name in fleet) and all(
+        name in fleet for name in names
+    )
+
+
+def _content(answer: dict) -> str:
+    return answer["choices"][0]["message"]["content"]
+
+
+def _cached(answer: dict) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _on(router, worker: str, kwargs: dict) -> dict:
+    """The same request answered on one worker, sent to its own queue directly."""
+    return router.app.send_task("preheat.infer", kwargs=kwargs, queue=worker_queue(worker)).get(timeout=60)
+
+
+@pytest.mark.slow
+def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_when_it_dies(services_stack, tmp_path):
+    stack = services_stack
+    bounds = {"PREHEAT_MAX_RUNNING_REQUESTS": "2", "PREHEAT_ROUTE_MAX_WAITING": "1", "PREHEAT_ROUTE_TAKE_S": "2"}
+    # No prefix store: one shared by both (a volume) would hand the other worker the turn too.
+    env = {**stack.env, **bounds, "OMP_NUM_THREADS": "1", "PREHEAT_PREFIX_STORE": "off"}
+    w1 = procs.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)
+    w2 = procs.start_worker(W2, env, tmp_path / "logs", cwd=stack.home)
+    with procs.running(w1, w2):
+        router = _router(route_max_waiting=1, route_take_s=2)
+        procs.poll(lambda: _serving(router, W1, W2), 120, what="both workers serving tiny")
+
+        turn1 = [{"role": "system", "content": COURIER}, {"role": "user", "content": "Where is parcel 7?"}]
+        first = router.send({"model": "tiny", "messages": turn1, **GREEDY})
+        assert first.route.worker is None  # nobody holds it yet: the shared queue
+        answer1 = first.get(60)
+        holder = answer1["worker"]
+        other = W2 if holder == W1 else W1
+        # Refused as /v1/chat/completions refuses it: the status, code and message, one error.
+        too_long = router.send({"model": "tiny", "messages": turn1, "max_tokens": 4096})
+        with pytest.raises(RequestRefused, match=r"^400 context_length_exceeded: .*4096"):
+            too_long.get(60)
+        with pytest.raises(UnknownNameError, match="unknown model 'nope'"):
+            router.send({"model": "nope", "messages": turn1})  # refused before it is sent
+
+        # Turns 2 and 3 go to the worker that answered turn 1, from its remembered turn.
+        history, previous = turn1, answer1
+        for question in ("When will it arrive?", "Can I collect it there?"):
+            history = [*history, {"role": "assistant", "content": _content(previous)}]
+            history.append({"role": "user", "content": question})
+            kwargs = {"model": "tiny", "messages": history, **GREEDY}
+            call = router.send(kwargs)
+            assert (call.route.worker, call.route.reason) == (holder, "holds the conversation")
+            answer = call.get(60)
+            assert answer["worker"] == holder
+            elsewhere = _on(router, other, kwargs)
+            assert _content(answer) == _content(elsewhere)  # the same answer as on one worker
+            # All of the turn before but at most its last id; the other worker, which answered
+            # none of this conversation before, the system prompt alone (later it holds the
+            # turn it was just asked to answer).
+            assert _cached(answer) >= previous["usage"]["prompt_tokens"] - 1
+            if previous is answer1:
+                assert _cached(elsewhere) < _cached(answer)
+            previous = answer
+
+        # The holder stops taking (open, no bytes): its bound's worth goes to it, then the
+        # next goes to the shared queue; it is killed with them queued, and they are sent
+        # again to the shared queue and answered by the other worker.
+        history = [*history, {"role": "assistant", "content": _content(answer)}]
+        kwargs = {"model": "tiny", "messages": [*history, {"role": "user", "content": "Thanks!"}], **GREEDY}
+        expected = _content(_on(router, other, kwargs))
+        os.killpg(_proc(holder, w1, w2).popen.pid, signal.SIGSTOP)
+        try:
+            calls = [router.send(kwargs) for _ in range(4)]
+            assert [c.route.worker for c in calls] == [holder, holder, holder, None]
+            assert calls[3].route.reason.startswith(f"{holder} is busy (3 requests, bound 3)")
+            procs.kill(_proc(holder, w1, w2))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(_proc(holder, w1, w2).popen.pid, signal.SIGCONT)
+        answers = [call.get(60) for call in calls]
+        assert {a["worker"] for a in answers} == {other}
+        assert [_content(a) for a in answers] == [expected] * 4
+        for call in calls[:3]:
+            assert call.routes[-1].reason == f"re-sent: {holder} did not take it within 2 s"
+            assert call.routes[-1].worker is None
+
+
+def _proc(name, *candidates):
+    return next(proc for proc in candidates if proc.name == name.split("@")[0])
+
+
+TEMPLATES = {
+    "billing": "You answer billing questions for Acme Parcel: invoices, refunds and charges only.",
+    "code": "You review Python code for a courier's tracking service. Point out bugs first.",
+    "support": None,  # the catalog's own
+    "travel": "You plan delivery routes for Acme Parcel's vans across the city, shortest first.",
+}
+
+
+def _spread_catalog(stack, tiny_model):
+    extra = "".join(
+        f'\n[templates.{name}]\nmodel = "tiny"\nsystem_prompt = "{prompt}"\nprobe = "Hello?"\n'
+        for name, prompt in TEMPLATES.items()
+        if prompt
+    )
+    write_catalog(stack.catalog.parent, tiny_model, extra)
+
+
+def _templates(stack) -> dict[str, dict]:
+    listed = stack.cli("workers", "--json")
+    assert listed.returncode == 0, listed.stderr
+    return {w["nodename"]: w.get("templates") or {} for w in json.loads(listed.stdout) if w["state"] == "ready"}
+
+
+def _settled(stack, expected: dict[str, list[str]]):
+    shown = _templates(stack)
+    return all(sorted(shown.get(w, {}).get("held") or []) == held for w, held in expected.items()) and len(
+        shown
+    ) == len(expected)
+
+
+@pytest.mark.slow
+def test_templates_that_do_not_fit_one_worker_are_spread_routed_to_a_holder_and_respread(
+    services_stack, tiny_model, tmp_path
+):
+    stack = services_stack
+    _spread_catalog(stack, tiny_model)
+    # 4 entries, half of them pinnable: each worker pins 2 of the 4 templates.
+    env = {**stack.env, "PREHEAT_KV_CACHE_MAX_ENTRIES": "4", "OMP_NUM_THREADS": "1"}
+    w1 = procs.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)
+    w2 = procs.start_worker(W2, env, tmp_path / "logs", cwd=stack.home)
+    with procs.running(w1, w2):
+        # No traffic yet: the plan goes by name, emptiest worker first.
+        plan = {W1: ["billing", "support"], W2: ["code", "travel"]}
+        procs.poll(lambda: _settled(stack, plan), 120, what=f"the plan {plan}")
+        for worker, templates in _templates(stack).items():
+            assert sorted(templates["planned"]) == plan[worker]
+        table = stack.cli("workers")
+        assert "templates pinned" in table.stdout and all(name in table.stdout for name in TEMPLATES)
+        planned = json.loads(stack.cli("templates", "plan", "--json").stdout)
+        assert planned["spread"] is True
+        assert {r["template"]: (r["planned_on"], r["held_by"]) for r in planned["templates"]} == {
+            "billing": ([W1], [W1]),
+            "support": ([W1], [W1]),
+            "code": ([W2], [W2]),
+            "travel": ([W2], [W2]),
+        }
+        assert "spread (the" in stack.cli("templates", "plan").stdout
+        ranked = json.loads(stack.cli("templates", "rank", "--json").stdout)
+        assert {r["template"]: r["held_by"] for r in ranked} == {
+            "billing": [W1],
+            "support": [W1],
+            "code": [W2],
+            "travel": [W2],
+        }
+
+        # A warmup follows the plan: each worker warms its share and skips the rest, saying why.
+        warmed = stack.cli("warm", "--wait", "--json", "--timeout", "120")
+        assert warmed.returncode == 0, warmed.stderr
+        jobs = {(j["target"], j["template"]): j for j in json.loads(warmed.stdout)["jobs"]}
+        for worker, share in plan.items():
+            for template in TEMPLATES:
+                job = jobs[(worker, template)]
+                if template in share:
+                    assert job["status"] in ("warm", "degraded"), job
+                else:
+                    assert (job["status"], job["error"]) == (
+                        "skipped",
+                        "not this worker's share of the fleet's template plan",
+                    )
+
+        router = _router()
+        procs.poll(lambda: _serving(router, W1, W2), 60, what="both workers serving tiny")
+        for template in TEMPLATES:
+            holder = W1 if template in plan[W1] else W2
+            kwargs = {"template": template, "messages": [{"role": "user", "content": "Hello?"}], **GREEDY}
+            call = router.send(kwargs)
+            assert (call.route.worker, call.route.reason) == (holder, f"holds template {template}")
+            answer = call.get(60)
+            assert answer["worker"] == holder and _cached(answer) > 0
+            # The template form goes to the holder too, and answers as on one worker.
+            legacy = {"template": template, "user_input": "Hello?", "max_new_tokens": 8, "temperature": 0.0}
+            assert router.send(legacy).route.worker == holder
+            other = W2 if holder == W1 else W1
+            assert _content(answer) == _content(_on(router, other, kwargs))
+
+        # w2 leaves: w1 alone pins the first two by the plan's order. It holds "code" now, and
+        # is the only worker: such a request takes the shared queue, which w1 alone reads.
+        procs.stop(w2)
+        alone = {W1: ["billing", "code"]}
+        procs.poll(lambda: _settled(stack, alone), 60, what=f"the plan {alone}")
+        router._fleet = (0.0, {})
+        call = router.send({"template": "code", "messages": [{"role": "user", "content": "Hi"}], **GREEDY})
+        assert (call.route.worker, call.route.reason) == (None, "every worker holds template code")
+        answer = call.get(60)
+        assert answer["worker"] == W1 and _cached(answer) > 0
