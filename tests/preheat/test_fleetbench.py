@@ -83,3 +83,33 @@ def test_beat_bench_fires_every_slot_once_through_a_killed_leader(embedded_stack
     assert {slot["status"] for slot in report["slots_detail"]} == {"sent"}
     bad = stack.cli_here("bench", "beat", "--slots", "10", "--spacing", "6")
     assert bad.returncode == 2 and "under 55 s" in bad.stderr
+
+
+def test_route_compares_routed_with_the_shared_queue_on_one_fleet(embedded_stack, tmp_path):
+    out = tmp_path / "route.json"
+    # 2 workers pinning 2 each, 4 templates: each template one holder.
+    args = ["--workers", "2", "--factor", "2", "--users", "2", "--turns", "3", "--requests", "8", "--words", "40"]
+    done = embedded_stack.cli("bench", "route", "--shape", "tiny", *args, "--json", str(out), timeout=420)
+    assert done.returncode == 0, done.stderr + done.stdout[-3000:]
+    assert "routed vs the shared queue: 2 workers, 4 templates (2 pinnable per worker)" in done.stdout
+    report = json.loads(out.read_text())
+    assert [row["mode"] for row in report["rows"]] == ["routed", "shared"]
+    routed, shared = report["requests"]["routed"], report["requests"]["shared"]
+    for asked in (routed, shared):
+        assert len([a for a in asked if a["phase"] == "conversation"]) == 2 * 3
+        assert len([a for a in asked if a["phase"] == "template"]) == 8
+    # Routed: a conversation's later turns stay on the worker that answered its first, from
+    # its remembered turns; a template request goes to a holder (or says why not).
+    for later in (a for a in routed if a["phase"] == "conversation" and a["turn"] > 1):
+        assert later["route"] == "holds the conversation"
+        assert later["cached_tokens"] > 0
+    for asked in (a for a in routed if a["phase"] == "template"):
+        assert asked["from_pinned"] == asked["route"].startswith("holds template")
+    assert all(a["route"] == "routing off (PREHEAT_ROUTING)" for a in shared)
+    assert set(report["targets"]["met"]) == {
+        "cached_share",
+        "ttft_p50_ratio",
+        "from_pinned",
+        "no_queue_over_bound_while_idle",
+    }
+    assert json.loads(embedded_stack.cli("workers", "--json").stdout) == []  # its workers are stopped

@@ -121,6 +121,30 @@ def fanout_command(
     bench.main(workers=workers, rounds=rounds, template=template, timeout=timeout, json_path=json_path)
 
 
+@app.command("route")
+def route_command(
+    workers: int = typer.Option(4, min=2, max=16, help="Workers in the fleet."),
+    users: int = typer.Option(8, min=1, max=256, help="Conversations at once."),
+    turns: int = typer.Option(4, min=2, max=32, help="Turns per conversation."),
+    pinned: int = typer.Option(2, min=1, max=64, help="Templates one worker can pin."),
+    factor: int = typer.Option(3, min=1, max=32, help="The catalog holds factor x pinned templates."),
+    requests: int = typer.Option(48, min=1, max=10_000, help="Template requests per mode."),
+    shape: str = typer.Option("135m", help="Dev model shape: tiny or 135m."),
+    words: int = typer.Option(240, min=20, max=4000, help="Words of each system prompt."),
+    max_tokens: int = typer.Option(8, min=1, max=256, help="Tokens per answer."),
+    rows: int = typer.Option(4, min=1, max=64, help="PREHEAT_MAX_RUNNING_REQUESTS of each worker."),
+    timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for the fleet."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/route.json."),
+) -> None:
+    """Routed against the shared queue alone, one fleet, one run: conversations' later turns
+    (cache share, TTFT) and a catalog spread across workers (from a pinned prefix, queues)."""
+    from preheat.cli.bench import route as bench
+
+    if shape not in ("tiny", "135m"):
+        raise typer.BadParameter(f"--shape must be tiny or 135m, not {shape!r}")
+    bench.main(workers, users, turns, pinned, factor, requests, shape, words, max_tokens, rows, timeout, json_path)
+
+
 @app.command("beat")
 def beat_command(
     slots: int = typer.Option(12, min=2, max=16, help="Slots to fire, one per schedule."),

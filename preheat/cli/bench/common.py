@@ -85,20 +85,29 @@ def dev_model(folder: Path, shape: str, console) -> Path:
 def database_url(url: str) -> Iterator[None]:
     """This process's history database is `url` inside the block (settings and engine
     reloaded), the configured one again after it."""
+    with settings_from(PREHEAT_DATABASE_URL=url):
+        yield
+
+
+@contextlib.contextmanager
+def settings_from(**variables: str) -> Iterator[None]:
+    """This process's settings read with `variables` set inside the block (settings and the
+    database engine reloaded), as configured again after it."""
     from preheat import settings
     from preheat.db import reset_engine
 
-    before = os.environ.get("PREHEAT_DATABASE_URL")
-    os.environ["PREHEAT_DATABASE_URL"] = url
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
     settings.get_settings.cache_clear()
     reset_engine()
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("PREHEAT_DATABASE_URL", None)
-        else:
-            os.environ["PREHEAT_DATABASE_URL"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         settings.get_settings.cache_clear()
         reset_engine()
 
