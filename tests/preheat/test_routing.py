@@ -74,7 +74,8 @@ def _on(router, worker: str, kwargs: dict) -> dict:
 def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_when_it_dies(services_stack, tmp_path):
     stack = services_stack
     bounds = {"PREHEAT_MAX_RUNNING_REQUESTS": "2", "PREHEAT_ROUTE_MAX_WAITING": "1", "PREHEAT_ROUTE_TAKE_S": "2"}
-    # No prefix store: one shared by both (a volume) would hand the other worker the turn too.
+    # No prefix store: one shared by both (a volume) would hand the other worker the ad hoc system
+    # prompt the first pre-filled (turns are remembered in memory only), which this test compares.
     env = {**stack.env, **bounds, "OMP_NUM_THREADS": "1", "PREHEAT_PREFIX_STORE": "off"}
     w1 = procs.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)
     w2 = procs.start_worker(W2, env, tmp_path / "logs", cwd=stack.home)

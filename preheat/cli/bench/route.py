@@ -242,7 +242,9 @@ def main(
         "PREHEAT_KV_CACHE_PINNED_SHARE": str(pinned / entries),
         "PREHEAT_MAX_RUNNING_REQUESTS": str(rows),
         "PREHEAT_HEARTBEAT_INTERVAL_S": "1",
-        "PREHEAT_PREFIX_STORE": "off",  # a store shared on one disk would hand every worker every turn
+        # A store shared on one disk would restore each system prompt on every worker (remembered
+        # turns stay in memory): off, so the shared queue is measured as separate hosts see it.
+        "PREHEAT_PREFIX_STORE": "off",
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // workers)),
     }
     names = [worker_name(f"route{i}") for i in range(workers)]
