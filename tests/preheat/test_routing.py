@@ -17,7 +17,7 @@ from preheat import procs
 from preheat.celery import worker_queue
 from preheat.errors import RequestRefused, UnknownNameError
 from preheat.routing import Router, answered_keys, conversation_keys
-from tests.conftest import write_catalog
+from tests.conftest import SUPPORT_PROMPT, write_catalog
 
 W1, W2 = "w1@route-test", "w2@route-test"
 COURIER = "You are the dispatch assistant of a courier. Answer in one short sentence and name the depot."
@@ -71,8 +71,11 @@ def _on(router, worker: str, kwargs: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_when_it_dies(services_stack, tmp_path):
+def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_when_it_dies(
+    services_stack, tiny_model, tmp_path
+):
     stack = services_stack
+    truth = _transformers(tiny_model)
     bounds = {"PREHEAT_MAX_RUNNING_REQUESTS": "2", "PREHEAT_ROUTE_MAX_WAITING": "1", "PREHEAT_ROUTE_TAKE_S": "2"}
     # No prefix store: one shared by both (a volume) would hand the other worker the ad hoc system
     # prompt the first pre-filled (turns are remembered in memory only), which this test compares.
@@ -107,7 +110,7 @@ def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_wh
             answer = call.get(60)
             assert answer["worker"] == holder
             elsewhere = _on(router, other, kwargs)
-            assert _content(answer) == _content(elsewhere)  # the same answer as on one worker
+            assert _content(answer) == _content(elsewhere) == truth(history)  # as on one worker, as transformers
             # All of the turn before but at most its last id; the other worker, which answered
             # none of this conversation before, the system prompt alone (later it holds the
             # turn it was just asked to answer).
@@ -122,6 +125,7 @@ def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_wh
         history = [*history, {"role": "assistant", "content": _content(answer)}]
         kwargs = {"model": "tiny", "messages": [*history, {"role": "user", "content": "Thanks!"}], **GREEDY}
         expected = _content(_on(router, other, kwargs))
+        assert expected == truth(kwargs["messages"])
         os.killpg(_proc(holder, w1, w2).popen.pid, signal.SIGSTOP)
         try:
             calls = [router.send(kwargs) for _ in range(4)]
@@ -137,6 +141,20 @@ def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_wh
         for call in calls[:3]:
             assert call.routes[-1].reason == f"re-sent: {holder} did not take it within 2 s"
             assert call.routes[-1].worker is None
+
+
+def _transformers(model_dir):
+    """What transformers' own generate answers (greedy, GREEDY's tokens) on the rendered messages."""
+    from tests.conftest import load_resident, reference_generate
+    from workers.chat import render
+
+    resident = load_resident(model_dir)
+
+    def answer(messages: list[dict]) -> str:
+        ids = reference_generate(resident, render(resident, messages), GREEDY["max_tokens"])
+        return resident.tokenizer.decode(ids, skip_special_tokens=True)
+
+    return answer
 
 
 def _proc(name, *candidates):
@@ -178,6 +196,7 @@ def test_templates_that_do_not_fit_one_worker_are_spread_routed_to_a_holder_and_
     services_stack, tiny_model, tmp_path
 ):
     stack = services_stack
+    truth = _transformers(tiny_model)
     _spread_catalog(stack, tiny_model)
     # 4 entries, half of them pinnable: each worker pins 2 of the 4 templates.
     env = {**stack.env, "PREHEAT_KV_CACHE_MAX_ENTRIES": "4", "OMP_NUM_THREADS": "1"}
@@ -236,7 +255,8 @@ def test_templates_that_do_not_fit_one_worker_are_spread_routed_to_a_holder_and_
             legacy = {"template": template, "user_input": "Hello?", "max_new_tokens": 8, "temperature": 0.0}
             assert router.send(legacy).route.worker == holder
             other = W2 if holder == W1 else W1
-            assert _content(answer) == _content(_on(router, other, kwargs))
+            system = {"role": "system", "content": TEMPLATES[template] or SUPPORT_PROMPT}
+            assert _content(answer) == _content(_on(router, other, kwargs)) == truth([system, *kwargs["messages"]])
 
         # w2 leaves: w1 alone pins the first two by the plan's order. It holds "code" now, and
         # is the only worker: such a request takes the shared queue, which w1 alone reads.
