@@ -244,17 +244,33 @@ def fleet_plan(
         name: {w for w in workers if not has.get(w) or catalog.template(name).model in has[w]}
         for name in catalog.templates
     }
-    # Traffic up to the last whole hour: every worker reads the same counts (the current
-    # hour's are still being written), so every worker computes the same plan, and pins
-    # move with the traffic at most once an hour, not with each request.
+    demands = [Demand(name, 0.0, sizes.get(name) or 0) for name in catalog.templates]
+    if all(_fits(workers[w], [d for d in demands if w in eligible[d.template]]) for w in workers):
+        return plan(demands, workers, eligible)  # the catalog fits: every worker pins all it can serve
+    weights = hourly_weights(session, catalog)
+    return plan([Demand(d.template, weights.get(d.template, 0.0), d.nbytes) for d in demands], workers, eligible)
+
+
+def _fits(capacity: Capacity, demands: list[Demand]) -> bool:
+    return len(demands) <= capacity.max_entries and sum(d.nbytes for d in demands) <= capacity.max_bytes
+
+
+_WEIGHTS: dict[tuple[dt.datetime, str], dict[str, float]] = {}
+
+
+def hourly_weights(session: Session, catalog: Catalog) -> dict[str, float]:
+    """Each template's weight from `rank` over the traffic up to the last whole hour: every
+    worker reads the same counts (the current hour's are still being written), so every
+    worker computes the same plan, and pins move with the traffic at most once an hour, not
+    with each request. Read once an hour per process (a week of counts is not read per beat)."""
     hour = utcnow().replace(minute=0, second=0, microsecond=0)
-    ranked = rank(session, catalog, days=RANK_DAYS, max_bytes=1, max_entries=1, until=hour - dt.timedelta(minutes=1))
-    ranks = {r.template: r for r in ranked}
-    demands = [
-        Demand(name, rounded(weight_of(ranks[name])) if name in ranks else 0.0, sizes.get(name) or 0)
-        for name in catalog.templates
-    ]
-    return plan(demands, workers, eligible)
+    key = (hour, ",".join(sorted(catalog.templates)))
+    if key not in _WEIGHTS:
+        until = hour - dt.timedelta(minutes=1)
+        ranked = rank(session, catalog, days=RANK_DAYS, max_bytes=1, max_entries=1, until=until)
+        _WEIGHTS.clear()
+        _WEIGHTS[key] = {r.template: rounded(weight_of(r)) for r in ranked}
+    return _WEIGHTS[key]
 
 
 def held_by(session: Session, dead_after_s: float) -> dict[str, list[str]]:

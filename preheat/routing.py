@@ -202,16 +202,16 @@ class Router:
             queued = waiting_messages(connection.default_channel, worker_queue(worker))
         return max(queued + pulse.running + pulse.waiting, self._sent_to(worker))
 
-    def why_not(self, worker: str, model: str, pulse: Pulse | None) -> str | None:
-        """None when `worker` can take a request for `model` now; else why not."""
+    def taking(self, worker: str, model: str, pulse: Pulse | None) -> tuple[int | None, str | None]:
+        """(its load, None) when `worker` can take a request for `model` now; else (None, why not)."""
         if not self._fresh(pulse, utcnow()):
-            return f"{worker} is not live"
+            return None, f"{worker} is not live"
         if model not in pulse.serving:
-            return f"{worker} does not serve {model} now"
+            return None, f"{worker} does not serve {model} now"
         bound = max(pulse.max_running, 1) + self.settings.route_max_waiting
         if (load := self.outstanding(worker, pulse)) >= bound:
-            return f"{worker} is busy ({load} requests, bound {bound})"
-        return None
+            return None, f"{worker} is busy ({load} requests, bound {bound})"
+        return load, None
 
     # Choosing -------------------------------------------------------------------------
 
@@ -224,7 +224,7 @@ class Router:
         if "messages" in kwargs and self.held is not None:
             worker = self._find_held(conversation_keys(model, template, kwargs["messages"]))
             if worker is not None:
-                why = self.why_not(worker, model, self.fleet().get(worker) or self._pulse(worker))
+                _, why = self.taking(worker, model, self.fleet().get(worker) or self._pulse(worker))
                 if why is None:
                     return Route(worker_queue(worker), worker, "holds the conversation")
         if template is not None:  # its holder still has the template's prefix, if not the turn
@@ -257,13 +257,10 @@ class Router:
             return Route(shared, SHARED, f"every worker holds template {template}")
         reasons, best = [], None
         for worker in holders:
-            pulse = self.fleet()[worker]
-            reason = self.why_not(worker, model, pulse)
+            load, reason = self.taking(worker, model, fleet[worker])
             if reason is not None:
                 reasons.append(reason)
-                continue
-            load = self.outstanding(worker, pulse)
-            if best is None or load < best[0]:
+            elif best is None or load < best[0]:
                 best = (load, worker)
         if best is None:
             return Route(shared, SHARED, "; ".join(reasons))

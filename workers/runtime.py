@@ -138,8 +138,8 @@ class WorkerRuntime:
         # restarted off-peak; tasks.runtime sets it from the schedules).
         self.asleep_at_start: Callable[[], dict[str, str]] | None = None
         self._starting = threading.Lock()
-        # This worker's share of the fleet's templates, from the registry (tasks.placement);
-        # None: every template is pinned here.
+        # This worker's share of the fleet's templates (tasks.worker.planned_share, by
+        # preheat.placement's plan); None: every template is pinned here.
         self.planner: Callable[[], set[str] | None] | None = None
         self.sleeps = Sleeps(
             self.resident_models,
