@@ -15,6 +15,7 @@ import pytest
 
 from preheat import procs
 from preheat.celery import worker_queue
+from preheat.db import utcnow
 from preheat.errors import RequestRefused, UnknownNameError
 from preheat.routing import Router, answered_keys, conversation_keys
 from tests.conftest import SUPPORT_PROMPT, write_catalog
@@ -119,10 +120,28 @@ def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_wh
                 assert _cached(elsewhere) < _cached(answer)
             previous = answer
 
-        # The holder stops taking (open, no bytes): its bound's worth goes to it, then the
-        # next goes to the shared queue; it is killed with them queued, and they are sent
-        # again to the shared queue and answered by the other worker.
+        # The holder stops (open, no bytes) while it runs a turn: once its pulse is stale the
+        # turn is sent again to the shared queue and answered there, as transformers answers it.
         history = [*history, {"role": "assistant", "content": _content(answer)}]
+        long_turn = {**GREEDY, "model": "tiny", "messages": [*history, {"role": "user", "content": "More?"}]}
+        long_turn["max_tokens"] = 400
+        running = router.send(long_turn)
+        assert running.route.worker == holder
+        procs.poll(lambda: running.result.state == "STARTED", 30, 0.02, what="the long turn started")
+        os.killpg(_proc(holder, w1, w2).popen.pid, signal.SIGSTOP)
+        try:
+            resent = running.get(90)
+        finally:
+            os.killpg(_proc(holder, w1, w2).popen.pid, signal.SIGCONT)
+        assert running.routes[-1].reason == f"re-sent: {holder} stopped beating while running it"
+        assert resent["worker"] == other
+        reference = _transformers(tiny_model, max_tokens=400)
+        assert _content(resent) == reference(long_turn["messages"])
+        procs.poll(lambda: _idle(router, holder), 60, what=f"{holder} beating again, idle")
+
+        # The holder stops taking: its bound's worth goes to it, then the next goes to the
+        # shared queue; it is killed with them queued, and they are sent again to the shared
+        # queue and answered by the other worker.
         kwargs = {"model": "tiny", "messages": [*history, {"role": "user", "content": "Thanks!"}], **GREEDY}
         expected = _content(_on(router, other, kwargs))
         assert expected == truth(kwargs["messages"])
@@ -143,15 +162,21 @@ def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_wh
             assert call.routes[-1].worker is None
 
 
-def _transformers(model_dir):
-    """What transformers' own generate answers (greedy, GREEDY's tokens) on the rendered messages."""
+def _idle(router, worker: str) -> bool:
+    router._fleet = (0.0, {})
+    pulse = router.fleet().get(worker)
+    return pulse is not None and router._fresh(pulse, utcnow()) and pulse.running == pulse.waiting == 0
+
+
+def _transformers(model_dir, max_tokens: int = GREEDY["max_tokens"]):
+    """What transformers' own generate answers (greedy) on the rendered messages."""
     from tests.conftest import load_resident, reference_generate
     from workers.chat import render
 
     resident = load_resident(model_dir)
 
     def answer(messages: list[dict]) -> str:
-        ids = reference_generate(resident, render(resident, messages), GREEDY["max_tokens"])
+        ids = reference_generate(resident, render(resident, messages), max_tokens)
         return resident.tokenizer.decode(ids, skip_special_tokens=True)
 
     return answer
