@@ -12,7 +12,7 @@ import uuid
 
 from preheat.catalog import current_catalog
 from preheat.celery import app
-from preheat.errors import RequestRefused
+from preheat.errors import PreheatError, RequestRefused
 from preheat.settings import get_settings
 from preheat.traffic import TRAFFIC
 from tasks.arguments import InferArguments, TemplateInferArguments, chat_ask
@@ -23,6 +23,7 @@ from tasks.runtime import get_runtime
 def infer(self, template: str | None = None, user_input: str | None = None, max_new_tokens: int = 64, **fields) -> dict:
     """Messages (or template + user input) -> the answer, with its TTFT and how many prompt
     tokens came from the cache. `fields`: the chat form's or the decoding fields."""
+    _count_taken(self.request, template, fields.get("model"))
     if "messages" in fields:
         return {
             **_answer_chat({**fields, **({"template": template} if template else {})}),
@@ -56,3 +57,16 @@ def _answer_chat(fields: dict) -> dict:
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     TRAFFIC.count(ask.model, template, usage["prompt_tokens"], cached or None)
     return answer
+
+
+def _count_taken(request, template: str | None, model: str | None) -> None:
+    """Which queue the request came from: this worker's own (routed here) or the shared one."""
+    from preheat.celery import model_of_request, worker_queue
+
+    routing_key = (request.delivery_info or {}).get("routing_key")
+    queue = "own" if routing_key == worker_queue(request.hostname or "") else "shared"
+    try:
+        model = model_of_request({"template": template, "model": model})
+    except PreheatError:
+        return  # refused below, by name
+    get_runtime().metrics.requests_taken.labels(model=model, queue=queue).inc()

@@ -121,7 +121,7 @@ def test_every_metric_the_dashboard_and_the_rules_query_is_exported(embedded_sta
 NAME = re.compile(r"^preheat_[a-z][a-z0-9_]*$")
 # Labels of bounded cardinality: a fleet's workers, models, templates, schedules, and enums.
 LABELS = {"model", "cache", "template", "worker", "schedule", "status", "trigger", "action", "state", "sleep_state"}
-LABELS |= {"le", "path", "code"}
+LABELS |= {"le", "path", "code", "queue"}  # queue: own | shared (preheat_requests_taken_total)
 
 
 def test_worker_and_fleet_metric_names_follow_the_conventions(embedded_stack, tmp_path, tiny_model):

@@ -123,6 +123,14 @@ class RuntimeMetrics:
             ["model"],
             registry=self.collectors,
         )
+        # Requests taken from this worker's own queue (sent there by preheat.routing: it holds
+        # their prefix) against the model's shared queue: how much of the traffic routing places.
+        self.requests_taken = Counter(
+            "preheat_requests_taken",
+            "preheat.infer requests taken, by the queue they came from (own: routed here; shared).",
+            ["model", "queue"],
+            registry=self.collectors,
+        )
         self.collectors.register(_StateCollector(cache, models, is_ready))
 
     def start_series(self, models: list[str]) -> None:
@@ -133,6 +141,8 @@ class RuntimeMetrics:
             self.restores.labels(model=model)
             for cache in ("hit", "miss"):
                 self.ttft.labels(model=model, cache=cache)
+            for queue in ("own", "shared"):
+                self.requests_taken.labels(model=model, queue=queue)
 
     def observe_ttft(self, model: str, cached_tokens: int, ttft_ms: float) -> None:
         self.ttft.labels(model=model, cache="hit" if cached_tokens else "miss").observe(ttft_ms / 1000)

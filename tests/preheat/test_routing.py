@@ -11,6 +11,7 @@ import json
 import os
 import signal
 
+import httpx
 import pytest
 
 from preheat import procs
@@ -120,6 +121,10 @@ def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_wh
                 assert _cached(elsewhere) < _cached(answer)
             previous = answer
 
+        # The holder counts the turns routed to it apart from the shared queue's (its /metrics).
+        holder_proc = _proc(holder, w1, w2)
+        assert _taken(holder_proc, "own") >= 2 and _taken(holder_proc, "shared") >= 1
+
         # The holder stops (open, no bytes) while it runs a turn: once its pulse is stale the
         # turn is sent again to the shared queue and answered there, as transformers answers it.
         history = [*history, {"role": "assistant", "content": _content(answer)}]
@@ -160,6 +165,13 @@ def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_wh
         for call in calls[:3]:
             assert call.routes[-1].reason == f"re-sent: {holder} did not take it within 2 s"
             assert call.routes[-1].worker is None
+
+
+def _taken(proc, queue: str) -> float:
+    for line in httpx.get(f"{procs.health_url(proc)}/metrics", timeout=5).text.splitlines():
+        if line.startswith(f'preheat_requests_taken_total{{model="tiny",queue="{queue}"}} '):
+            return float(line.split()[-1])
+    raise AssertionError(f"no preheat_requests_taken_total for queue {queue}")
 
 
 def _idle(router, worker: str) -> bool:
