@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from preheat.db import aware
 from preheat.text import safe_name
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,11 @@ class Pulse:
     running: int = 0
     waiting: int = 0
     max_running: int = 0
+
+    def fresh(self, now: dt.datetime, dead_after_s: float) -> bool:
+        """Sent within `dead_after_s` of `now`: the worker is alive (the one rule the reaper
+        and the router both apply)."""
+        return now - aware(self.at) <= dt.timedelta(seconds=dead_after_s)
 
     def as_json(self) -> str:
         return json.dumps(
@@ -97,6 +103,15 @@ class Pulse:
         )
 
 
+def write_whole(path: Path, text: str) -> None:
+    """`text` in `path`, whole or not at all: a reader never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".partial-")
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
+    os.replace(temporary, path)
+
+
 def _iso(moment: dt.datetime | None) -> str | None:
     return moment.isoformat() if moment else None
 
@@ -143,11 +158,7 @@ class FilePulses:
         return self.folder / (safe_name(nodename) + ".json")
 
     def write(self, nodename: str, pulse: Pulse) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(dir=self.folder, prefix=".pulse-")
-        with os.fdopen(fd, "w") as file:
-            file.write(pulse.as_json())
-        os.replace(temporary, self._path(nodename))  # whole or not at all
+        write_whole(self._path(nodename), pulse.as_json())
 
     def read(self, nodename: str) -> Pulse | None:
         try:

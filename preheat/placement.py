@@ -277,8 +277,9 @@ def held_by(session: Session, dead_after_s: float) -> dict[str, list[str]]:
     """Which live workers hold each template pinned and warm now (their heartbeats)."""
     from preheat import registry
 
-    found: dict[str, list[str]] = defaultdict(list)
-    for record in registry.live_workers(session, dead_after_s):
-        for template in ((record.state or {}).get("templates") or {}).get("held") or ():
-            found[template].append(record.nodename)
-    return dict(found)
+    return holders_of(
+        {
+            record.nodename: ((record.state or {}).get("templates") or {}).get("held") or []
+            for record in registry.live_workers(session, dead_after_s)
+        }
+    )

@@ -103,7 +103,7 @@ def why_lost(
         if job.status == JobStatus.running or now - aware(worker.stopped_at) > grace:
             return JobStatus.lost, f"worker {job.target} stopped at {aware(worker.stopped_at):%H:%M:%S} UTC"
         return None
-    pulsing = pulse is not None and now - aware(pulse.at) <= grace
+    pulsing = pulse is not None and pulse.fresh(now, dead_after_s)
     if not is_live(worker, dead_after_s, now) and not pulsing:
         return JobStatus.lost, (
             f"worker {job.target} sent no heartbeat since {aware(worker.heartbeat_at):%H:%M:%S} "

@@ -34,8 +34,6 @@ import datetime as dt
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import threading
 import time
 import uuid
@@ -43,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from preheat.celery import infer_queue, model_of_request, waiting_messages, worker_queue
-from preheat.db import aware, utcnow
-from preheat.liveness import Pulse, pulses_for
+from preheat.db import utcnow
+from preheat.liveness import Pulse, pulses_for, write_whole
 from preheat.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -150,12 +148,8 @@ class FileHeld:
         return None
 
     def put(self, keys: list[str], worker: str) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
         for key in keys:
-            fd, temporary = tempfile.mkstemp(dir=self.folder, prefix=".held-")
-            with os.fdopen(fd, "w") as file:
-                file.write(worker)
-            os.replace(temporary, self.folder / key)
+            write_whole(self.folder / key, worker)
 
 
 def held_index_for(settings: Settings):
@@ -194,7 +188,7 @@ class Router:
         return pulses
 
     def _fresh(self, pulse: Pulse | None, now: dt.datetime) -> bool:
-        return pulse is not None and now - aware(pulse.at) <= dt.timedelta(seconds=self.settings.worker_dead_after_s)
+        return pulse is not None and pulse.fresh(now, self.settings.worker_dead_after_s)
 
     def outstanding(self, worker: str, pulse: Pulse) -> int:
         """Requests on `worker` now: its own queue, and what runs and waits in its engine."""

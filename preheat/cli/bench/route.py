@@ -194,14 +194,13 @@ def summarise(mode: str, asked: list[Asked], watch: QueueWatch) -> dict:
 def _plan_settled(router, names: list[str], templates: list[str], pinned: int) -> dict | None:
     """Every worker serving, and every template held somewhere or every worker's pins used
     (a fleet with fewer pins than templates): the holders, or None yet."""
+    from preheat.placement import holders_of
+
     router._fleet = (0.0, {})
     fleet = router.fleet()
     if not all(name in fleet and "bench" in fleet[name].serving for name in names):
         return None
-    holders: dict[str, list[str]] = {}
-    for name in names:
-        for template in fleet[name].holds:
-            holders.setdefault(template, []).append(name)
+    holders = holders_of({name: list(fleet[name].holds) for name in names})
     full = all(len(fleet[name].holds) >= pinned for name in names)
     return holders if set(templates) <= set(holders) or full else None
 
