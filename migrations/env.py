@@ -3,8 +3,8 @@
 from alembic import context
 from sqlalchemy import text
 
-from preheat import models  # noqa: F401 - registers the tables on Base.metadata
-from preheat.db import Base, make_engine
+from preheat.history import models  # noqa: F401 - registers the tables on Base.metadata
+from preheat.history.db import Base, open_database
 
 config = context.config
 target_metadata = Base.metadata
@@ -21,7 +21,7 @@ def _configure(connection) -> None:
 
 
 def run_migrations_online() -> None:
-    engine = make_engine(config.get_main_option("sqlalchemy.url"))
+    engine = open_database(config.get_main_option("sqlalchemy.url"))
     with engine.connect() as connection:
         if connection.dialect.name == "postgresql":
             # Never wait forever behind a long transaction, and let only one migrator run:

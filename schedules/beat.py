@@ -6,7 +6,7 @@ has time zones and runtime edits but no leader lock, creates its own tables outs
 Alembic and records no slots. Celery's ``Scheduler`` still runs the loop and the static
 entries (each endpoint's keep-alive); slots come from the ``schedules`` table.
 
-Each tick the leader (schedules.leader) reads the enabled schedules, so edits apply within
+Each tick the leader (preheat.schedules.leader) reads the enabled schedules, so edits apply within
 a tick. For each schedule it finds the slots whose fire time (cron time − lead time) has
 come since its last recorded slot. A slot is recorded (claimed) before it is sent, under a
 unique (schedule, slot) key, and its run carries the slot as trigger key; so two beats, or
@@ -28,13 +28,13 @@ from celery.beat import Scheduler
 from kombu.exceptions import OperationalError as BrokerError
 from sqlalchemy.exc import SQLAlchemyError
 
-from preheat import prune
-from preheat.catalog import Catalog, load_catalog
-from preheat.db import aware, session_scope, utcnow
-from preheat.errors import PreheatError
-from preheat.models import RunAction, Schedule, ScheduleKind, SlotStatus, TriggerKind
-from preheat.settings import get_settings
-from schedules import leader, store
+from preheat.core.catalog import Catalog, load_catalog
+from preheat.core.errors import PreheatError
+from preheat.core.settings import get_settings
+from preheat.history import prune
+from preheat.history.db import aware, session_scope, utcnow
+from preheat.history.models import RunAction, Schedule, ScheduleKind, SlotStatus, TriggerKind
+from preheat.schedules import leader, store
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +140,8 @@ def _due_and_next(now: dt.datetime, grace_s: float) -> tuple[list[DueSlot], dt.d
 
 def send_slot(slot: DueSlot, holder: str, now: dt.datetime) -> tuple[SlotStatus, uuid.UUID | None, str | None]:
     """Dispatch the slot's warmup (its run keyed by the slot); what became of it, and why."""
-    from preheat.dispatch import (
-        dispatch_endpoint_sleep_wake,
-        dispatch_endpoint_warmup,
-        dispatch_sleep_wake,
-        dispatch_warmup,
-    )
+    from preheat.fleet.dispatch import dispatch_endpoint_warmup, dispatch_warmup
+    from preheat.fleet.sleep import dispatch_endpoint_sleep_wake, dispatch_sleep_wake
 
     detail = {
         "schedule": slot.name,

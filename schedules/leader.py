@@ -23,8 +23,8 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from preheat.db import utcnow
-from preheat.models import BeatLease
+from preheat.history.db import utcnow
+from preheat.history.models import BeatLease
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,12 @@ import time
 
 from sqlalchemy import select
 
-from preheat import history, registry
-from preheat.db import aware, session_scope
-from preheat.errors import PreheatError
-from preheat.models import TriggerKind, WorkerRecord
-from preheat.settings import get_settings
+from preheat.core.errors import PreheatError
+from preheat.core.settings import get_settings
+from preheat.fleet import registry
+from preheat.history import service
+from preheat.history.db import aware, session_scope
+from preheat.history.models import TriggerKind, WorkerRecord
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def sweep_registry(templates: list[str] | None = None) -> list[str]:
         starts = [
             (w.nodename, w.pid, aware(w.started_at))
             for w in registry.live_workers(session, settings.worker_dead_after_s)
-            if history.run_for_key(session, start_key(w.nodename, w.pid, w.started_at)) is None
+            if service.run_for_key(session, start_key(w.nodename, w.pid, w.started_at)) is None
         ]
     sent = [warm_worker_start(name, pid, started_at, templates, via="sweep") for name, pid, started_at in starts]
     return [run_id for run_id in sent if run_id is not None]
@@ -90,7 +91,7 @@ def warm_worker_start(
     worker: str, pid: int, started_at: dt.datetime, templates: list[str] | None, *, via: str
 ) -> str | None:
     """Send one start of a worker its only-if-cold warmup (once: the start is the trigger key)."""
-    from preheat.dispatch import dispatch_warmup
+    from preheat.fleet.dispatch import dispatch_warmup
 
     detail = {"worker": worker, "pid": pid, "started_at": started_at.isoformat(), "seen_by": via}
     try:

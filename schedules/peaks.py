@@ -5,7 +5,7 @@ zone, find where the rate rises to `factor` times the week's mean, and propose a
 per start time that fires ahead of it by a lead time measured from history: the p95 of
 how long this model's warmups took (dispatch to the last job finished), plus a margin.
 
-`rank` (preheat.placement, which spreads templates across workers by it): order templates
+`rank` (preheat.fleet.placement, which spreads templates across workers by it): order templates
 by the time pre-filling saves, request rate × measured prefill time.
 """
 
@@ -20,10 +20,10 @@ from zoneinfo import ZoneInfo
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from preheat import traffic
-from preheat.catalog import Catalog
-from preheat.db import aware
-from preheat.models import RunAction, RunStatus, TargetKind, WarmupJob, WarmupRun
+from preheat.core.catalog import Catalog
+from preheat.fleet import traffic
+from preheat.history.db import aware
+from preheat.history.models import RunAction, RunStatus, TargetKind, WarmupJob, WarmupRun
 
 DAY_NAMES = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")  # cron's numbering: 0 is Sunday
 MINUTES_PER_WEEK = 7 * 24 * 60

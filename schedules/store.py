@@ -15,12 +15,11 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from preheat.catalog import NAME_PATTERN, Catalog
-from preheat.cron import Cron, CronError, cron_of, fire_time_after
-from preheat.db import aware, utcnow
-from preheat.errors import ConfigError, UnknownNameError
-from preheat.models import RunAction, Schedule, ScheduleKind, ScheduleSlot, SlotStatus
-from preheat.sleeping import models_targeted
+from preheat.core.catalog import NAME_PATTERN, Catalog
+from preheat.core.cron import Cron, CronError, cron_of, fire_time_after
+from preheat.core.errors import ConfigError, UnknownNameError
+from preheat.history.db import aware, utcnow
+from preheat.history.models import RunAction, Schedule, ScheduleKind, ScheduleSlot, SlotStatus
 
 MAX_LEAD_TIME_S = 86400
 # How far ahead `add` and `resume` look for a contradicting schedule (a week and a day:
@@ -81,7 +80,7 @@ def overlap(catalog: Catalog, a: dict, b: dict) -> set[str]:
         return set(a.get("endpoints") or []) & set(b.get("endpoints") or [])
     if a.get("workers") and b.get("workers") and not set(a["workers"]) & set(b["workers"]):
         return set()
-    return models_targeted(catalog, a) & models_targeted(catalog, b)
+    return catalog.models_targeted(a) & catalog.models_targeted(b)
 
 
 def _fire_minutes(cron: str, timezone: str, lead_s: int, now: dt.datetime) -> set[dt.datetime]:

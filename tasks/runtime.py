@@ -11,10 +11,10 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from preheat.settings import get_settings
+from preheat.core.settings import get_settings
 
 if TYPE_CHECKING:
-    from workers.runtime import WorkerRuntime
+    from preheat.workers.runtime import WorkerRuntime
 
 _RUNTIME: WorkerRuntime | None = None
 _BUILDING = threading.Lock()  # the worker's start-up thread and its bootstep may ask at once
@@ -25,7 +25,7 @@ def get_runtime() -> WorkerRuntime:
     global _RUNTIME
     with _BUILDING:
         if _RUNTIME is None:
-            from workers.runtime import WorkerRuntime
+            from preheat.workers.runtime import WorkerRuntime
 
             _RUNTIME = WorkerRuntime.from_settings(get_settings())
             if _NODENAME:
@@ -36,7 +36,7 @@ def get_runtime() -> WorkerRuntime:
 
 def start_asleep_by_schedule(nodename: str) -> None:
     """This process is worker `nodename`: its runtime starts with the models asleep that the
-    schedules say are (preheat.sleeping's rule), before it loads any."""
+    schedules say are (preheat.fleet.sleep's rule), before it loads any."""
     _NODENAME[:] = [nodename]
 
 
@@ -45,9 +45,9 @@ def asleep_by_schedule(nodename: str) -> dict[str, str]:
     off-peak costs memory, one asleep at the peak costs users."""
     import logging
 
-    from preheat.catalog import load_catalog
-    from preheat.db import session_scope, utcnow
-    from preheat.sleeping import asleep_by_schedule as rule
+    from preheat.core.catalog import load_catalog
+    from preheat.fleet.sleep import asleep_by_schedule as rule
+    from preheat.history.db import session_scope, utcnow
 
     try:
         with session_scope() as session:

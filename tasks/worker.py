@@ -1,7 +1,7 @@
 """What a preheat worker does around its tasks: warm from the start, observable, gated.
 
 A bootstep, so it lives and dies with the worker: at start the health server comes up at
-once, the worker registers and keeps a heartbeat (preheat.registry), and a background
+once, the worker registers and keeps a heartbeat (preheat.fleet.registry), and a background
 thread loads every catalog model in parallel and pre-fills every template, while the
 worker already consumes its own warmup queue. A model's inference queue is consumed only
 once its templates are warm, so no request lands on a cold model.
@@ -19,16 +19,19 @@ from typing import ClassVar
 from celery import bootsteps
 from celery.signals import task_postrun, task_prerun, worker_shutdown, worker_shutting_down
 
-from preheat import fstransport, history, liveness, outbox, traffic
-from preheat.celery import app, infer_queue
-from preheat.db import utcnow
-from preheat.endpoints import POOLS
-from preheat.errors import ConfigError, exit_with
-from preheat.registry import Heartbeat
-from preheat.settings import get_settings
-from tasks.demand import DemandWaker
-from tasks.runtime import get_runtime, start_asleep_by_schedule
-from workers.health import HealthServer
+from preheat.celery import transport
+from preheat.celery.app import app
+from preheat.celery.queues import infer_queue
+from preheat.core.errors import ConfigError, exit_with
+from preheat.core.settings import get_settings
+from preheat.endpoints.pools import POOLS
+from preheat.fleet import liveness, traffic
+from preheat.fleet.registry import Heartbeat
+from preheat.fleet.sleep import DemandWaker
+from preheat.history import outbox, service
+from preheat.history.db import utcnow
+from preheat.tasks.runtime import get_runtime, start_asleep_by_schedule
+from preheat.workers.health import HealthServer
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ log = logging.getLogger(__name__)
 # them (and initialise CUDA) before forking its children.
 IN_PROCESS_POOLS = ("solo", "thread")  # module names: --pool=solo, --pool=threads
 # Every history write a worker makes that may wait in its outbox while the database is away.
-HISTORY_WRITES = (*history.OUTBOX_KINDS, *traffic.OUTBOX_KINDS)
+HISTORY_WRITES = (*service.OUTBOX_KINDS, *traffic.OUTBOX_KINDS)
 
 
 def pool_name(pool_cls) -> str:
@@ -104,7 +107,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
 
         def soon(work, *args) -> None:
             consumer.call_soon(work, *args)
-            fstransport.wake()  # the embedded broker's consumer would run it up to 2 s later
+            transport.wake()  # the embedded broker's consumer would run it up to 2 s later
 
         def consume(model: str) -> None:
             soon(consumer.add_task_queue, infer_queue(model))
@@ -228,10 +231,10 @@ def _bookkeeping(runtime) -> None:
 
 
 def planned_share(runtime, nodename: str, settings) -> set[str] | None:
-    """This worker's templates in the fleet's plan (preheat.placement), read now; None when
+    """This worker's templates in the fleet's plan (preheat.fleet.placement), read now; None when
     it is every template (the catalog fits: nothing is spread)."""
-    from preheat.db import session_scope
-    from preheat.placement import Capacity, fleet_plan
+    from preheat.fleet.placement import Capacity, fleet_plan
+    from preheat.history.db import session_scope
 
     budget = runtime.config.cache_budget
     own = Capacity(budget.max_pinned_bytes, budget.max_pinned_entries)
@@ -268,7 +271,7 @@ _HUB = None
 def _stop_waiting_for_messages(**_) -> None:
     """The consumer's wait ends now, not in up to 2 s (embedded broker) or 1 s (the event
     loop of Redis and AMQP, in epoll until its next timer: SIGTERM does not wake it)."""
-    fstransport.stop_waiting()
+    transport.stop_waiting()
     if _HUB is not None:
         threading.Thread(target=_wake_hub, args=(_HUB,), name="preheat-stop", daemon=True).start()
 

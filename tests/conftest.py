@@ -85,7 +85,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from workers.devmodel import make_model
+    from preheat.cli.devmodel import make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "tiny-llama")
 
@@ -93,15 +93,15 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     """A second architecture (bias on q/k/v, another rope base): reuse must not depend on Llama."""
-    from workers.devmodel import make_model
+    from preheat.cli.devmodel import make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", arch="qwen2")
 
 
 @pytest.fixture(scope="session")
 def dev_model(tmp_path_factory, tiny_model, tiny_qwen2):
-    """dev_model(arch): a small model of `arch` (workers.devmodel.ARCHITECTURES), built once."""
-    from workers.devmodel import make_model
+    """dev_model(arch): a small model of `arch` (preheat.cli.devmodel.ARCHITECTURES), built once."""
+    from preheat.cli.devmodel import make_model
 
     built = {"llama": tiny_model, "qwen2": tiny_qwen2}
 
@@ -116,14 +116,14 @@ def dev_model(tmp_path_factory, tiny_model, tiny_qwen2):
 def support_request(resident, user_input: str):
     """(prefix ids, prompt ids) of a request with the `support` system prompt, rendered
     with the model's chat template."""
-    from workers.chat import TemplatePrefix
+    from preheat.workers.engine.chat import TemplatePrefix
 
     prefix = TemplatePrefix.of(resident, SUPPORT_PROMPT)
     return prefix.ids, prefix.prompt_ids(resident, user_input)
 
 
 def greedy(max_tokens: int, **more):
-    from workers.sampling import SamplingParams
+    from preheat.api.sampling import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **more)
 
@@ -146,11 +146,11 @@ def reference_generate(resident, prompt_ids, max_new_tokens: int, **options) -> 
 
 def new_scheduler(store=None, limits=None, *, max_entries: int = 64, max_bytes: int = 512 * 1024**2):
     """The production scheduler over a prefix cache of its own (and a prefix store, if given)."""
-    from workers.kvcache import CacheBudget, KVCacheManager
-    from workers.prefixcache import PrefixCache
-    from workers.scheduler import BatchLimits, Scheduler
+    from preheat.workers.engine.kvcache import CacheBudget, KVCacheManager
+    from preheat.workers.engine.prefixes import Prefixes
+    from preheat.workers.engine.scheduler import BatchLimits, Scheduler
 
-    prefixes = PrefixCache(KVCacheManager(CacheBudget(max_entries=max_entries, max_bytes=max_bytes)), store)
+    prefixes = Prefixes(KVCacheManager(CacheBudget(max_entries=max_entries, max_bytes=max_bytes)), store)
     return Scheduler(prefixes, limits or BatchLimits())
 
 
@@ -163,7 +163,7 @@ def scheduler():
 
 
 def load_resident(model_dir: Path, name: str = "tiny"):
-    from workers.resident import ModelSource, ResidentModels
+    from preheat.workers.engine.resident import ModelSource, ResidentModels
 
     resident, _ = ResidentModels("cpu").ensure(ModelSource(name, str(model_dir)))
     return resident
@@ -206,7 +206,7 @@ def make_pg_database(pg_admin):
 @pytest.fixture(scope="session")
 def pg_migrated(make_pg_database) -> str:
     """One migrated database for the session; tests empty its tables (see `stack`)."""
-    from preheat import migrate
+    from preheat.history import migrate
 
     url = make_pg_database()
     migrate.upgrade(url)
@@ -232,8 +232,8 @@ def redis_client():
 @pytest.fixture
 def apply_env(monkeypatch):
     """Set PREHEAT_* for this process (and nothing inherited), with the cached settings and engine reset."""
-    from preheat.db import reset_engine
-    from preheat.settings import get_settings
+    from preheat.core.settings import get_settings
+    from preheat.history.db import reset_connections
 
     def apply(env: dict[str, str]) -> None:
         for key in [k for k in os.environ if k.startswith("PREHEAT_")]:
@@ -242,11 +242,11 @@ def apply_env(monkeypatch):
             if key.startswith("PREHEAT_"):
                 monkeypatch.setenv(key, value)
         get_settings.cache_clear()
-        reset_engine()
+        reset_connections()
 
     yield apply
     get_settings.cache_clear()
-    reset_engine()
+    reset_connections()
 
 
 def write_catalog(folder: Path, model_dir: Path | str, extra: str = "") -> Path:
@@ -322,9 +322,9 @@ def _base_env(home: Path, catalog: Path) -> dict[str, str]:
 
 
 def _empty_tables(url: str) -> None:
-    from preheat.db import make_engine
+    from preheat.history.db import open_database
 
-    engine = make_engine(url)
+    engine = open_database(url)
     with engine.begin() as connection:
         connection.execute(
             text(
@@ -336,8 +336,8 @@ def _empty_tables(url: str) -> None:
 
 
 def _make_stack(kind: str, request, tmp_path: Path, model_dir: Path, apply_env) -> Stack:
-    from preheat import migrate
-    from preheat.settings import get_settings
+    from preheat.core.settings import get_settings
+    from preheat.history import migrate
 
     home = tmp_path / "home"
     home.mkdir()
@@ -365,8 +365,8 @@ def stack(request, tmp_path, tiny_model, apply_env) -> Stack:
 def stack_app(stack):
     """This process's Celery app, pointed at the stack's broker: for code that sends tasks
     in-process (beat's dispatch, the watchers), as their own processes would."""
-    from preheat.celery import app, celery_config
-    from preheat.settings import get_settings
+    from preheat.celery.app import app, celery_config
+    from preheat.core.settings import get_settings
 
     _point_app(app, celery_config(get_settings()))
     yield app

@@ -19,16 +19,16 @@ from pathlib import Path
 
 import torch
 
-from preheat.errors import DeviceOutOfMemory
-from workers.chat import TemplatePrefix, conversation, render
-from workers.device import pick_placement
-from workers.devmodel import make_model
-from workers.kvcache import CacheBudget, KVCacheManager
-from workers.prefixcache import PrefixCache
-from workers.resident import ModelSource, ResidentModels
-from workers.scheduler import Scheduler
-from workers.warmup import probe
-from workers.weights import streamer_installed
+from preheat.cli.devmodel import make_model
+from preheat.core.errors import DeviceOutOfMemory
+from preheat.workers.engine.chat import TemplatePrefix, conversation, render
+from preheat.workers.engine.device import pick_placement
+from preheat.workers.engine.kvcache import CacheBudget, KVCacheManager
+from preheat.workers.engine.prefixes import Prefixes
+from preheat.workers.engine.resident import ModelSource, ResidentModels
+from preheat.workers.engine.scheduler import Scheduler
+from preheat.workers.engine.weights import streamer_installed
+from preheat.workers.warmup import probe
 
 SYSTEM = (
     "You are the support assistant of Acme Parcel. Be concise and polite. Always ask for the tracking number "
@@ -46,7 +46,7 @@ def check(out: Path) -> dict:
     registry = ResidentModels("auto")
     resident, _ = registry.ensure(ModelSource("tiny", str(folder)))
     report["placement"] = resident.placement.describe()
-    scheduler = Scheduler(PrefixCache(KVCacheManager(CacheBudget(16, 2**30))))
+    scheduler = Scheduler(Prefixes(KVCacheManager(CacheBudget(16, 2**30))))
 
     prefix = TemplatePrefix.of(resident, SYSTEM)
     prefilled = scheduler.prefill(resident, prefix.ids, label="support", pin=True)
@@ -103,7 +103,7 @@ def load_bandwidth() -> dict:
     transformers and, where installed, by the Run:ai Model Streamer (`auto` takes it on CUDA),
     against the host-to-device copy bandwidth of pinned memory: how far loading is from
     the bus. A 135 M-shaped model, so the figure is not all fixed costs."""
-    from workers.devmodel import ModelShape
+    from preheat.cli.devmodel import ModelShape
 
     folder = make_model(
         Path(tempfile.mkdtemp()) / "m135", shape=ModelShape(576, 1536, 30, 9, 3, 2048, padded_vocab=49152)

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import quote
 
-from preheat import procs
+from preheat.core import processes
 
 
 def _bin_dir() -> Path:
@@ -25,7 +25,7 @@ class PrivatePostgres:
     user = "preheat"
 
     def __init__(self, password: str) -> None:
-        self.password, self.port, self.bin = password, procs.free_port(), _bin_dir()
+        self.password, self.port, self.bin = password, processes.free_port(), _bin_dir()
         # Not under pytest's tmp_path: the server runs as `postgres` when the tests run as
         # root (initdb refuses root), and root's pytest folders are closed to other users.
         self.folder = Path(tempfile.mkdtemp(prefix="preheat-pg-"))

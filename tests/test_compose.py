@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from preheat import procs
+from preheat.core import processes
 from tests.conftest import PREHEAT_CLI, REPO
 
 SERVICES = {"redis", "postgres", "migrate", "gpu-worker", "beat", "watch-workers", "exporter", "flower"}
@@ -39,7 +39,7 @@ def test_each_command_is_a_real_command_with_real_options(compose, service, embe
         assert argv[1:3] == ["-A", "preheat"] and argv[3] in {"beat", "flower"}
         full = [sys.executable, "-m", "celery", *argv[1:]]
     elif argv[0] == "preheat-worker":
-        full = procs.worker_command(*argv[1:])
+        full = processes.worker_command(*argv[1:])
     else:
         full = [PREHEAT_CLI, *argv[1:]]
     # The variables compose requires, with stand-in values.
@@ -77,8 +77,8 @@ def test_the_dockerfile_copies_every_package():
 
 
 def test_gpu_worker_healthcheck_asks_the_health_server_on_its_port(compose):
-    from preheat.settings import Settings
-    from workers.health import PATHS
+    from preheat.core.settings import Settings
+    from preheat.workers.health import PATHS
 
     worker = compose["services"]["gpu-worker"]
     port = worker["environment"]["PREHEAT_HEALTH_PORT"]

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import yaml
 
-from preheat import procs
+from preheat.core import processes
 from tests.conftest import PREHEAT_CLI, REPO
 
 K8S = REPO / "deploy" / "k8s"
@@ -57,8 +57,8 @@ class _Runtime:
 
 
 def test_every_worker_probe_is_answered_by_the_health_server_on_the_container_port(manifests):
-    from preheat.settings import Settings
-    from workers.health import HealthServer
+    from preheat.core.settings import Settings
+    from preheat.workers.health import HealthServer
 
     [worker] = _containers(manifests[("StatefulSet", "preheat-gpu-worker")])
     ports = {port["name"]: port["containerPort"] for port in worker["ports"]}
@@ -147,7 +147,7 @@ def test_each_command_is_a_real_command_with_real_options(manifests, component, 
     ]
     full = {
         "celery": [sys.executable, "-m", "celery", *argv[1:]],
-        "preheat-worker": procs.worker_command(*argv[1:]),
+        "preheat-worker": processes.worker_command(*argv[1:]),
     }.get(argv[0], [PREHEAT_CLI, *argv[1:]])
     env = {**embedded_stack.env, "FLOWER_BASIC_AUTH": "ci:long-enough"}
     done = subprocess.run([*full, "--help"], env=env, capture_output=True, text=True, timeout=60)

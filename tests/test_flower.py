@@ -6,19 +6,19 @@ import sys
 import httpx
 import pytest
 
-from preheat import procs
+from preheat.core import processes
 
 pytestmark = pytest.mark.slow
 
 
 def test_flower_serves_with_basic_auth_only(services_stack, tmp_path):
-    port = procs.free_port()
+    port = processes.free_port()
     env = {**services_stack.env, "FLOWER_BASIC_AUTH": "admin:correct-horse"}
-    flower = procs.start(
-        "flower", procs.celery_command("flower", f"--port={port}", "--address=127.0.0.1"), env, tmp_path / "logs"
+    flower = processes.start(
+        "flower", processes.celery_command("flower", f"--port={port}", "--address=127.0.0.1"), env, tmp_path / "logs"
     )
-    with procs.running(flower):
-        procs.wait_for_log(flower, "Visit me at", timeout_s=60)
+    with processes.running(flower):
+        processes.wait_for_log(flower, "Visit me at", timeout_s=60)
         base = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{base}/healthcheck", timeout=10).status_code == 200
         assert httpx.get(f"{base}/api/workers", timeout=10).status_code == 401
@@ -81,15 +81,15 @@ def test_the_warmup_task_shows_in_flower_in_a_browser_and_in_its_api(services_st
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    port = procs.free_port()
+    port = processes.free_port()
     env = {**services_stack.env, "FLOWER_BASIC_AUTH": "admin:correct-horse"}
-    flower = procs.start(
-        "flower", procs.celery_command("flower", f"--port={port}", "--address=127.0.0.1"), env, tmp_path / "logs"
+    flower = processes.start(
+        "flower", processes.celery_command("flower", f"--port={port}", "--address=127.0.0.1"), env, tmp_path / "logs"
     )
-    worker = procs.start_worker("w1@flower-test", services_stack.env, tmp_path / "logs", cwd=services_stack.home)
-    with procs.running(flower, worker):
-        procs.wait_for_log(flower, "Visit me at", timeout_s=60)
-        procs.wait_for_log(worker, "w1@flower-test ready.")
+    worker = processes.start_worker("w1@flower-test", services_stack.env, tmp_path / "logs", cwd=services_stack.home)
+    with processes.running(flower, worker):
+        processes.wait_for_log(flower, "Visit me at", timeout_s=60)
+        processes.wait_for_log(worker, "w1@flower-test ready.")
         done = services_stack.cli("warm", "--wait", "--json", "--timeout", "120")
         assert done.returncode == 0, done.stderr
         run_prefix = done.stdout.split('"id": "')[1][:8]
@@ -103,7 +103,7 @@ def test_the_warmup_task_shows_in_flower_in_a_browser_and_in_its_api(services_st
             return found if found and all(task["state"] == "SUCCESS" for task in found) else None
 
         # History is final before the task returns; Flower hears of its success a moment later.
-        warmups = procs.poll(succeeded_warmups, 15, what="Flower seeing the task succeed")
+        warmups = processes.poll(succeeded_warmups, 15, what="Flower seeing the task succeed")
         assert [task["kwargs"] for task in warmups] == [kwargs_shown]  # readable, not a blob
 
         browser = _chromium(tmp_path)

@@ -1,39 +1,82 @@
-"""The import direction of the design: schedules → tasks → workers → preheat, and no circles.
+"""The folders are the floors, and imports point only down them; no circles; no exemption.
 
-A file in workers/ must be testable with a model and no broker; a task with a worker and no
-scheduler. An import the wrong way, or two modules that need each other, breaks that
-quietly, so it fails here. Every import counts, those inside functions too: a lazy import
-is still a dependency. The CLI (preheat/cli) is the top floor and the one exemption.
+From the ground up: the core every process shares (settings, catalog, errors, states); the
+OpenAI protocol (`preheat/api`); the engine (`workers/engine`), which knows nothing of the
+worker around it; the worker runtime (`workers/`); the history (`preheat/history`) and the
+Alembic migrations; the Celery integration (`preheat/celery`); remote endpoints
+(`preheat/endpoints`); the fleet's control plane (`preheat/fleet`); the tasks (`tasks/`);
+what starts them (`schedules/`); the CLI on top. A file may import its own folder and the
+floors its folder is given here, nothing else: an import the wrong way, or two modules that
+need each other, breaks a floor's promise quietly (the engine testable with a model and no
+worker; a worker runtime with no broker; a task with a worker and no scheduler), so it
+fails here. Every import counts, those inside functions too: a lazy import is still a
+dependency.
 """
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 from tests.conftest import REPO
 
-PACKAGES = ("preheat", "workers", "tasks", "schedules", "migrations")
-# package → the packages of this project it may import
-ALLOWED = {
-    "preheat": {"preheat"},
-    "workers": {"workers", "preheat"},
-    "tasks": {"tasks", "workers", "preheat"},
-    "schedules": {"schedules", "tasks", "workers", "preheat"},
-    "migrations": {"migrations", "preheat"},
+# Where each importable name lives in the repository: the installed distribution has one
+# top-level name, preheat; the repository keeps tasks/, workers/, ... beside preheat/
+# (pyproject.toml's package-dir).
+FOLDERS = {
+    "preheat": "preheat",
+    "preheat.workers": "workers",
+    "preheat.tasks": "tasks",
+    "preheat.schedules": "schedules",
+    "preheat.migrations": "migrations",
 }
-TOP_FLOOR = "preheat.cli"
-# workers/ knows nothing of Celery or the database (preheat's settings and errors only).
-WORKERS_NEVER = {"celery", "preheat.celery", "preheat.db", "preheat.history", "preheat.outbox", "preheat.dispatch"}
+CORE, API, ENGINE, WORKERS = "preheat.core", "preheat.api", "preheat.workers.engine", "preheat.workers"
+HISTORY, MIGRATIONS, CELERY = "preheat.history", "preheat.migrations", "preheat.celery"
+ENDPOINTS, FLEET, TASKS, SCHEDULES, CLI = (
+    "preheat.endpoints",
+    "preheat.fleet",
+    "preheat.tasks",
+    "preheat.schedules",
+    "preheat.cli",
+)
+# floor -> the floors below it that it may import (its own folder always)
+FLOORS = {
+    CORE: set(),
+    API: {CORE},
+    ENGINE: {CORE, API},
+    WORKERS: {CORE, API, ENGINE},
+    HISTORY: {CORE},
+    MIGRATIONS: {CORE, HISTORY},
+    CELERY: {CORE, HISTORY},
+    ENDPOINTS: {CORE, API},
+    FLEET: {CORE, API, HISTORY, CELERY, ENDPOINTS},
+    TASKS: {CORE, API, ENGINE, WORKERS, HISTORY, CELERY, ENDPOINTS, FLEET},
+    SCHEDULES: {CORE, API, HISTORY, CELERY, ENDPOINTS, FLEET, TASKS},
+    CLI: {CORE, API, ENGINE, WORKERS, HISTORY, MIGRATIONS, CELERY, ENDPOINTS, FLEET, TASKS, SCHEDULES},
+}
+# The package itself: preheat/__init__.py hands `celery -A preheat` the app, lazily.
+ENTRY_POINTS = {"preheat": {CELERY}}
+MAX_LINES = 500
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def module_files() -> dict[str, Path]:
+    found = {}
+    for package, folder in FOLDERS.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = list(path.relative_to(REPO / folder).with_suffix("").parts)
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            name = ".".join([package, *parts])
+            if package == "preheat" and len(parts) and parts[0] in ("workers", "tasks", "schedules", "migrations"):
+                raise AssertionError(f"{path} shadows the {parts[0]}/ folder")
+            found[name] = path
+    return found
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(path): path for package in PACKAGES for path in sorted((REPO / package).rglob("*.py"))}
+def floor_of(module: str) -> str:
+    """The floor a module stands on: the longest floor name that is its prefix."""
+    floors = [f for f in [*FLOORS, *ENTRY_POINTS] if module == f or module.startswith(f + ".")]
+    return max(floors, key=len) if floors else module
 
 
 def imported_names(path: Path) -> set[str]:
@@ -50,7 +93,7 @@ def imported_names(path: Path) -> set[str]:
 
 def project_graph() -> dict[str, set[str]]:
     """module → the project modules it imports (a name resolves to its longest module prefix)."""
-    known = modules()
+    known = module_files()
 
     def resolve(name: str) -> str | None:
         while name and name not in known:
@@ -58,15 +101,13 @@ def project_graph() -> dict[str, set[str]]:
         return name or None
 
     def counts(module: str, target: str | None) -> bool:
-        # A module's own packages are imported before it whatever it says (`from preheat.cli
-        # import render` inside preheat/cli): that is no dependency of its own.
+        # A module's own packages are imported before it whatever it says: no dependency of its own.
         return target is not None and not (module == target or module.startswith(target + "."))
 
-    graph = {}
-    for module, path in known.items():
-        targets = {resolve(name) for name in imported_names(path)}
-        graph[module] = {target for target in targets if counts(module, target)}
-    return graph
+    return {
+        module: {t for t in {resolve(name) for name in imported_names(path)} if counts(module, t)}
+        for module, path in known.items()
+    }
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -89,7 +130,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
                     counter += 1
                     stack.append(child)
                     on_stack.add(child)
-                    work.append((child, iter(sorted(graph[child]))))
+                    work.append((child, iter(sorted(graph.get(child, ())))))
                 elif child in on_stack:
                     low[node] = min(low[node], index[child])
                 continue
@@ -112,10 +153,12 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def layering_violations(graph: dict[str, set[str]]) -> list[str]:
     found = []
     for module, targets in sorted(graph.items()):
-        if module == TOP_FLOOR or module.startswith(TOP_FLOOR + "."):
+        floor = floor_of(module)
+        allowed = FLOORS.get(floor, ENTRY_POINTS.get(floor))
+        if allowed is None:
+            found.append(f"{module} stands on no floor")
             continue
-        allowed = ALLOWED[module.split(".")[0]]
-        found += [f"{module} imports {t}" for t in sorted(targets) if t.split(".")[0] not in allowed]
+        found += [f"{module} imports {t}" for t in sorted(targets) if floor_of(t) not in allowed | {floor}]
     return found
 
 
@@ -123,32 +166,64 @@ def test_the_import_graph_has_no_circle():
     assert circles(project_graph()) == []
 
 
-def test_imports_point_down_the_layers():
+def test_imports_point_down_the_floors_without_exemption():
     assert layering_violations(project_graph()) == []
 
 
-def test_workers_know_nothing_of_celery_or_the_database():
+def test_every_module_stands_on_a_floor_and_the_package_root_holds_only_entry_points():
+    modules = module_files()
+    assert [m for m in modules if floor_of(m) not in FLOORS and m not in ENTRY_POINTS] == []
+    assert sorted(path.name for path in (REPO / "preheat").glob("*.py")) == ["__init__.py"]
+
+
+def test_the_engine_and_the_worker_know_nothing_of_celery_or_the_database():
+    """The engine runs with a model and nothing else; the worker runtime with no broker
+    (tasks/ wraps it in Celery) and no database (its history goes through tasks/)."""
+    never = {ENGINE: ("celery", "kombu", "sqlalchemy", "tornado", "httpx"), WORKERS: ("celery", "kombu", "sqlalchemy")}
     found = [
         f"{module} imports {name}"
-        for module, path in modules().items()
-        if module.startswith("workers")
+        for module, path in module_files().items()
+        if floor_of(module) in never
         for name in sorted(imported_names(path))
-        if any(name == f or name.startswith(f + ".") for f in WORKERS_NEVER)
+        if any(name == o or name.startswith(o + ".") for o in never[floor_of(module)])
     ]
     assert found == []
 
 
 def test_the_checks_see_a_circle_and_an_upward_import():
     # The detector itself, on a made-up graph: a test that cannot fail proves nothing.
-    graph = {"preheat.a": {"preheat.b"}, "preheat.b": {"preheat.c"}, "preheat.c": {"preheat.a"}, "tasks.t": set()}
-    assert circles(graph) == [["preheat.a", "preheat.b", "preheat.c"]]
-    assert layering_violations({"preheat.a": {"tasks.t"}, "tasks.t": {"preheat.a"}}) == ["preheat.a imports tasks.t"]
-    assert layering_violations({"preheat.cli.x": {"schedules.s"}}) == []
+    graph = {"preheat.core.a": {"preheat.core.b"}, "preheat.core.b": {"preheat.core.a"}, "preheat.tasks.t": set()}
+    assert circles(graph) == [["preheat.core.a", "preheat.core.b"]]
+    assert layering_violations({"preheat.core.a": {"preheat.tasks.t"}, "preheat.tasks.t": set()}) == [
+        "preheat.core.a imports preheat.tasks.t"
+    ]
+    assert layering_violations({"preheat.workers.engine.x": {"preheat.workers.runtime"}}) == [
+        "preheat.workers.engine.x imports preheat.workers.runtime"
+    ]
+    assert layering_violations({"preheat.cli.x": {"preheat.schedules.s"}}) == []
 
 
-def test_tests_mirror_the_packages():
-    for package in ("preheat", "tasks", "workers", "schedules"):
-        assert (REPO / "tests" / package).is_dir(), package
+def test_no_product_file_is_over_500_lines():
+    long = {
+        str(p.relative_to(REPO)): n for p in module_files().values() if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert long == {}
+
+
+def test_the_distribution_installs_one_top_level_name_and_every_package():
+    """tasks/, workers/, ... are installed as preheat.tasks, preheat.workers: a `tasks` module of
+    another distribution never collides with ours. Every folder with an __init__.py is listed."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    packages = {name for name, path in module_files().items() if path.name == "__init__.py"}
+    assert listed == packages
+    assert {name.split(".")[0] for name in listed} == {"preheat"}
+    assert setuptools["package-dir"] == {name: folder for name, folder in FOLDERS.items() if name != "preheat"}
+
+
+def test_tests_mirror_the_floors():
+    for folder in ("preheat", "tasks", "workers", "schedules"):
+        assert (REPO / "tests" / folder).is_dir(), folder
 
 
 def test_the_readme_is_a_users_page_and_markdown_lines_fit():

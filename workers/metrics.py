@@ -12,8 +12,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from workers.kvcache import KVCacheManager
-from workers.resident import ResidentModels
+from preheat.workers.engine.kvcache import KVCacheManager
+from preheat.workers.engine.resident import ResidentModels
 
 # From a warm tiny model on a CPU (milliseconds) to a cold 70B prefill (tens of seconds).
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -17,21 +17,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from preheat.catalog import Catalog, load_catalog
-from workers.chat import Messages, render, system_prompt_of
-from workers.kvcache import CacheBudget, KVCacheManager
-from workers.metrics import EngineCollector, RuntimeMetrics, SleepCollector
-from workers.prefix import encode
-from workers.prefixcache import PrefixCache
-from workers.prefixstore import PrefixStore
-from workers.protocol import Ask, LogprobShapes, whole_answer
-from workers.request import Completion, Request, TextStream
-from workers.resident import ModelSource, ResidentModel, ResidentModels
-from workers.sampling import SamplingParams
-from workers.scheduler import BatchLimits, ModelAsleepError, Scheduler
-from workers.sleep import SleepResult, Sleeps, WakeResult
-from workers.templates import TEMPLATE_ERRORS, Templates
-from workers.warmup import TemplateWarmup, Warmups
+from preheat.api.answers import LogprobShapes, whole_answer
+from preheat.api.requests import Ask
+from preheat.api.sampling import SamplingParams
+from preheat.core.catalog import Catalog, load_catalog
+from preheat.workers.engine.chat import Messages, render, system_prompt_of
+from preheat.workers.engine.kvcache import CacheBudget, KVCacheManager
+from preheat.workers.engine.prefixes import Prefixes
+from preheat.workers.engine.prefixstore import PrefixStore
+from preheat.workers.engine.request import Completion, Request, TextStream
+from preheat.workers.engine.resident import ModelSource, ResidentModel, ResidentModels, encode
+from preheat.workers.engine.scheduler import BatchLimits, ModelAsleepError, Scheduler
+from preheat.workers.metrics import EngineCollector, RuntimeMetrics, SleepCollector
+from preheat.workers.sleep import Sleeps
+from preheat.workers.templates import TEMPLATE_ERRORS, Templates
+from preheat.workers.warmup import TemplateWarmup, Warmups
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class WorkerRuntime:
         self.catalog, self.config = catalog, config
         self.resident_models = ResidentModels(config.device, config.weight_loader)
         self.cache = KVCacheManager(config.cache_budget)
-        self.scheduler = Scheduler(PrefixCache(self.cache, prefix_store), config.batch_limits)
+        self.scheduler = Scheduler(Prefixes(self.cache, prefix_store), config.batch_limits)
         self.metrics = RuntimeMetrics(self.cache, self.resident_models, lambda: not self.readiness())
         self.metrics.collectors.register(EngineCollector(self.scheduler))
         self.templates = Templates(catalog, self._resident, self.scheduler, self.metrics)
@@ -135,11 +135,11 @@ class WorkerRuntime:
         )
         self.gate = RequestGate()
         # Asked once before the first load: the models to start asleep, and why (a worker
-        # restarted off-peak; tasks.runtime sets it from the schedules).
+        # restarted off-peak; preheat.tasks.runtime sets it from the schedules).
         self.asleep_at_start: Callable[[], dict[str, str]] | None = None
         self._starting = threading.Lock()
-        # This worker's share of the fleet's templates (tasks.worker.planned_share, by
-        # preheat.placement's plan); None: every template is pinned here.
+        # This worker's share of the fleet's templates (preheat.tasks.worker.planned_share, by
+        # preheat.fleet.placement's plan); None: every template is pinned here.
         self.planner: Callable[[], set[str] | None] | None = None
         self.sleeps = Sleeps(
             self.resident_models,
@@ -148,6 +148,8 @@ class WorkerRuntime:
             self.warmups.lock,
             on_sleep=self.gate.sleeping,
             on_wake=self._announce_if_warm,
+            forget_prefixes=self.templates.asleep,
+            restore_prefixes=self._prefill_templates,
             drain_s=config.sleep_drain_s,
         )
         self.metrics.collectors.register(SleepCollector(self.sleeps, lambda: list(catalog.models)))
@@ -208,7 +210,7 @@ class WorkerRuntime:
         with self._starting:
             if self.asleep_at_start is not None:
                 ask, self.asleep_at_start = self.asleep_at_start, None
-                self.start_asleep(ask())
+                self.sleeps.start_asleep(ask())
             awake = [name for name in self.catalog.models if name not in self.sleeps.asleep]
             self.resident_models.preload_once([self.source(name) for name in awake], max_parallel)
 
@@ -284,9 +286,7 @@ class WorkerRuntime:
     def _resident(self, model: str) -> ResidentModel:
         """The model, loaded if it is not resident (its source, files included, read only then),
         woken if it sleeps (someone needs it now)."""
-        if self.sleeps.ensure_awake(model):
-            log.info("model %s woken on demand", model)
-            self._prefill_templates(model)
+        self.sleeps.ensure_awake(model)
         resident = self.resident_models.get(model)
         if resident is None:
             resident, _ = self.resident_models.ensure(self.source(model))
@@ -332,35 +332,6 @@ class WorkerRuntime:
         """See Warmups.warm: never raises, the failure is the measurement."""
         return self.warmups.warm(template, only_if_cold)
 
-    # Sleep and wake ---------------------------------------------------------------
-
-    def start_asleep(self, models: dict[str, str]) -> None:
-        """Before start-up loads anything: `models` (model -> why) start asleep, nothing
-        loaded (see preheat.sleeping); a wake or a request loads them."""
-        for model, why in models.items():
-            self.sleeps.start_asleep(model)
-            self.templates.asleep(model)
-            log.info("model %s starts asleep: %s", model, why)
-
-    def sleep(self, model: str, level: int = 1) -> SleepResult:
-        """See Sleeps.sleep. Pinned prefixes are written to the prefix store first (those
-        under way), so a wake restores them. Never raises: the failure is the record."""
-        if (store := self.scheduler.prefixes.store) is not None:
-            store.flush()
-        result = self.sleeps.sleep(model, level)
-        if result.status == "asleep":
-            self.templates.asleep(model)
-        return result
-
-    def wake(self, model: str) -> WakeResult:
-        """The weights back (see Sleeps.wake) and every template restored (or pre-filled) and
-        pinned: the model takes requests again, as after start-up. The caller's warmups then
-        probe and judge each template (a wake is a warmup), as start-up's first job does."""
-        result = self.sleeps.wake(model)
-        if result.status == "awake":
-            self._prefill_templates(model)
-        return result
-
     # Requests ---------------------------------------------------------------------
 
     def generate(self, template: str, user_input: str, sampling: SamplingParams = SamplingParams()) -> TextStream:
@@ -404,7 +375,7 @@ class WorkerRuntime:
         return self._submit(resident, prompt_ids, sampling, arrived, None, remember=sampling.n > 1)
 
     def open_choice(self, ask: Ask, index: int = 0) -> TextStream:
-        """Choice `index` of a parsed request (workers.protocol), chat or plain: what
+        """Choice `index` of a parsed request (preheat.workers.protocol), chat or plain: what
         `/v1/*` and `preheat.infer` both open. Each later choice starts from what the ones
         before left cached."""
         sampling = ask.sampling.for_choice(index)
@@ -473,7 +444,7 @@ class WorkerRuntime:
             "asleep": {name: state.describe() for name, state in self.sleeps.asleep.items()},
             "engine": self.scheduler.load(),
             "serving": self.gate.serving(list(self.catalog.models)),
-            # What the router sends template requests by (preheat.routing): the templates
+            # What the router sends template requests by (preheat.fleet.routing): the templates
             # pinned and warm here, and this worker's share of the fleet's plan (None: all).
             "templates": {
                 "held": [name for name in self.catalog.templates if self.templates.is_warm(name)],

@@ -37,24 +37,13 @@ import tornado.netutil
 import tornado.web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
-from workers.health import readiness_answer
-from workers.protocol import (
-    MAX_TOKENS_LIMIT,
-    ApiError,
-    Ask,
-    LogprobShapes,
-    api_error,
-    int_field,
-    parse_body,
-    parse_chat,
-    parse_completion,
-    stream_event,
-    usage_chunk,
-    whole_answer,
-)
-from workers.request import Completion, TextStream
-from workers.runtime import WorkerRuntime
-from workers.sampling import SamplingError, SamplingParams
+from preheat.api.answers import LogprobShapes, stream_event, usage_chunk, whole_answer
+from preheat.api.requests import MAX_TOKENS_LIMIT, ApiError, Ask, int_field, parse_body, parse_chat, parse_completion
+from preheat.api.sampling import SamplingError, SamplingParams
+from preheat.workers.engine.request import Completion, TextStream
+from preheat.workers.health import readiness_answer
+from preheat.workers.protocol import api_error
+from preheat.workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 

@@ -29,19 +29,16 @@ from pathlib import Path
 
 import torch
 
-from preheat.errors import ModelLoadError, PreheatError
-from workers.device import synchronize
-from workers.prefix import release_free_heap
-from workers.resident import ModelSource, ResidentModel, ResidentModels, digest_contents
-from workers.weights import load_weights
+from preheat.core.errors import ModelLoadError
+from preheat.workers.engine.device import synchronize
+from preheat.workers.engine.kvtensors import release_free_heap
+from preheat.workers.engine.resident import ModelSource, ResidentModel, ResidentModels, digest_contents
+from preheat.workers.engine.scheduler import SleepRefused
+from preheat.workers.engine.weights import load_weights
 
 log = logging.getLogger(__name__)
 
 LEVELS = (1, 2)
-
-
-class SleepRefused(PreheatError):
-    """A sleep that would have to cut a request short: it is refused instead."""
 
 
 # Weights -----------------------------------------------------------------------------
@@ -230,10 +227,16 @@ class Sleeps:
         *,
         on_sleep: Callable[[str], None],
         on_wake: Callable[[str], None],
+        forget_prefixes: Callable[[str], None],
+        restore_prefixes: Callable[[str], None],
         drain_s: float = 30.0,
     ) -> None:
+        """`on_sleep` / `on_wake` tell the gate (the model's requests stop, and are taken again
+        once it is warm); `forget_prefixes` marks the model's templates not ready (their KV is
+        freed), `restore_prefixes` restores (or pre-fills) and pins them again."""
         self._models, self._scheduler, self._source_of, self.lock = resident_models, scheduler, source_of, lock
         self._on_sleep, self._on_wake, self.drain_s = on_sleep, on_wake, drain_s
+        self._forget_prefixes, self._restore_prefixes = forget_prefixes, restore_prefixes
         self.asleep: dict[str, Asleep] = {}
         self.wakes_on_demand = 0
 
@@ -241,8 +244,10 @@ class Sleeps:
         state = self.asleep.get(model)
         return state.level if state else None
 
-    def sleep(self, model: str, level: int) -> SleepResult:
-        """Never raises for a model that cannot sleep: the failure is the record."""
+    def sleep(self, model: str, level: int = 1) -> SleepResult:
+        """Never raises for a model that cannot sleep: the failure is the record. Pinned
+        prefixes are written to the prefix store first (those under way), so a wake restores
+        them."""
         result = SleepResult(model, "failed", level)
         if level not in LEVELS:
             result.error = f"sleep level must be 1 or 2, got {level}"
@@ -257,6 +262,8 @@ class Sleeps:
                 return result
             result.device = resident.placement.describe()
             started = time.perf_counter()
+            if (store := self._scheduler.prefixes.store) is not None:
+                store.flush()
             self._on_sleep(model)  # no new request from the queue; readiness says why
             try:
                 kv_bytes = self._scheduler.park(resident.name, self.drain_s)
@@ -275,6 +282,7 @@ class Sleeps:
             result.bytes_freed = kv_bytes + weights
             result.sleep_ms = (time.perf_counter() - started) * 1000
             result.status = "asleep"
+            self._forget_prefixes(model)
             log.info(
                 "model %s asleep (level %d) after %.0f ms: %d bytes freed",
                 model,
@@ -297,13 +305,21 @@ class Sleeps:
         _give_back(resident.placement.device)
         return freed
 
-    def start_asleep(self, model: str) -> None:
-        """Asleep from the start, nothing loaded: a wake loads it, as after level 2."""
-        self.asleep[model] = Asleep(2, time.time())
-        self._scheduler.unpark(model)  # nothing to park: no request was ever taken
+    def start_asleep(self, models: dict[str, str]) -> None:
+        """Before start-up loads anything: `models` (model -> why) start asleep, nothing
+        loaded (the rule is preheat.fleet.sleep's); a wake or a request loads them, as after
+        level 2."""
+        for model, why in models.items():
+            self.asleep[model] = Asleep(2, time.time())
+            self._scheduler.unpark(model)  # nothing to park: no request was ever taken
+            self._forget_prefixes(model)
+            log.info("model %s starts asleep: %s", model, why)
 
     def wake(self, model: str) -> WakeResult:
-        """The weights back and the model unparked. Never raises: the failure is the record."""
+        """The weights back, the model unparked, and every template restored (or pre-filled)
+        and pinned: the model takes requests again, as after start-up. The caller's warmups
+        then probe and judge each template (a wake is a warmup), as start-up's first job
+        does. Never raises: the failure is the record."""
         result = WakeResult(model, "failed")
         with self.lock:
             state = self.asleep.get(model)
@@ -322,8 +338,9 @@ class Sleeps:
             self._scheduler.unpark(model)
             result.wake_ms = (time.perf_counter() - started) * 1000
             result.device, result.status = resident.placement.describe(), "awake"
-            self._on_wake(model)
             log.info("model %s awake (level %d) after %.0f ms", model, state.level, result.wake_ms)
+            self._restore_prefixes(model)
+            self._on_wake(model)
             return result
 
     def _restore(self, model: str, state: Asleep, result: WakeResult) -> ResidentModel:
@@ -341,7 +358,7 @@ class Sleeps:
         return resident
 
     def ensure_awake(self, model: str) -> bool:
-        """Wake `model` if it sleeps (a request is waiting for it); True if it did."""
+        """Wake `model` if it sleeps (a request is waiting for it here); True if it did."""
         if model not in self.asleep:
             return False
         with self.lock:
@@ -351,4 +368,5 @@ class Sleeps:
         if result.status != "awake":
             raise ModelLoadError(f"model {model} is asleep and could not be woken: {result.error}")
         self.wakes_on_demand += 1
+        log.info("model %s woken on demand", model)
         return True

@@ -1,7 +1,7 @@
 """A worker's templates as its requests and warmups use them.
 
 A template is resolved once: its prompt file read, its system prompt rendered with the
-model's chat template and its prefix ids hashed (``workers.chat.TemplatePrefix``). Requests
+model's chat template and its prefix ids hashed (``preheat.workers.engine.chat.TemplatePrefix``). Requests
 use what was resolved and read no file; a warmup reads the prompt file again, so a prompt
 edited on disk is pre-filled by the next warmup. Each template carries the reason it is
 not ready (None once its prefix is pre-filled and pinned), which readiness reports.
@@ -17,14 +17,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from preheat.catalog import Catalog, TemplateSpec
-from preheat.errors import PreheatError
-from workers.chat import TemplatePrefix
-from workers.kvcache import CacheBudgetError, CacheFullError
-from workers.metrics import RuntimeMetrics
-from workers.prefixcache import Prefilled
-from workers.resident import ResidentModel
-from workers.scheduler import Scheduler
+from preheat.core.catalog import Catalog, TemplateSpec
+from preheat.core.errors import PreheatError
+from preheat.workers.engine.chat import TemplatePrefix
+from preheat.workers.engine.kvcache import CacheBudgetError, CacheFullError
+from preheat.workers.engine.prefixes import Prefilled
+from preheat.workers.engine.resident import ResidentModel
+from preheat.workers.engine.scheduler import Scheduler
+from preheat.workers.metrics import RuntimeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Templates:
         self._prefixes: dict[str, TemplatePrefix] = {}
         self._not_ready: dict[str, str | None] = dict.fromkeys(catalog.templates, "not pre-filled yet")
         self._ad_hoc: OrderedDict[tuple[str, str], TemplatePrefix] = OrderedDict()
-        # This worker's share of the fleet's templates (preheat.placement); None: every one.
+        # This worker's share of the fleet's templates (preheat.fleet.placement); None: every one.
         # Only these are pinned and asked of readiness; the others are served from the LRU.
         self.planned: set[str] | None = None
 

@@ -17,13 +17,13 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from workers.chat import conversation, render
-from workers.kvcache import CacheKey
-from workers.prefixcache import Prefilled
-from workers.resident import ResidentModel
-from workers.sampling import SamplingParams
-from workers.scheduler import Scheduler
-from workers.templates import TEMPLATE_ERRORS, Templates
+from preheat.api.sampling import SamplingParams
+from preheat.workers.engine.chat import conversation, render
+from preheat.workers.engine.kvcache import CacheKey
+from preheat.workers.engine.prefixes import Prefilled
+from preheat.workers.engine.resident import ResidentModel
+from preheat.workers.engine.scheduler import Scheduler
+from preheat.workers.templates import TEMPLATE_ERRORS, Templates
 
 log = logging.getLogger(__name__)
 

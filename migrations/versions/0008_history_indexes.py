@@ -17,7 +17,7 @@ def upgrade() -> None:
     # `preheat history --status/--trigger`: newest first among the matching runs only.
     op.create_index("ix_warmup_runs_status_created_at", "warmup_runs", ["status", "created_at"])
     op.create_index("ix_warmup_runs_trigger_created_at", "warmup_runs", ["trigger", "created_at"])
-    # A task's failure finds its jobs by the task id (preheat.history.fail_task_jobs).
+    # A task's failure finds its jobs by the task id (preheat.history.service.fail_task_jobs).
     op.create_index("ix_warmup_jobs_celery_task_id", "warmup_jobs", ["celery_task_id"])
 
 

@@ -11,7 +11,7 @@ import sys
 import typer
 from rich.console import Console
 
-from preheat.errors import ConfigError, PreheatError
+from preheat.core.errors import ConfigError, PreheatError
 
 app = typer.Typer(
     no_args_is_help=True,

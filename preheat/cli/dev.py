@@ -4,7 +4,7 @@ from pathlib import Path
 
 import typer
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 app = typer.Typer(no_args_is_help=True, help="Development tools.")
 
@@ -16,7 +16,7 @@ def make_model(
     seed: int = typer.Option(0, help="Seed for the random weights."),
 ) -> None:
     """Write a small causal LM (random weights, real architecture and tokenizer) to FOLDER."""
-    from workers.devmodel import make_model as build
+    from preheat.cli.devmodel import make_model as build
 
     if arch not in ("llama", "qwen2"):
         raise ConfigError(f"unknown architecture {arch!r} (expected llama or qwen2)")
@@ -32,12 +32,12 @@ def make_model(
 
 def _one_request(catalog, timeout: float) -> tuple[str, dict]:
     """What a user's request does once the worker is warm: `preheat.infer` on the first template."""
-    from preheat.celery import app
+    from preheat.celery.app import app
 
     template = next(iter(catalog.templates))
     pending = app.send_task(
         "preheat.infer",
-        kwargs={"template": template, "max_new_tokens": 8, "user_input": catalog.template(template).probe},
+        kwargs={"template": template, "max_tokens": 8, "user_input": catalog.template(template).probe},
     )
     return template, pending.get(timeout=timeout)
 
@@ -45,7 +45,7 @@ def _one_request(catalog, timeout: float) -> tuple[str, dict]:
 def build_missing_models(catalog, console) -> None:
     """Build the small model wherever the catalog names a local folder that has none yet
     (a fresh clone), then check every model path."""
-    from workers.devmodel import make_model as build
+    from preheat.cli.devmodel import make_model as build
 
     for name in catalog.models:
         path = Path(catalog.model_path(name))
@@ -62,13 +62,14 @@ def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait fo
     import os
     import socket
 
-    from preheat import history, migrate, procs
-    from preheat.catalog import load_catalog
     from preheat.cli import render
     from preheat.cli.warm import wait_for_run
-    from preheat.db import session_scope
-    from preheat.dispatch import dispatch_warmup
-    from preheat.settings import get_settings
+    from preheat.core import processes
+    from preheat.core.catalog import load_catalog
+    from preheat.core.settings import get_settings
+    from preheat.fleet.dispatch import dispatch_warmup
+    from preheat.history import migrate, service
+    from preheat.history.db import session_scope
 
     console = render.console()
     settings = get_settings()
@@ -80,18 +81,18 @@ def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait fo
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     logs = settings.home / "logs"
     nodename = f"demo@{socket.gethostname()}"
-    worker = procs.start_worker(nodename, env, logs)
-    beat = procs.start("beat", procs.celery_command("beat", "--loglevel=INFO"), env, logs)
-    with procs.running(worker, beat):
-        procs.wait_for_log(worker, f"{nodename} ready.")
-        procs.wait_for_log(beat, "beat: Starting")
+    worker = processes.start_worker(nodename, env, logs)
+    beat = processes.start("beat", processes.celery_command("beat", "--loglevel=INFO"), env, logs)
+    with processes.running(worker, beat):
+        processes.wait_for_log(worker, f"{nodename} ready.")
+        processes.wait_for_log(beat, "beat: Starting")
         console.print(f"worker {nodename} and beat are up (logs in {logs})")
         dispatched = dispatch_warmup(workers=[nodename], requested_by="make demo")
         console.print(f"run {dispatched.run_id.hex[:8]}: warming {', '.join(dispatched.templates)} …")
         run = wait_for_run(dispatched.run_id, timeout, show_progress=True)
         answer = _one_request(catalog, timeout)
     with session_scope() as session:
-        run = history.get_run(session, run.id)  # read back from the history DB, not from memory
+        run = service.get_run(session, run.id)  # read back from the history DB, not from memory
     console.print(render.jobs_table(run))
     render.print_reasons(console, run)
     console.print(
@@ -122,8 +123,8 @@ def dashboard_snapshot(
     Grafana can run (docs/monitoring.md)."""
     import json
 
-    from preheat import report
-    from preheat.errors import ConfigError
+    from preheat.core.errors import ConfigError
+    from preheat.fleet import report
 
     try:
         panels = [p for p in json.loads(dashboard.read_text())["panels"] if p["type"] != "row"]

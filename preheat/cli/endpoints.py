@@ -16,10 +16,10 @@ console = render.console()
 def endpoints(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
     """List endpoints: kind, pool size, templates primed, keep-alive pings sent."""
     catalog = load_catalog(get_settings().catalog)
-    from preheat import history
+    from preheat.history import service
 
     with session_scope() as session:
-        counters = {row.endpoint: row for row in history.keepalives(session)}
+        counters = {row.endpoint: row for row in service.keepalives(session)}
     rows = []
     for name, spec in catalog.endpoints.items():
         kept = counters.get(name)

@@ -29,9 +29,10 @@ def exporter(
 
     from prometheus_client import CollectorRegistry, make_wsgi_app
 
-    from preheat.celery import app, infer_queue, waiting_messages
-    from preheat.errors import ConfigError
-    from preheat.fleet import FleetCollector
+    from preheat.celery.app import app
+    from preheat.celery.queues import infer_queue, waiting_messages
+    from preheat.core.errors import ConfigError
+    from preheat.fleet.exporter import FleetCollector
 
     settings = get_settings()
     catalog = load_catalog(settings.catalog)

@@ -10,8 +10,8 @@ import typer
 
 from preheat.cli import render
 from preheat.cli.lazy import session_scope, utcnow
-from preheat.errors import ConfigError, UnknownNameError
-from preheat.states import RunStatus, TriggerKind
+from preheat.core.errors import ConfigError, UnknownNameError
+from preheat.core.states import RunStatus, TriggerKind
 
 console = render.console()
 _SPAN = re.compile(r"^(\d+)([mhd])$")
@@ -49,7 +49,7 @@ def history(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """List warmup runs, newest first, or show one run's jobs with their measured timings."""
-    from preheat import history as service
+    from preheat.history import service
 
     with session_scope() as session:
         if run is not None:

@@ -8,7 +8,7 @@ import typer
 
 from preheat.cli import render
 from preheat.cli.warm import EXIT_TIMEOUT
-from preheat.errors import ConfigError, PreheatError
+from preheat.core.errors import ConfigError, PreheatError
 
 console = render.console()
 
@@ -33,12 +33,12 @@ def infer(
     is warm) and print the completion with its TTFT."""
     from celery.exceptions import TimeoutError as ResultTimeout
 
-    from preheat.celery import app
-    from preheat.routing import send_infer
+    from preheat.celery.app import app
+    from preheat.fleet.routing import send_infer
 
     # The router resolves the template's model queue: an unknown template fails here, unsent.
     decoding = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop}
-    kwargs = {"template": template, "user_input": user_input, "max_new_tokens": max_tokens}
+    kwargs = {"template": template, "user_input": user_input, "max_tokens": max_tokens}
     kwargs.update({name: value for name, value in decoding.items() if value is not None})
     _check_decoding(kwargs)
     # To a worker that holds the template pinned, within its bound; else the shared queue.
@@ -83,13 +83,13 @@ def _stop_waiting(app, pending) -> None:
 
 def _check_decoding(kwargs: dict) -> None:
     """The values the worker would refuse, refused here (message, exit 2), before sending:
-    the same mapping the worker applies (workers.protocol)."""
-    from workers.protocol import sampling_of
-    from workers.sampling import SamplingError
+    the same mapping the worker applies (preheat.workers.protocol)."""
+    from preheat.api.requests import sampling_of
+    from preheat.api.sampling import SamplingError
 
-    fields = {k: v for k, v in kwargs.items() if k not in ("template", "user_input", "max_new_tokens")}
+    fields = {k: v for k, v in kwargs.items() if k not in ("template", "user_input")}
     try:
-        sampling_of({**fields, "max_tokens": kwargs["max_new_tokens"]})
+        sampling_of(fields)
     except SamplingError as exc:
         option, why = exc.parameter.replace("_", "-"), str(exc).removeprefix(f"{exc.parameter}: ")
         raise ConfigError(f"--{option}: {why}") from None

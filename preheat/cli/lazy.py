@@ -6,30 +6,30 @@ from __future__ import annotations
 
 
 def session_scope():
-    from preheat.db import session_scope
+    from preheat.history.db import session_scope
 
     return session_scope()
 
 
 def utcnow():
-    from preheat.db import utcnow
+    from preheat.history.db import utcnow
 
     return utcnow()
 
 
 def aware(moment):
-    from preheat.db import aware
+    from preheat.history.db import aware
 
     return aware(moment)
 
 
 def load_catalog(path):
-    from preheat.catalog import load_catalog
+    from preheat.core.catalog import load_catalog
 
     return load_catalog(path)
 
 
 def get_settings():
-    from preheat.settings import get_settings
+    from preheat.core.settings import get_settings
 
     return get_settings()

@@ -23,7 +23,7 @@ def import_(
     add: bool = typer.Option(False, "--add", help="Add to counts already stored (default: replace them)."),
 ) -> None:
     """Load traffic history; every row is checked before any is written."""
-    from preheat import traffic
+    from preheat.fleet import traffic
 
     tallies = traffic.read_csv(path)
     with session_scope() as session:
@@ -63,10 +63,10 @@ def suggest(
     """Find weekly peaks and propose schedules that fire ahead of each by a measured lead time;
     with --sleep-between, the sleep windows between them too (each peak's schedule then wakes
     the model by its lead: a wake is a warmup)."""
-    from preheat.cron import Cron, CronError
-    from preheat.errors import ConfigError
-    from preheat.prune import check_within_retention
-    from schedules import peaks
+    from preheat.core.cron import Cron, CronError
+    from preheat.core.errors import ConfigError
+    from preheat.history.prune import check_within_retention
+    from preheat.schedules import peaks
 
     settings = get_settings()
     check_within_retention(7 * weeks, settings.history_retention_days, f"--weeks {weeks}")
@@ -170,7 +170,7 @@ def _window_json(window, timezone: str) -> dict:
 
 
 def _windows_table(windows, timezone: str, applied: list[str]) -> Table:
-    from schedules import peaks
+    from preheat.schedules import peaks
 
     table = Table(title=f"sleeps between the peaks, in {timezone}", title_justify="left")
     for header in ("model", "days", "sleeps at", "level", "shortest sleep h", "until the wake of", "cron", "schedule"):
@@ -192,8 +192,8 @@ def _windows_table(windows, timezone: str, applied: list[str]) -> Table:
 def _apply(session, found, weeks: int, windows, catalog) -> list[str]:
     """Write each suggestion as a peak schedule (a wake where its model sleeps between peaks)
     and each sleep window as a sleep schedule, replacing earlier ones of the same names."""
-    from preheat.models import RunAction, ScheduleKind
-    from schedules import store
+    from preheat.history.models import RunAction, ScheduleKind
+    from preheat.schedules import store
 
     sleeping = {w.model for w in windows}
     for name in [s.peak.name for s in found] + [w.name for w in windows]:
@@ -233,8 +233,8 @@ def _apply(session, found, weeks: int, windows, catalog) -> list[str]:
 def _replace_peak_schedule(session, name: str) -> None:
     from sqlalchemy import select
 
-    from preheat.errors import ConfigError
-    from preheat.models import Schedule, ScheduleKind
+    from preheat.core.errors import ConfigError
+    from preheat.history.models import Schedule, ScheduleKind
 
     existing = session.scalars(select(Schedule).where(Schedule.name == name)).first()
     if existing is not None:
@@ -251,8 +251,8 @@ def rank(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Order templates by time saved (request rate x measured prefill) and say which fit the cache."""
-    from preheat import placement
-    from preheat.prune import check_within_retention
+    from preheat.fleet import placement
+    from preheat.history.prune import check_within_retention
 
     settings = get_settings()
     check_within_retention(days, settings.history_retention_days, f"--days {days}")
@@ -320,7 +320,7 @@ def rank(
 @templates_app.command("plan")
 def plan(as_json: bool = typer.Option(False, "--json")) -> None:
     """Where each template is pinned across the live workers (the fleet's plan), and which none holds."""
-    from preheat import placement, registry
+    from preheat.fleet import placement, registry
 
     settings = get_settings()
     catalog = load_catalog(settings.catalog)

@@ -15,10 +15,10 @@ def report(
 ) -> None:
     """Write one HTML file (no network needed to open it): TTFT cold / warm / bare per template
     over time, verdicts per worker, schedule fires against learned peaks and traffic, KV bytes."""
-    from preheat import report as service
     from preheat.cli.history import parse_since
     from preheat.cli.render import console
-    from preheat.errors import ConfigError
+    from preheat.core.errors import ConfigError
+    from preheat.fleet import report as service
 
     start = parse_since(since)
     until = utcnow()

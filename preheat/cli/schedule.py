@@ -11,10 +11,10 @@ from rich.table import Table
 
 from preheat.cli import render
 from preheat.cli.lazy import aware, load_catalog, session_scope, utcnow
-from preheat.states import RunAction
+from preheat.core.states import RunAction
 
 if TYPE_CHECKING:
-    from preheat.models import Schedule, ScheduleSlot
+    from preheat.history.models import Schedule, ScheduleSlot
 from preheat.cli.lazy import get_settings
 
 app = typer.Typer(no_args_is_help=True, help="Peak schedules: when beat warms what, ahead of traffic.")
@@ -41,7 +41,7 @@ def add(
 ) -> None:
     """Add a schedule; beat fires it from its next fire time on. A sleep and a warm (or a
     wake) of one model in the same minute are refused."""
-    from schedules import store
+    from preheat.schedules import store
 
     settings = get_settings()
     catalog = load_catalog(settings.catalog)
@@ -67,7 +67,7 @@ def add(
 @app.command("list")
 def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
     """Every schedule, with its next fire time and its latest slot."""
-    from schedules import store
+    from preheat.schedules import store
 
     with session_scope() as session:
         schedules = store.list_all(session)
@@ -125,7 +125,7 @@ def resume(name: str) -> None:
 @app.command("remove")
 def remove(name: str) -> None:
     """Delete it (the runs it fired stay in history)."""
-    from schedules import store
+    from preheat.schedules import store
 
     with session_scope() as session:
         store.remove(session, name)
@@ -139,7 +139,7 @@ def slots(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """What became of recent slots: sent (with the run), missed, unsent or failed, and why."""
-    from schedules import store
+    from preheat.schedules import store
 
     with session_scope() as session:
         if name is not None:
@@ -165,7 +165,7 @@ def slots(
 
 
 def _set_enabled(name: str, value: bool) -> None:
-    from schedules import store
+    from preheat.schedules import store
 
     with session_scope() as session:
         schedule = store.set_enabled(session, name, value, load_catalog(get_settings().catalog))
@@ -173,7 +173,7 @@ def _set_enabled(name: str, value: bool) -> None:
 
 
 def next_fire_at(schedule: Schedule):
-    from schedules import store
+    from preheat.schedules import store
 
     return store.next_fire_at(schedule, utcnow())
 

@@ -9,7 +9,7 @@ import threading
 
 import typer
 
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 log = logging.getLogger("preheat.serve")
 
@@ -34,9 +34,9 @@ def serve(
     every model loaded and every template pre-filled at start; /health/ready says when."""
     import tornado.ioloop
 
-    from preheat.settings import get_settings
-    from workers.runtime import WorkerRuntime
-    from workers.serve import ServeConfig, Server, listen
+    from preheat.core.settings import get_settings
+    from preheat.workers.runtime import WorkerRuntime
+    from preheat.workers.serve import ServeConfig, Server, listen
 
     logging.basicConfig(level=get_settings().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = get_settings()

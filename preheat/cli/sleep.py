@@ -10,8 +10,8 @@ from __future__ import annotations
 import typer
 
 from preheat.cli.warm import _requester, follow
-from preheat.errors import ConfigError
-from preheat.states import RunAction
+from preheat.core.errors import ConfigError
+from preheat.core.states import RunAction
 
 MODEL = typer.Option(None, "--model", "-m", help="Catalog model (repeat; default: every model).")
 TEMPLATE = typer.Option(None, "--template", "-t", help="A template, standing for its model (repeat).")
@@ -62,7 +62,7 @@ def wake(
 
 
 def _act(action, models, templates, workers, endpoints, level, wait, timeout, requested_by, as_json) -> None:
-    from preheat.dispatch import dispatch_endpoint_sleep_wake, dispatch_sleep_wake
+    from preheat.fleet.sleep import dispatch_endpoint_sleep_wake, dispatch_sleep_wake
 
     who = _requester() if requested_by is None else requested_by
     if endpoints:

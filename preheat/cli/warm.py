@@ -14,15 +14,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from preheat.cli import render
 from preheat.cli.lazy import session_scope
-from preheat.errors import ConfigError
-from preheat.states import RunStatus
+from preheat.core.errors import ConfigError
+from preheat.core.states import RunStatus
 
 if TYPE_CHECKING:
-    from preheat.models import WarmupRun
+    from preheat.history.models import WarmupRun
 from preheat.cli.lazy import get_settings
 
 console = render.console()
-# 2 bad input, 3 no live worker and 5 services unreachable come from preheat.errors / cli.
+# 2 bad input, 3 no live worker and 5 services unreachable come from preheat.core.errors / cli.
 EXIT_FAILED, EXIT_TIMEOUT, EXIT_DEGRADED = 1, 4, 6
 
 
@@ -34,18 +34,18 @@ def _requester() -> str:
 
 
 def _load(run_id: uuid.UUID) -> WarmupRun:
-    from preheat import history
+    from preheat.history import service
 
     with session_scope() as session:
-        return history.get_run(session, run_id)
+        return service.get_run(session, run_id)
 
 
 def _reap() -> None:
     """Settle jobs of dead workers now, so a wait never outlasts the reaper's bound. A worker
     whose heartbeat row is stale but whose pulse through the broker is fresh is alive (its
     database was away): its jobs wait for its outbox, never called lost."""
-    from preheat import registry
-    from preheat.liveness import pulses_for
+    from preheat.fleet import registry
+    from preheat.fleet.liveness import pulses_for
 
     settings = get_settings()
     with session_scope() as session:
@@ -102,7 +102,7 @@ def warm(
 
     With --wait, exits 0 when every job is warm or skipped, 1 when one failed or was lost,
     6 when one is degraded (warm but not verified), 4 when the wait timed out."""
-    from preheat.dispatch import dispatch_endpoint_warmup, dispatch_warmup
+    from preheat.fleet.dispatch import dispatch_endpoint_warmup, dispatch_warmup
 
     if endpoint and worker:
         raise ConfigError("give --worker or --endpoint, not both: a run warms workers or endpoints")

@@ -11,7 +11,7 @@ import signal
 import typer
 
 from preheat.cli.lazy import get_settings
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 
 def _run_until_signalled(watcher) -> None:
@@ -39,9 +39,10 @@ def watch_pods(
     context: str = typer.Option(None, "--context", help="kubeconfig context."),
 ) -> None:
     """Warm each pod once when it becomes Ready (or is first seen Ready)."""
-    from preheat.catalog import load_catalog
-    from preheat.dispatch import prime_dispatch
-    from schedules.pods import PodTarget, PodWatcher, PodWatchers, kube_api
+    from preheat.core.catalog import load_catalog
+    from preheat.fleet.dispatch import prime_dispatch
+    from preheat.schedules.pods import PodTarget
+    from preheat.schedules.podwatch import PodWatcher, PodWatchers, kube_api
 
     namespaces = list(dict.fromkeys(namespace or []))
     if all_namespaces == bool(namespaces):
@@ -71,10 +72,10 @@ def watch_workers(
     ),
 ) -> None:
     """Warm each Celery worker that comes online, unless its start-up warmup made it warm."""
-    from preheat.catalog import load_catalog
-    from preheat.celery import app
-    from preheat.dispatch import prime_dispatch
-    from schedules.online import WorkerOnlineWatcher
+    from preheat.celery.app import app
+    from preheat.core.catalog import load_catalog
+    from preheat.fleet.dispatch import prime_dispatch
+    from preheat.schedules.online import WorkerOnlineWatcher
 
     catalog = load_catalog(get_settings().catalog)
     for name in template or []:

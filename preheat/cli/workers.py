@@ -17,7 +17,7 @@ def workers(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """List workers from their heartbeats: state, resident models, KV cache use, readiness."""
-    from preheat import registry
+    from preheat.fleet import registry
 
     dead_after, now = get_settings().worker_dead_after_s, utcnow()
     with session_scope() as session:

@@ -59,8 +59,8 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(embedded_stack):
 def test_outbox_compares_direct_kept_and_replayed_writes_and_leaves_nothing_behind(stack, tmp_path):
     from sqlalchemy import func, select
 
-    from preheat.db import session_scope
-    from preheat.models import AppliedWrite, WarmupJob, WarmupRun
+    from preheat.history.db import session_scope
+    from preheat.history.models import AppliedWrite, WarmupJob, WarmupRun
 
     out = tmp_path / "outbox.json"
     done = bench(stack, "outbox", "--writes", "20", "--json", str(out))

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from preheat.catalog import load_catalog
-from preheat.errors import ConfigError, UnknownNameError
+from preheat.core.catalog import load_catalog
+from preheat.core.errors import ConfigError, UnknownNameError
 
 GOOD = """
 [models.tiny]
@@ -107,7 +107,7 @@ def test_unknown_names_list_what_exists(tmp_path):
 def test_the_current_catalog_is_parsed_again_only_when_the_file_changes(tmp_path, tiny_model):
     import os
 
-    from preheat.catalog import current_catalog
+    from preheat.core.catalog import current_catalog
     from tests.conftest import write_catalog
 
     path = write_catalog(tmp_path, tiny_model)
@@ -137,7 +137,7 @@ def test_the_current_catalog_is_parsed_again_only_when_the_file_changes(tmp_path
 def test_active_hours_are_read_in_the_endpoints_time_zone(hours, utc_hour, active):
     import datetime as dt
 
-    from preheat.catalog import EndpointSpec
+    from preheat.core.catalog import EndpointSpec
 
     spec = EndpointSpec(
         base_url="http://x/v1", active_hours=hours, timezone="Europe/Berlin" if hours.startswith("22") else "UTC"

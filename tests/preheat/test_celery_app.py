@@ -8,16 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from preheat.celery import (
-    PreheatTask,
-    celery_config,
-    create_app,
-    refuse_open_flower,
-    route_task,
-    worker_queue,
-)
-from preheat.errors import ConfigError, UnknownNameError
-from preheat.settings import load_settings
+from preheat.celery.app import celery_config, create_app
+from preheat.celery.flower import refuse_open_flower
+from preheat.celery.queues import route_task, worker_queue
+from preheat.celery.task import PreheatTask
+from preheat.core.errors import ConfigError, UnknownNameError
+from preheat.core.settings import load_settings
 from tests.conftest import write_catalog
 
 
@@ -76,9 +72,14 @@ def test_requests_go_to_their_models_inference_queue_and_unknown_templates_are_r
 def test_results_only_for_requests_in_redis_or_files(settings, tmp_path):
     assert celery_config(settings)["task_ignore_result"] is True
     results = (tmp_path / "home" / "results").resolve()
-    assert celery_config(settings)["result_backend"] == f"preheat.results:PromptFilesystemBackend+file://{results}"
+    assert (
+        celery_config(settings)["result_backend"] == f"preheat.celery.results:PromptFilesystemBackend+file://{results}"
+    )
     redis = load_settings(broker_url="redis://127.0.0.1:6379/11")
-    assert celery_config(redis)["result_backend"] == "preheat.results:ResyncingRedisBackend+redis://127.0.0.1:6379/11"
+    assert (
+        celery_config(redis)["result_backend"]
+        == "preheat.celery.results:ResyncingRedisBackend+redis://127.0.0.1:6379/11"
+    )
 
 
 def test_a_worker_runs_as_many_threads_as_its_engine_has_rows_and_one_more(settings):
@@ -87,7 +88,7 @@ def test_a_worker_runs_as_many_threads_as_its_engine_has_rows_and_one_more(setti
     config = celery_config(load_settings(max_running_requests=24))
     assert config["worker_pool"] == "threads" and config["worker_concurrency"] == 25
     assert config["worker_prefetch_multiplier"] == 1 and config["task_acks_late"] is True
-    assert config["worker_consumer"] == "preheat.consumer:PreheatConsumer"
+    assert config["worker_consumer"] == "preheat.celery.consumer:PreheatConsumer"
 
 
 @pytest.mark.parametrize(
@@ -101,7 +102,7 @@ def test_a_worker_runs_as_many_threads_as_its_engine_has_rows_and_one_more(setti
     ],
 )
 def test_the_pool_is_checked_against_the_engine_at_start(settings, pool, concurrency, outcome, caplog):
-    from tasks.worker import check_concurrency
+    from preheat.tasks.worker import check_concurrency
 
     if outcome == "refused":
         with pytest.raises(SystemExit) as stopped:
@@ -115,7 +116,7 @@ def test_the_pool_is_checked_against_the_engine_at_start(settings, pool, concurr
 
 def test_beat_uses_the_database_scheduler_and_keeps_no_state_file(settings):
     config = celery_config(settings)
-    assert config["beat_scheduler"] == "schedules.beat:DatabaseScheduler"
+    assert config["beat_scheduler"] == "preheat.schedules.beat:DatabaseScheduler"
     assert "beat_schedule_filename" not in config  # slots are recorded in the database
 
 
@@ -199,10 +200,10 @@ def test_beat_and_the_cli_load_the_task_modules_without_torch(settings):
     beat that took 3-8 s to import them on busy cores missed the slot it restarted for."""
     probe = (
         "import sys\n"
-        "from preheat.celery import app\n"
+        "from preheat.celery.app import app\n"
         "app.loader.init_worker(); app.finalize()\n"  # what `celery beat` does before it runs
         "assert 'preheat.warm_worker' in app.tasks and 'preheat.infer' in app.tasks\n"
-        "print('HEAVY', [m for m in ('torch', 'transformers', 'workers.runtime') if m in sys.modules])"
+        "print('HEAVY', [m for m in ('torch', 'transformers', 'preheat.workers.runtime') if m in sys.modules])"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=os.environ)
     assert "HEAVY []" in done.stdout, done.stdout + done.stderr
@@ -213,7 +214,7 @@ def test_preheat_worker_is_celerys_worker_command_without_the_umbrella_cli(setti
     loads none of the umbrella's subcommands or plugins."""
     probe = (
         "import sys\n"
-        "from preheat.worker_command import main\n"
+        "from preheat.celery.worker_command import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
         "print('LOADED', [m for m in ('flower', 'click_repl', 'celery.bin.celery', 'torch') if m in sys.modules])"
     )
@@ -221,7 +222,7 @@ def test_preheat_worker_is_celerys_worker_command_without_the_umbrella_cli(setti
     assert "LOADED []" in done.stdout, done.stdout + done.stderr
     assert "Usage: preheat-worker [OPTIONS]" in done.stdout and "--pool" in done.stdout and "--hostname" in done.stdout
     refused = subprocess.run(
-        [sys.executable, "-m", "preheat.worker_command", "--pool=threads", "--no-such-option"],
+        [sys.executable, "-m", "preheat.celery.worker_command", "--pool=threads", "--no-such-option"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from preheat import procs
+from preheat.core import processes
 from tests.conftest import PREHEAT_CLI
 
 
@@ -100,7 +100,7 @@ def test_db_upgrade_and_check(embedded):
 
 
 def test_unreachable_services_exit_5_with_one_line(embedded, tmp_path):
-    port = procs.free_port()  # nothing listens there
+    port = processes.free_port()  # nothing listens there
     broker_down = run("warm", env={**embedded.env, "PREHEAT_BROKER_URL": f"redis://:pw@127.0.0.1:{port}/0"})
     assert broker_down.returncode == 5
     line = one_error_line(broker_down)
@@ -224,8 +224,8 @@ def test_the_cli_loads_no_database_layer_model_or_catalog_until_a_command_needs_
     probe = (
         "import sys; from preheat.cli import main; sys.argv = ['preheat', '--help']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        "heavy = [m for m in ('sqlalchemy', 'torch', 'celery', 'transformers', 'preheat.catalog', 'preheat.settings')"
-        " if m in sys.modules]\n"
+        "heavy = [m for m in ('sqlalchemy', 'torch', 'celery', 'transformers', 'preheat.core.catalog',"
+        " 'preheat.core.settings') if m in sys.modules]\n"
         "print('HEAVY', heavy)"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
@@ -240,6 +240,6 @@ def test_infer_without_an_answer_says_so_in_one_line_and_exits_cleanly(services_
     assert waited.returncode == 4, waited
     assert "no warm worker answered within 1 s" in waited.stdout and waited.stderr.strip() == "", waited
 
-    refused_env = {**services_stack.env, "PREHEAT_BROKER_URL": f"redis://127.0.0.1:{procs.free_port()}/0"}
+    refused_env = {**services_stack.env, "PREHEAT_BROKER_URL": f"redis://127.0.0.1:{processes.free_port()}/0"}
     refused = run("infer", "support", "Where is my parcel?", "--timeout", "1", env=refused_env, cwd=services_stack.home)
     assert refused.returncode == 5 and "cannot reach the result backend" in one_error_line(refused), refused

@@ -6,7 +6,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from preheat.cron import Cron, CronError
+from preheat.core.cron import Cron, CronError
 
 UTC = dt.UTC
 BERLIN, NEW_YORK = "Europe/Berlin", "America/New_York"

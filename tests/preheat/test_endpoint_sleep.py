@@ -10,9 +10,12 @@ import sys
 import httpx
 import pytest
 
-from preheat import procs
-from preheat.catalog import EndpointSpec, load_catalog
-from preheat.endpoints import POOLS, keep_alive, prefix_cache_counters, sleep_endpoint, wake_and_prime
+from preheat.core import processes
+from preheat.core.catalog import EndpointSpec, load_catalog
+from preheat.endpoints.keepalive import keep_alive
+from preheat.endpoints.pools import POOLS
+from preheat.endpoints.sleep import sleep_endpoint, wake_and_prime
+from preheat.endpoints.warmup import prefix_cache_counters
 from tests.conftest import write_catalog
 
 
@@ -27,7 +30,7 @@ def fake_vllm(tmp_path):
         )
         started.append(proc)
         url = re.search(r"http://\S+", proc.stdout.readline()).group(0)
-        procs.poll(lambda: httpx.get(f"{url}/health").status_code == 200, 10, what="fake vllm")
+        processes.poll(lambda: httpx.get(f"{url}/health").status_code == 200, 10, what="fake vllm")
         return url
 
     yield start
@@ -119,9 +122,9 @@ def test_preheat_sleep_and_wake_of_an_endpoint_through_a_worker_are_recorded(
     )
     write_catalog(embedded_stack.catalog.parent, tiny_model, extra)  # the stack's own catalog, with the endpoint
     cli = embedded_stack.cli
-    worker = procs.start_worker("io@sleep-endpoint", embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
-    with procs.running(worker):
-        procs.wait_for_log(worker, "io@sleep-endpoint ready.")
+    worker = processes.start_worker("io@sleep-endpoint", embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
+    with processes.running(worker):
+        processes.wait_for_log(worker, "io@sleep-endpoint ready.")
 
         slept = cli("sleep", "--endpoint", "vllm", "--wait", "--json")
         assert slept.returncode == 0, slept.stderr + worker.log()[-3000:]
@@ -147,10 +150,10 @@ def test_a_day_in_minutes_the_endpoint_asleep_at_night_and_warm_for_the_morning_
     sleep and the wake to the fake vLLM; the peak's first request finds its prefix cached."""
     import datetime as dt
 
-    from preheat.celery import app, celery_config
-    from preheat.db import session_scope, utcnow
-    from preheat.settings import get_settings
-    from schedules import beat, store
+    from preheat.celery.app import app, celery_config
+    from preheat.core.settings import get_settings
+    from preheat.history.db import session_scope, utcnow
+    from preheat.schedules import beat, store
     from tests.conftest import SUPPORT_PROMPT, _point_app
 
     url = fake_vllm("--dev-mode", "--enable-prompt-tokens-details")
@@ -167,10 +170,10 @@ def test_a_day_in_minutes_the_endpoint_asleep_at_night_and_warm_for_the_morning_
     assert clash.returncode == 2 and "same minute as schedule 'night'" in clash.stderr
     day = (utcnow() + dt.timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
     _point_app(app, celery_config(get_settings()))
-    worker = procs.start_worker("io@day", embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
+    worker = processes.start_worker("io@day", embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
     try:
-        with procs.running(worker):
-            procs.wait_for_log(worker, "io@day ready.")
+        with processes.running(worker):
+            processes.wait_for_log(worker, "io@day ready.")
 
             def fire(at) -> dict:
                 assert list(beat.fire_due(at, "beat-test", grace_s=300, lease_s=15).values()) == ["sent"]
@@ -181,7 +184,7 @@ def test_a_day_in_minutes_the_endpoint_asleep_at_night_and_warm_for_the_morning_
                     run = json.loads(cli("history", str(slot.run_id)[:8], "--json").stdout)
                     return run if run["status"] in ("succeeded", "degraded", "failed") else None
 
-                return procs.poll(final, 60, what=f"the slot at {at}")
+                return processes.poll(final, 60, what=f"the slot at {at}")
 
             night = fire(day + dt.timedelta(hours=22, seconds=5))
             assert [(job["template"], job["status"], job["sleep_level"]) for job in night["jobs"]] == [

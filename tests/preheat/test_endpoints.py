@@ -10,12 +10,14 @@ import ssl
 import httpx
 import pytest
 
-from preheat import history, procs
-from preheat.catalog import EndpointSpec, load_catalog
 from preheat.cli.bench.connect import make_tls
-from preheat.db import session_scope
-from preheat.endpoints import POOLS, EndpointPools
-from preheat.errors import ConfigError
+from preheat.core import processes
+from preheat.core.catalog import EndpointSpec, load_catalog
+from preheat.core.errors import ConfigError
+from preheat.endpoints.pools import POOLS, EndpointPools
+from preheat.history import service
+from preheat.history.db import session_scope
+from preheat.tasks.arguments import KeepAliveArguments
 from tests.conftest import write_catalog
 from tests.workers.test_serve import TOKEN
 
@@ -39,11 +41,11 @@ def tls_server(embedded_stack, tmp_path, tls):
         "PREHEAT_SERVE_TLS_CERT": str(tls["cert"]),
         "PREHEAT_SERVE_TLS_KEY": str(tls["key"]),
     }
-    proc = procs.start_serve(env, tmp_path / "logs")
-    with procs.running(proc):
-        url = procs.serve_url(proc)
+    proc = processes.start_serve(env, tmp_path / "logs")
+    with processes.running(proc):
+        url = processes.serve_url(proc)
         assert url.startswith("https://")
-        procs.poll(
+        processes.poll(
             lambda: httpx.get(f"{url}/health/ready", verify=trusting(tls["ca"]), timeout=5).status_code == 200,
             60,
             what="ready",
@@ -111,7 +113,7 @@ def test_a_pool_discarded_while_leased_closes_when_its_last_lease_ends(tls_serve
 
 def test_a_server_whose_certificate_is_not_trusted_is_a_clear_failure(embedded_stack, tls_server):
     url, _ = tls_server
-    from preheat.endpoints import warm_endpoint
+    from preheat.endpoints.warmup import warm_endpoint
 
     catalog = load_catalog(embedded_stack.catalog)
     [result] = warm_endpoint(
@@ -137,19 +139,19 @@ def endpoints_catalog(embedded_stack, tls_server, tls, tiny_model, tmp_path):
 
 def test_a_warmup_of_two_endpoints_is_recorded_with_connect_time_and_ttft(embedded_stack, endpoints_catalog, tmp_path):
     env = {**embedded_stack.env, "TEST_SERVE_TOKEN": TOKEN}
-    worker = procs.start_worker("io@endpoint-test", env, tmp_path / "logs", cwd=embedded_stack.home)
-    with procs.running(worker):
-        procs.wait_for_log(worker, "io@endpoint-test ready.")
+    worker = processes.start_worker("io@endpoint-test", env, tmp_path / "logs", cwd=embedded_stack.home)
+    with processes.running(worker):
+        processes.wait_for_log(worker, "io@endpoint-test ready.")
         # Once its own model is loaded: the server's probe, timed against its steady state,
         # must not share the two cores with a model load (seen: degraded on a fresh clone).
-        procs.wait_for_log(worker, "preload done")
+        processes.wait_for_log(worker, "preload done")
         done = embedded_stack.cli(
             "warm", "--endpoint", "as-vllm", "--endpoint", "as-preheat", "--wait", "--json", "--timeout", "120"
         )
         assert done.returncode == 0, done.stderr + worker.log()[-3000:]
     printed = json.loads(done.stdout)
     with session_scope() as session:
-        run = history.find_run(session, printed["id"])
+        run = service.find_run(session, printed["id"])
         jobs = {job.target: job for job in run.jobs}
     assert sorted(jobs) == ["as-preheat", "as-vllm"]
     for job in jobs.values():
@@ -163,25 +165,33 @@ def test_a_warmup_of_two_endpoints_is_recorded_with_connect_time_and_ttft(embedd
 def test_keep_alive_pings_within_active_hours_and_counts_what_it_skips(
     embedded_stack, endpoints_catalog, tls, monkeypatch
 ):
-    from preheat import endpoints as service
-    from tasks.endpoints import keep_alive_endpoint
+    from preheat.endpoints import keepalive
+    from preheat.tasks.endpoints import keep_alive_endpoint
 
     monkeypatch.setenv("PREHEAT_CATALOG", str(endpoints_catalog))
-    from preheat.settings import get_settings
+    from preheat.core.settings import get_settings
 
     get_settings.cache_clear()
     now = dt.datetime.now(dt.UTC)
     inside = f"{now - dt.timedelta(hours=1):%H}:00-{now + dt.timedelta(hours=1):%H}:59"
     try:
-        assert keep_alive_endpoint.run("as-vllm") == {"sent": 1, "failed": 0, "skipped": False}
-        assert keep_alive_endpoint.run("as-vllm") == {"sent": 1, "failed": 0, "skipped": False}
+        assert keep_alive_endpoint.run(KeepAliveArguments(endpoint="as-vllm")) == {
+            "sent": 1,
+            "failed": 0,
+            "skipped": False,
+        }
+        assert keep_alive_endpoint.run(KeepAliveArguments(endpoint="as-vllm")) == {
+            "sent": 1,
+            "failed": 0,
+            "skipped": False,
+        }
         catalog = load_catalog(endpoints_catalog)
         outside = f"{now + dt.timedelta(hours=2):%H}:00-{now + dt.timedelta(hours=3):%H}:00"
         for hours, expected in ((outside, True), (inside, False)):
             spec = catalog.endpoint("as-vllm").model_copy(update={"active_hours": hours})
-            assert service.keep_alive("as-vllm", spec, catalog, now).skipped is expected
+            assert keepalive.keep_alive("as-vllm", spec, catalog, now).skipped is expected
         with session_scope() as session:
-            [row] = history.keepalives(session)
+            [row] = service.keepalives(session)
         assert (row.endpoint, row.pings_sent, row.pings_failed) == ("as-vllm", 2, 0)
         assert row.last_ttft_ms > 0 and row.last_error is None
         listed = embedded_stack.cli("endpoints", "--json")
@@ -199,7 +209,7 @@ def test_keep_alive_runs_below_the_prompt_cache_ttl():
 
 
 def test_an_api_key_variable_that_is_not_set_is_a_clear_error(monkeypatch):
-    from preheat.endpoints import build_client
+    from preheat.endpoints.pools import build_client
 
     monkeypatch.delenv("NOT_SET_KEY", raising=False)
     with pytest.raises(ConfigError, match="api_key_env variable NOT_SET_KEY is not set"):

@@ -12,10 +12,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from preheat.catalog import load_catalog
-from preheat.db import session_scope, utcnow
-from preheat.fleet import FleetCollector
-from preheat.models import (
+from preheat.core.catalog import load_catalog
+from preheat.core.settings import get_settings
+from preheat.fleet.exporter import FleetCollector
+from preheat.history.db import session_scope, utcnow
+from preheat.history.models import (
     JobStatus,
     RunAction,
     RunStatus,
@@ -28,7 +29,6 @@ from preheat.models import (
     WarmupRun,
     WorkerRecord,
 )
-from preheat.settings import get_settings
 from tests.conftest import PREHEAT_CLI
 
 

@@ -42,8 +42,8 @@ def test_fanout_warms_fresh_fleets_and_reports_total_against_the_slowest(embedde
 
 
 def test_benchmarks_refuse_when_other_workers_would_take_part(embedded_stack):
-    from preheat import registry
-    from preheat.db import session_scope, utcnow
+    from preheat.fleet import registry
+    from preheat.history.db import session_scope, utcnow
 
     with session_scope() as session:
         registry.beat(session, "someone@else", started_at=utcnow(), ready=True, state={})

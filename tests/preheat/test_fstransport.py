@@ -11,15 +11,15 @@ import pytest
 from kombu import Connection
 from kombu.transport import resolve_transport
 
-from preheat import fstransport
+from preheat.celery import transport
 
 MESSAGES = 1000
 
 PRODUCER = """
 import sys
 from kombu import Connection
-from preheat import fstransport
-fstransport.install()
+from preheat.celery import transport
+transport.install()
 folder = sys.argv[1]
 options = {"data_folder_in": folder, "data_folder_out": folder, "control_folder": folder}
 with Connection("filesystem://", transport_options=options) as connection:
@@ -30,13 +30,13 @@ with Connection("filesystem://", transport_options=options) as connection:
 
 
 def test_the_app_uses_preheats_filesystem_transport():
-    import preheat.celery  # noqa: F401 - the app installs it
+    import preheat.celery.app  # noqa: F401 - the app installs it
 
-    assert resolve_transport("filesystem") is fstransport.Transport
+    assert resolve_transport("filesystem") is transport.Transport
 
 
 def test_a_consumer_racing_a_producer_in_another_process_gets_every_message_whole(tmp_path):
-    fstransport.install()
+    transport.install()
     options = {
         "data_folder_in": str(tmp_path),
         "data_folder_out": str(tmp_path),
@@ -64,7 +64,7 @@ def test_a_wait_for_a_message_holds_its_timeout_and_ends_when_woken(tmp_path):
     whether to stop: a wake-up ends the wait. A caller's own timeout still holds in full."""
     import threading
 
-    fstransport.install()
+    transport.install()
     options = {
         "data_folder_in": str(tmp_path),
         "data_folder_out": str(tmp_path),
@@ -88,14 +88,14 @@ def test_a_wait_for_a_message_holds_its_timeout_and_ends_when_woken(tmp_path):
         waiting.start()
         waiting.join(0.3)
         assert waiting.is_alive()  # no message: still waiting, past many slices
-        fstransport.wake()
+        transport.wake()
         waiting.join(30)
         assert outcome == ["woken"]
         queue.put({"n": 2})  # a wake-up ends one wait: the next gets its message as usual
         assert queue.get(timeout=5).payload == {"n": 2}
-        fstransport.stop_waiting()  # a stopping worker: no wait outlasts a poll, however long asked
+        transport.stop_waiting()  # a stopping worker: no wait outlasts a poll, however long asked
         try:
             with pytest.raises(TimeoutError):
                 connection.drain_events(timeout=3600)
         finally:
-            fstransport._STOPPING.clear()
+            transport._STOPPING.clear()

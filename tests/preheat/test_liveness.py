@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import datetime as dt
 
-from preheat.liveness import FilePulses, Pulse, RedisPulses, pulses_for, read_quietly
-from preheat.settings import load_settings
+from preheat.core.settings import load_settings
+from preheat.fleet.liveness import FilePulses, Pulse, RedisPulses, pulses_for, read_quietly
 from tests.conftest import REDIS_URL
 
 AT = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.UTC)
@@ -39,8 +39,8 @@ def test_where_pulses_live_follows_the_broker(tmp_path):
 
 
 def test_an_unreachable_broker_is_no_evidence():
-    from preheat import procs
+    from preheat.core import processes
 
-    pulses = RedisPulses(f"redis://127.0.0.1:{procs.free_port()}/0", ttl_s=30)
+    pulses = RedisPulses(f"redis://127.0.0.1:{processes.free_port()}/0", ttl_s=30)
     assert read_quietly(pulses, "gpu0@node-1") is None
     assert read_quietly(None, "gpu0@node-1") is None

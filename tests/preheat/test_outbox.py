@@ -12,14 +12,15 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from preheat import history, outbox, traffic
-from preheat.db import make_engine
-from preheat.models import AppliedWrite, JobStatus, RunStatus, TrafficCount, TriggerKind, WarmupJob
+from preheat.fleet import traffic
+from preheat.history import outbox, service
+from preheat.history.db import open_database
+from preheat.history.models import AppliedWrite, JobStatus, RunStatus, TrafficCount, TriggerKind, WarmupJob
 from tests.tcp_proxy import TcpProxy
 
 WORKER = "gpu0@outbox-test"
 T0 = dt.datetime(2026, 11, 29, 22, 0, tzinfo=dt.UTC)
-KINDS = (*history.OUTBOX_KINDS, *traffic.OUTBOX_KINDS)
+KINDS = (*service.OUTBOX_KINDS, *traffic.OUTBOX_KINDS)
 
 
 @pytest.fixture
@@ -29,7 +30,7 @@ def away(services_stack, apply_env):
     real_url = services_stack.env["PREHEAT_DATABASE_URL"]
     proxy = TcpProxy("127.0.0.1", 5432).start()
     apply_env({**services_stack.env, "PREHEAT_DATABASE_URL": real_url.replace(":5432/", f":{proxy.port}/")})
-    engine = make_engine(real_url)
+    engine = open_database(real_url)
     proxy.direct = lambda: Session(engine, expire_on_commit=False)
     yield proxy
     proxy.close()
@@ -46,14 +47,14 @@ def box(tmp_path):
 def _run_with_jobs(direct, templates=("support", "summarise")) -> tuple[str, str]:
     task_id = str(uuid.uuid4())
     with direct() as session, session.begin():
-        run = history.create_run(session, trigger=TriggerKind.manual, requested_by="test")
-        history.add_jobs(session, run, target=WORKER, model_templates=[("tiny", t) for t in templates], task_id=task_id)
+        run = service.create_run(session, trigger=TriggerKind.manual, requested_by="test")
+        service.add_jobs(session, run, target=WORKER, model_templates=[("tiny", t) for t in templates], task_id=task_id)
         return str(run.id), task_id
 
 
 def _jobs(direct, run_id: str) -> dict[str, WarmupJob]:
     with direct() as session:
-        return {job.template: job for job in history.get_run(session, uuid.UUID(run_id)).jobs}
+        return {job.template: job for job in service.get_run(session, uuid.UUID(run_id)).jobs}
 
 
 def _start(run_id, task_id, at, templates=("support", "summarise")) -> dict:
@@ -88,7 +89,7 @@ def _tally(requests: int, template: str = "support") -> dict:
 
 def test_writes_go_straight_to_the_database_while_it_answers(away, box):
     run_id, task_id = _run_with_jobs(away.direct)
-    assert box.write(history.JOB_START, _start(run_id, task_id, T0)) is True
+    assert box.write(service.JOB_START, _start(run_id, task_id, T0)) is True
     assert box.counts() == outbox.Counts(0, 0)
     assert {job.status for job in _jobs(away.direct, run_id).values()} == {JobStatus.running}
 
@@ -96,16 +97,16 @@ def test_writes_go_straight_to_the_database_while_it_answers(away, box):
 def test_with_the_database_away_writes_wait_and_are_written_later_in_order_with_their_times(away, box):
     run_id, task_id = _run_with_jobs(away.direct)
     away.cut()
-    assert box.write(history.JOB_START, _start(run_id, task_id, T0)) is outbox.DEFERRED
-    assert box.write(history.JOB_FINISH, _finish(run_id, "support", T0 + dt.timedelta(seconds=2))) is outbox.DEFERRED
+    assert box.write(service.JOB_START, _start(run_id, task_id, T0)) is outbox.DEFERRED
+    assert box.write(service.JOB_FINISH, _finish(run_id, "support", T0 + dt.timedelta(seconds=2))) is outbox.DEFERRED
     assert box.replay() == 0  # still away: nothing applied, nothing lost
     away.restore()
     # The database is back, but earlier writes still wait: this one queues behind them.
-    assert box.write(history.JOB_FINISH, _finish(run_id, "summarise", T0 + dt.timedelta(seconds=3))) is outbox.DEFERRED
+    assert box.write(service.JOB_FINISH, _finish(run_id, "summarise", T0 + dt.timedelta(seconds=3))) is outbox.DEFERRED
     assert [entry["kind"] for entry in box.entries()] == ["job.start", "job.finish", "job.finish"]
     assert box.entries()[0]["attempts"] == 1
     with away.direct() as session:
-        assert {job.status for job in history.get_run(session, uuid.UUID(run_id)).jobs} == {JobStatus.queued}
+        assert {job.status for job in service.get_run(session, uuid.UUID(run_id)).jobs} == {JobStatus.queued}
 
     assert box.replay() == 3
     jobs = _jobs(away.direct, run_id)
@@ -113,12 +114,12 @@ def test_with_the_database_away_writes_wait_and_are_written_later_in_order_with_
     assert jobs["support"].started_at == T0 and jobs["support"].finished_at == T0 + dt.timedelta(seconds=2)
     assert jobs["support"].prefill_ms == 12.5 and jobs["support"].cached_tokens == 48
     with away.direct() as session:
-        run = history.get_run(session, uuid.UUID(run_id))
+        run = service.get_run(session, uuid.UUID(run_id))
         assert run.status == RunStatus.succeeded and run.finished_at == T0 + dt.timedelta(seconds=3)
         assert session.scalar(select(func.count()).select_from(AppliedWrite)) == 3
     assert box.counts() == outbox.Counts(0, 0)
     # Empty again: the next write goes straight through.
-    assert box.write(history.JOB_START, _start(run_id, task_id, T0, ["support"])) is True
+    assert box.write(service.JOB_START, _start(run_id, task_id, T0, ["support"])) is True
 
 
 def test_an_entry_applied_just_before_a_crash_is_not_applied_again(away, box, tmp_path):
@@ -161,9 +162,9 @@ def test_an_entry_the_database_refuses_is_set_aside_and_does_not_block_the_rest(
 def test_a_finish_for_a_run_deleted_meanwhile_is_applied_as_nothing(away, box):
     run_id, _task_id = _run_with_jobs(away.direct)
     away.cut()
-    box.write(history.JOB_FINISH, _finish(run_id, "support", T0))
+    box.write(service.JOB_FINISH, _finish(run_id, "support", T0))
     with away.direct() as session, session.begin():
-        session.delete(history.get_run(session, uuid.UUID(run_id)))
+        session.delete(service.get_run(session, uuid.UUID(run_id)))
     away.restore()
     assert box.replay() == 1
     assert box.counts() == outbox.Counts(0, 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from preheat.placement import Capacity, Demand, holders_of, plan, rounded
+from preheat.fleet.placement import Capacity, Demand, holders_of, plan, rounded
 
 MIB = 1024**2
 

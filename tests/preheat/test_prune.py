@@ -10,10 +10,12 @@ import uuid
 import pytest
 from sqlalchemy import func, select
 
-from preheat import history, procs, prune
-from preheat.db import aware, session_scope, utcnow
-from preheat.errors import ConfigError
-from preheat.models import (
+from preheat.core import processes
+from preheat.core.errors import ConfigError
+from preheat.core.states import JobStatus, RunStatus, TriggerKind
+from preheat.history import prune, service
+from preheat.history.db import aware, session_scope, utcnow
+from preheat.history.models import (
     AppliedWrite,
     Schedule,
     ScheduleSlot,
@@ -23,7 +25,6 @@ from preheat.models import (
     WarmupRun,
     WorkerRecord,
 )
-from preheat.states import JobStatus, RunStatus, TriggerKind
 
 NOW = utcnow()
 OLD = NOW - dt.timedelta(days=40)
@@ -32,8 +33,8 @@ YOUNG = NOW - dt.timedelta(days=2)
 
 def _run(created_at, status: RunStatus, job_statuses, target="w-gone@host") -> uuid.UUID:
     with session_scope() as session:
-        run = history.create_run(session, trigger=TriggerKind.manual, requested_by="test")
-        history.add_jobs(
+        run = service.create_run(session, trigger=TriggerKind.manual, requested_by="test")
+        service.add_jobs(
             session,
             run,
             target=target,
@@ -192,11 +193,11 @@ def test_a_leading_beat_prunes_history_past_the_retention_setting(embedded_stack
     old = _run(OLD, RunStatus.succeeded, [JobStatus.warm])
     young = _run(YOUNG, RunStatus.succeeded, [JobStatus.warm])
     env = {**embedded_stack.env, "PREHEAT_HISTORY_RETENTION_DAYS": "30", "PREHEAT_BEAT_TICK_S": "0.5"}
-    beat = procs.start(
-        "beat", procs.celery_command("beat", "--loglevel=INFO"), env, tmp_path / "logs", cwd=embedded_stack.home
+    beat = processes.start(
+        "beat", processes.celery_command("beat", "--loglevel=INFO"), env, tmp_path / "logs", cwd=embedded_stack.home
     )
-    with procs.running(beat):
-        procs.wait_for_log(beat, "history older than 30 days pruned", 60)
+    with processes.running(beat):
+        processes.wait_for_log(beat, "history older than 30 days pruned", 60)
     with session_scope() as session:
         assert set(session.scalars(select(WarmupRun.id))) == {young}
     assert old != young and "warmup_runs=1" in beat.log() and "Traceback" not in beat.log()

@@ -4,9 +4,10 @@ import datetime as dt
 
 import pytest
 
-from preheat import history, registry
-from preheat.db import aware, session_scope, utcnow
-from preheat.models import JobStatus, RunStatus, TriggerKind
+from preheat.fleet import registry
+from preheat.history import service
+from preheat.history.db import aware, session_scope, utcnow
+from preheat.history.models import JobStatus, RunStatus, TriggerKind
 
 DEAD_AFTER, TIME_LIMIT = 30.0, 600.0
 T0 = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
@@ -24,10 +25,10 @@ def _beat(nodename, *, at, started_at=T0, ready=True):
 
 def _run_on(*targets, created_at=T0):
     with session_scope() as session:
-        run = history.create_run(session, trigger=TriggerKind.manual, requested_by="test")
+        run = service.create_run(session, trigger=TriggerKind.manual, requested_by="test")
         run.created_at = created_at
         for target in targets:
-            history.add_jobs(
+            service.add_jobs(
                 session, run, target=target, model_templates=[("tiny", "support")], task_id=f"task-{target}"
             )
         return run.id
@@ -35,7 +36,7 @@ def _run_on(*targets, created_at=T0):
 
 def _start(run_id, target, at):
     with session_scope() as session:
-        [job] = history.start_jobs(session, run_id, target=target, templates=["support"], task_id=f"task-{target}")
+        [job] = service.start_jobs(session, run_id, target=target, templates=["support"], task_id=f"task-{target}")
         job.started_at = at
 
 
@@ -46,7 +47,7 @@ def _reap(now):
 
 def _jobs(run_id):
     with session_scope() as session:
-        run = history.get_run(session, run_id)
+        run = service.get_run(session, run_id)
         return run.status, {job.target: (job.status, job.error) for job in run.jobs}
 
 
@@ -84,8 +85,8 @@ def test_jobs_of_a_silent_worker_are_lost_after_the_bound_and_the_run_fails(db):
     assert jobs["b@h"] == (JobStatus.queued, None)  # b is alive: its job waits in its queue
     assert status == RunStatus.running
     with session_scope() as session:
-        history.start_jobs(session, run_id, target="b@h", templates=["support"], task_id="task-b@h")
-        history.finish_job(session, run_id, target="b@h", template="support", status=JobStatus.warm, measured={})
+        service.start_jobs(session, run_id, target="b@h", templates=["support"], task_id="task-b@h")
+        service.finish_job(session, run_id, target="b@h", template="support", status=JobStatus.warm, measured={})
     assert _jobs(run_id)[0] == RunStatus.failed
 
 
@@ -133,8 +134,8 @@ def test_a_lost_job_redelivered_later_updates_its_own_row(db):
     _start(run_id, "a@h", T0)
     _reap(T0 + dt.timedelta(seconds=DEAD_AFTER + 1))
     with session_scope() as session:
-        [_job] = history.start_jobs(session, run_id, target="a@h", templates=["support"], task_id="task-a@h")
-        history.finish_job(
+        [_job] = service.start_jobs(session, run_id, target="a@h", templates=["support"], task_id="task-a@h")
+        service.finish_job(
             session, run_id, target="a@h", template="support", status=JobStatus.warm, measured={"ttft_warm_ms": 3.0}
         )
     status, jobs = _jobs(run_id)
@@ -144,8 +145,8 @@ def test_a_lost_job_redelivered_later_updates_its_own_row(db):
 def test_finished_and_endpoint_jobs_are_never_reaped(db):
     run_id = _run_on("ghost@h")
     with session_scope() as session:
-        history.start_jobs(session, run_id, target="ghost@h", templates=["support"], task_id="t")
-        history.finish_job(session, run_id, target="ghost@h", template="support", status=JobStatus.warm, measured={})
+        service.start_jobs(session, run_id, target="ghost@h", templates=["support"], task_id="t")
+        service.finish_job(session, run_id, target="ghost@h", template="support", status=JobStatus.warm, measured={})
     assert _reap(T0 + dt.timedelta(days=1)) == 0
 
 
@@ -172,7 +173,7 @@ def _reap_with(now, pulses, lost_message_after_s=None):
 
 
 def test_a_worker_whose_database_heartbeat_is_stale_but_whose_pulse_is_fresh_is_alive(db):
-    from preheat.liveness import Pulse
+    from preheat.fleet.liveness import Pulse
 
     _beat("a@h", at=T0)
     run_id = _run_on("a@h")
@@ -185,7 +186,7 @@ def test_a_worker_whose_database_heartbeat_is_stale_but_whose_pulse_is_fresh_is_
 
 
 def test_a_job_queued_for_a_live_idle_worker_is_lost_after_the_bound_a_busy_ones_waits(db):
-    from preheat.liveness import Pulse
+    from preheat.fleet.liveness import Pulse
 
     _beat("idle@h", at=T0)
     _beat("busy@h", at=T0)
@@ -220,11 +221,11 @@ def test_a_result_that_arrives_after_lost_replaces_it_and_the_record_says_so(db)
     assert _jobs(run_id)[0] == RunStatus.failed
     finished_at = T0 + dt.timedelta(seconds=5)  # the worker had finished; its write waited in its outbox
     with session_scope() as session:
-        history.finish_job(
+        service.finish_job(
             session, run_id, target="a@h", template="support", status=JobStatus.warm, measured={}, at=finished_at
         )
     with session_scope() as session:
-        run = history.get_run(session, run_id)
+        run = service.get_run(session, run_id)
         [job] = run.jobs
         assert (run.status, aware(run.finished_at)) == (RunStatus.succeeded, finished_at)  # its last job's time
         assert [(c["from"], c["to"]) for c in run.status_changes] == [("failed", "succeeded")]
@@ -251,7 +252,7 @@ def test_a_redelivery_over_a_final_run_is_recorded(db):
     _reap(T0 + dt.timedelta(seconds=DEAD_AFTER + 1))
     _start(run_id, "a@h", T0 + dt.timedelta(seconds=60))  # the message re-delivered
     with session_scope() as session:
-        run = history.get_run(session, run_id)
+        run = service.get_run(session, run_id)
         assert run.status == RunStatus.running
         assert [(c["from"], c["to"]) for c in run.status_changes] == [("failed", "running")]
         assert run.jobs[0].superseded[0]["status"] == "lost"
@@ -260,7 +261,7 @@ def test_a_redelivery_over_a_final_run_is_recorded(db):
 def test_a_queued_job_is_not_called_lost_while_the_workers_outbox_holds_writes(db):
     # The worker ran the job while its database was away: start and finish wait in its outbox,
     # the row still says queued, and the worker sits idle. Not a lost message.
-    from preheat.liveness import Pulse
+    from preheat.fleet.liveness import Pulse
 
     _beat("a@h", at=T0)
     run_id = _run_on("a@h")

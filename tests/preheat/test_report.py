@@ -7,9 +7,9 @@ import datetime as dt
 
 import pytest
 
-from preheat import procs
-from preheat.db import session_scope, utcnow
-from preheat.models import Schedule, ScheduleKind, ScheduleSlot, SlotStatus, TrafficCount
+from preheat.core import processes
+from preheat.history.db import session_scope, utcnow
+from preheat.history.models import Schedule, ScheduleKind, ScheduleSlot, SlotStatus, TrafficCount
 from tests.test_flower import _chromium
 
 
@@ -41,9 +41,9 @@ def test_the_report_opens_in_a_browser_with_every_plot_drawn_and_nothing_fetched
                 status=SlotStatus.sent,
             )
         )
-    worker = procs.start_worker("w1@report", embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
-    with procs.running(worker):
-        procs.wait_for_log(worker, "w1@report ready.")
+    worker = processes.start_worker("w1@report", embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
+    with processes.running(worker):
+        processes.wait_for_log(worker, "w1@report ready.")
         for _ in range(2):
             done = embedded_stack.cli("warm", "--wait", "--json")
             assert done.returncode == 0, done.stderr

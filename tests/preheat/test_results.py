@@ -11,7 +11,7 @@ import pytest
 from celery import Celery, states
 from celery.exceptions import TimeoutError as ResultTimeout
 
-from preheat.results import POLL_S, PromptFilesystemBackend
+from preheat.celery.results import POLL_S, PromptFilesystemBackend
 
 
 def test_a_reader_racing_the_writer_sees_a_whole_result_or_none(tmp_path):
@@ -82,8 +82,8 @@ def test_no_result_within_the_timeout_raises_celery_s_timeout(tmp_path):
 def test_a_redis_result_whose_message_never_came_still_reaches_its_caller(redis_client):
     """The answer is in Redis but its pub/sub message was lost (published while the caller's
     subscription was down): the caller reads its key again within a second and has it."""
-    from preheat.celery import celery_config
-    from preheat.settings import Settings
+    from preheat.celery.app import celery_config
+    from preheat.core.settings import Settings
     from tests.conftest import REDIS_URL
 
     app = Celery(set_as_current=False)

@@ -14,11 +14,11 @@ import signal
 import httpx
 import pytest
 
-from preheat import procs
-from preheat.celery import worker_queue
-from preheat.db import utcnow
-from preheat.errors import RequestRefused, UnknownNameError
-from preheat.routing import Router, answered_keys, conversation_keys
+from preheat.celery.queues import worker_queue
+from preheat.core import processes
+from preheat.core.errors import RequestRefused, UnknownNameError
+from preheat.fleet.routing import Router, answered_keys, conversation_keys
+from preheat.history.db import utcnow
 from tests.conftest import SUPPORT_PROMPT, write_catalog
 
 W1, W2 = "w1@route-test", "w2@route-test"
@@ -44,8 +44,8 @@ def test_a_turns_answer_makes_the_key_its_next_turn_looks_up():
 
 
 def _router(**overrides):
-    from preheat.celery import create_app
-    from preheat.settings import Settings
+    from preheat.celery.app import create_app
+    from preheat.core.settings import Settings
 
     settings = Settings(**overrides)
     return Router(create_app(settings), settings)
@@ -82,11 +82,11 @@ def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_wh
     # No prefix store: one shared by both (a volume) would hand the other worker the ad hoc system
     # prompt the first pre-filled (turns are remembered in memory only), which this test compares.
     env = {**stack.env, **bounds, "OMP_NUM_THREADS": "1", "PREHEAT_PREFIX_STORE": "off"}
-    w1 = procs.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)
-    w2 = procs.start_worker(W2, env, tmp_path / "logs", cwd=stack.home)
-    with procs.running(w1, w2):
+    w1 = processes.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)
+    w2 = processes.start_worker(W2, env, tmp_path / "logs", cwd=stack.home)
+    with processes.running(w1, w2):
         router = _router(route_max_waiting=1, route_take_s=2)
-        procs.poll(lambda: _serving(router, W1, W2), 120, what="both workers serving tiny")
+        processes.poll(lambda: _serving(router, W1, W2), 120, what="both workers serving tiny")
 
         turn1 = [{"role": "system", "content": COURIER}, {"role": "user", "content": "Where is parcel 7?"}]
         first = router.send({"model": "tiny", "messages": turn1, **GREEDY})
@@ -132,7 +132,7 @@ def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_wh
         long_turn["max_tokens"] = 400
         running = router.send(long_turn)
         assert running.route.worker == holder
-        procs.poll(lambda: running.result.state == "STARTED", 30, 0.02, what="the long turn started")
+        processes.poll(lambda: running.result.state == "STARTED", 30, 0.02, what="the long turn started")
         os.killpg(_proc(holder, w1, w2).popen.pid, signal.SIGSTOP)
         try:
             resent = running.get(90)
@@ -142,7 +142,7 @@ def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_wh
         assert resent["worker"] == other
         reference = _transformers(tiny_model, max_tokens=400)
         assert _content(resent) == reference(long_turn["messages"])
-        procs.poll(lambda: _idle(router, holder), 60, what=f"{holder} beating again, idle")
+        processes.poll(lambda: _idle(router, holder), 60, what=f"{holder} beating again, idle")
 
         # The holder stops taking: its bound's worth goes to it, then the next goes to the
         # shared queue; it is killed with them queued, and they are sent again to the shared
@@ -155,7 +155,7 @@ def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_wh
             calls = [router.send(kwargs) for _ in range(4)]
             assert [c.route.worker for c in calls] == [holder, holder, holder, None]
             assert calls[3].route.reason.startswith(f"{holder} is busy (3 requests, bound 3)")
-            procs.kill(_proc(holder, w1, w2))
+            processes.kill(_proc(holder, w1, w2))
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(_proc(holder, w1, w2).popen.pid, signal.SIGCONT)
@@ -168,7 +168,7 @@ def test_a_conversation_follows_its_worker_falls_back_when_busy_and_is_resent_wh
 
 
 def _taken(proc, queue: str) -> float:
-    for line in httpx.get(f"{procs.health_url(proc)}/metrics", timeout=5).text.splitlines():
+    for line in httpx.get(f"{processes.health_url(proc)}/metrics", timeout=5).text.splitlines():
         if line.startswith(f'preheat_requests_taken_total{{model="tiny",queue="{queue}"}} '):
             return float(line.split()[-1])
     raise AssertionError(f"no preheat_requests_taken_total for queue {queue}")
@@ -182,8 +182,8 @@ def _idle(router, worker: str) -> bool:
 
 def _transformers(model_dir, max_tokens: int = GREEDY["max_tokens"]):
     """What transformers' own generate answers (greedy) on the rendered messages."""
+    from preheat.workers.engine.chat import render
     from tests.conftest import load_resident, reference_generate
-    from workers.chat import render
 
     resident = load_resident(model_dir)
 
@@ -237,12 +237,12 @@ def test_templates_that_do_not_fit_one_worker_are_spread_routed_to_a_holder_and_
     _spread_catalog(stack, tiny_model)
     # 4 entries, half of them pinnable: each worker pins 2 of the 4 templates.
     env = {**stack.env, "PREHEAT_KV_CACHE_MAX_ENTRIES": "4", "OMP_NUM_THREADS": "1"}
-    w1 = procs.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)
-    w2 = procs.start_worker(W2, env, tmp_path / "logs", cwd=stack.home)
-    with procs.running(w1, w2):
+    w1 = processes.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)
+    w2 = processes.start_worker(W2, env, tmp_path / "logs", cwd=stack.home)
+    with processes.running(w1, w2):
         # No traffic yet: the plan goes by name, emptiest worker first.
         plan = {W1: ["billing", "support"], W2: ["code", "travel"]}
-        procs.poll(lambda: _settled(stack, plan), 120, what=f"the plan {plan}")
+        processes.poll(lambda: _settled(stack, plan), 120, what=f"the plan {plan}")
         for worker, templates in _templates(stack).items():
             assert sorted(templates["planned"]) == plan[worker]
         table = stack.cli("workers")
@@ -280,7 +280,7 @@ def test_templates_that_do_not_fit_one_worker_are_spread_routed_to_a_holder_and_
                     )
 
         router = _router()
-        procs.poll(lambda: _serving(router, W1, W2), 60, what="both workers serving tiny")
+        processes.poll(lambda: _serving(router, W1, W2), 60, what="both workers serving tiny")
         for template in TEMPLATES:
             holder = W1 if template in plan[W1] else W2
             kwargs = {"template": template, "messages": [{"role": "user", "content": "Hello?"}], **GREEDY}
@@ -289,7 +289,7 @@ def test_templates_that_do_not_fit_one_worker_are_spread_routed_to_a_holder_and_
             answer = call.get(60)
             assert answer["worker"] == holder and _cached(answer) > 0
             # The template form goes to the holder too, and answers as on one worker.
-            legacy = {"template": template, "user_input": "Hello?", "max_new_tokens": 8, "temperature": 0.0}
+            legacy = {"template": template, "user_input": "Hello?", "max_tokens": 8, "temperature": 0.0}
             assert router.send(legacy).route.worker == holder
             other = W2 if holder == W1 else W1
             system = {"role": "system", "content": TEMPLATES[template] or SUPPORT_PROMPT}
@@ -297,9 +297,9 @@ def test_templates_that_do_not_fit_one_worker_are_spread_routed_to_a_holder_and_
 
         # w2 leaves: w1 alone pins the first two by the plan's order. It holds "code" now, and
         # is the only worker: such a request takes the shared queue, which w1 alone reads.
-        procs.stop(w2)
+        processes.stop(w2)
         alone = {W1: ["billing", "code"]}
-        procs.poll(lambda: _settled(stack, alone), 60, what=f"the plan {alone}")
+        processes.poll(lambda: _settled(stack, alone), 60, what=f"the plan {alone}")
         router._fleet = (0.0, {})
         call = router.send({"template": "code", "messages": [{"role": "user", "content": "Hi"}], **GREEDY})
         assert (call.route.worker, call.route.reason) == (None, "every worker holds template code")

@@ -1,7 +1,7 @@
 import pytest
 
-from preheat.errors import ConfigError
-from preheat.settings import load_settings
+from preheat.core.errors import ConfigError
+from preheat.core.settings import load_settings
 
 
 @pytest.fixture(autouse=True)

@@ -11,11 +11,11 @@ import threading
 import pytest
 from sqlalchemy import select
 
-from preheat import registry
-from preheat.catalog import load_catalog
-from preheat.db import aware, session_scope, utcnow
-from preheat.models import ScheduleKind, ScheduleSlot, SlotStatus, TriggerKind, WarmupRun
-from schedules import beat, leader, store
+from preheat.core.catalog import load_catalog
+from preheat.fleet import registry
+from preheat.history.db import aware, session_scope, utcnow
+from preheat.history.models import ScheduleKind, ScheduleSlot, SlotStatus, TriggerKind, WarmupRun
+from preheat.schedules import beat, leader, store
 from tests.conftest import write_catalog
 
 UTC = dt.UTC
@@ -121,7 +121,7 @@ def test_slots_past_the_grace_window_are_missed_and_only_the_newest_in_time_fire
 def test_beats_racing_for_one_slot_fire_it_once(stack, stack_app):
     live_worker()
     add_schedule("race", "0 9 * * *", since=at(2026, 11, 30))
-    from preheat.dispatch import prime_dispatch
+    from preheat.fleet.dispatch import prime_dispatch
 
     prime_dispatch()  # the app's connection pool, made once (beat makes it on its one thread)
     barrier, results = threading.Barrier(4), []
@@ -267,7 +267,7 @@ def test_each_endpoint_gets_a_keep_alive_entry_below_its_prompt_cache_ttl(tmp_pa
 
 
 def test_beat_sleeps_until_the_next_fire_time_when_it_comes_before_the_next_tick(stack, stack_app, monkeypatch):
-    from preheat.settings import get_settings
+    from preheat.core.settings import get_settings
 
     monkeypatch.setenv("PREHEAT_BEAT_TICK_S", "5")
     get_settings.cache_clear()
@@ -290,8 +290,8 @@ def test_a_sleep_due_in_the_minute_of_a_warm_of_its_model_is_overruled_and_the_w
     horizon): the warm or wake fires, the sleep is recorded failed with the reason."""
     import uuid
 
-    from preheat.models import RunAction
-    from schedules.beat import DueSlot, overruled_sleeps
+    from preheat.history.models import RunAction
+    from preheat.schedules.beat import DueSlot, overruled_sleeps
 
     at = dt.datetime(2027, 3, 1, 9, 0, 30, tzinfo=dt.UTC)
 

@@ -11,11 +11,11 @@ import datetime as dt
 import pytest
 from sqlalchemy import select
 
-from preheat import procs
 from preheat.cli.bench.beat import minutely_lead_for
-from preheat.db import aware, session_scope, utcnow
-from preheat.models import ScheduleSlot, SlotStatus, WarmupRun
-from schedules import store
+from preheat.core import processes
+from preheat.history.db import aware, session_scope, utcnow
+from preheat.history.models import ScheduleSlot, SlotStatus, WarmupRun
+from preheat.schedules import store
 
 pytestmark = pytest.mark.slow
 
@@ -65,15 +65,15 @@ def runs_by_schedule() -> dict[str, list[WarmupRun]]:
 def fleet(services_stack, tmp_path):
     stack = services_stack
     stack.env.update(BEAT_ENV)
-    worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
-    with procs.running(worker):
-        procs.wait_for_log(worker, f"{WORKER} ready.", 90)
+    worker = processes.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
+    with processes.running(worker):
+        processes.wait_for_log(worker, f"{WORKER} ready.", 90)
         yield stack
 
 
 def start_beat(stack, name: str, tmp_path):
-    return procs.start(
-        name, procs.celery_command("beat", "--loglevel=INFO"), stack.env, tmp_path / "logs", cwd=stack.home
+    return processes.start(
+        name, processes.celery_command("beat", "--loglevel=INFO"), stack.env, tmp_path / "logs", cwd=stack.home
     )
 
 
@@ -85,11 +85,11 @@ def test_two_beats_a_killed_leader_and_a_restart_fire_each_slot_once_and_record_
     stack = fleet
     stack.env["PREHEAT_SCHEDULE_GRACE_S"] = "10"
     first = start_beat(stack, "beat-a", tmp_path)
-    with procs.running(first):
-        procs.wait_for_log(first, "leads")
+    with processes.running(first):
+        processes.wait_for_log(first, "leads")
         second = start_beat(stack, "beat-b", tmp_path)
-        with procs.running(second):
-            procs.wait_for_log(second, "is standby")
+        with processes.running(second):
+            processes.wait_for_log(second, "is standby")
             # Added while both run: picked up without a restart.
             now = utcnow()
             add_firing_at(stack, "before-kill", now + dt.timedelta(seconds=5), cli=True)
@@ -97,12 +97,12 @@ def test_two_beats_a_killed_leader_and_a_restart_fire_each_slot_once_and_record_
             add_firing_at(stack, "paused", now + dt.timedelta(seconds=7))
             with session_scope() as session:
                 store.set_enabled(session, "paused", False)
-            procs.poll(lambda: settled("before-kill"), 30, what="the first slot fired")
-            procs.kill(first)  # SIGKILL: no lease released; the standby waits for it to expire
+            processes.poll(lambda: settled("before-kill"), 30, what="the first slot fired")
+            processes.kill(first)  # SIGKILL: no lease released; the standby waits for it to expire
             killed_at = utcnow()
-            procs.poll(lambda: settled("after-kill"), 40, what="the standby firing the next slot")
+            processes.poll(lambda: settled("after-kill"), 40, what="the standby firing the next slot")
             assert "leads" in second.log()
-            procs.kill(second)
+            processes.kill(second)
             crashed_at = utcnow()
     rows, runs = slot_rows(), runs_by_schedule()
     assert "paused" not in rows and "paused" not in runs
@@ -120,10 +120,10 @@ def test_two_beats_a_killed_leader_and_a_restart_fire_each_slot_once_and_record_
     add_firing_at(stack, "too-late", crashed_at + dt.timedelta(seconds=3))
     add_firing_at(stack, "late-in-grace", restart_at - dt.timedelta(seconds=2))
     add_firing_at(stack, "on-time", restart_at + dt.timedelta(seconds=6))
-    procs.poll(lambda: utcnow() >= restart_at, 40, every_s=0.1, what="the restart time")
+    processes.poll(lambda: utcnow() >= restart_at, 40, every_s=0.1, what="the restart time")
     third = start_beat(stack, "beat-c", tmp_path)
-    with procs.running(third):
-        procs.poll(lambda: settled("on-time"), 40, what="the slot after the restart")
+    with processes.running(third):
+        processes.poll(lambda: settled("on-time"), 40, what="the slot after the restart")
     rows, runs = slot_rows(), runs_by_schedule()
     for name in ("before-kill", "after-kill"):  # not repeated by the restarted beat
         assert len(rows[name]) == 1 and len(runs[name]) == 1

@@ -8,9 +8,9 @@ import time
 import pytest
 from sqlalchemy import select
 
-from preheat import procs
-from preheat.db import session_scope
-from preheat.models import JobStatus, TriggerKind, WarmupRun
+from preheat.core import processes
+from preheat.history.db import session_scope
+from preheat.history.models import JobStatus, TriggerKind, WarmupRun
 from tests.conftest import PREHEAT_CLI
 
 pytestmark = pytest.mark.slow
@@ -19,13 +19,13 @@ WORKER = "gpu0@online-test"
 
 
 def online_runs() -> list[WarmupRun]:
-    from preheat import history
+    from preheat.history import service
 
     with session_scope() as session:
         ids = session.scalars(
             select(WarmupRun.id).where(WarmupRun.trigger == TriggerKind.worker_online).order_by(WarmupRun.created_at)
         ).all()
-        return [history.get_run(session, run_id) for run_id in ids]
+        return [service.get_run(session, run_id) for run_id in ids]
 
 
 def settled_runs(count: int):
@@ -36,21 +36,23 @@ def settled_runs(count: int):
 def test_a_worker_coming_online_is_warmed_once_per_start_even_with_two_watchers(services_stack, tmp_path):
     stack = services_stack
     watchers = [
-        procs.start(f"watch-workers-{i}", [PREHEAT_CLI, "watch-workers"], stack.env, tmp_path / "logs", cwd=stack.home)
+        processes.start(
+            f"watch-workers-{i}", [PREHEAT_CLI, "watch-workers"], stack.env, tmp_path / "logs", cwd=stack.home
+        )
         for i in (1, 2)
     ]
-    with procs.running(*watchers):
+    with processes.running(*watchers):
         for watcher in watchers:
-            procs.wait_for_log(watcher, "watching for workers coming online")
-        worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
-        with procs.running(worker):
-            procs.wait_for_log(worker, f"{WORKER} ready.", 90)
-            [first] = procs.poll(lambda: settled_runs(1), 60, what="the worker_online run")
+            processes.wait_for_log(watcher, "watching for workers coming online")
+        worker = processes.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
+        with processes.running(worker):
+            processes.wait_for_log(worker, f"{WORKER} ready.", 90)
+            [first] = processes.poll(lambda: settled_runs(1), 60, what="the worker_online run")
         # Restarted under the same name: a new start, a new run.
-        worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs/again", cwd=stack.home)
-        with procs.running(worker):
-            procs.wait_for_log(worker, f"{WORKER} ready.", 90)
-            runs = procs.poll(lambda: settled_runs(2), 60, what="the second worker_online run")
+        worker = processes.start_worker(WORKER, stack.env, tmp_path / "logs/again", cwd=stack.home)
+        with processes.running(worker):
+            processes.wait_for_log(worker, f"{WORKER} ready.", 90)
+            runs = processes.poll(lambda: settled_runs(2), 60, what="the second worker_online run")
         logs = "".join(watcher.log() for watcher in watchers)
     assert len(runs) == 2 and runs[0].id == first.id  # two watchers, two starts: two runs
     for run in runs:
@@ -65,19 +67,19 @@ def test_a_worker_coming_online_is_warmed_once_per_start_even_with_two_watchers(
 
 def test_a_worker_started_while_the_watcher_is_down_is_warmed_once_when_it_comes_back(services_stack, tmp_path):
     stack = services_stack
-    worker = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
-    with procs.running(worker):
-        procs.wait_for_log(worker, f"{WORKER} ready.", 90)  # its worker-online event went unheard
+    worker = processes.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
+    with processes.running(worker):
+        processes.wait_for_log(worker, f"{WORKER} ready.", 90)  # its worker-online event went unheard
         sweeping = [PREHEAT_CLI, "watch-workers", "--sweep-s", "1"]
-        watcher = procs.start("watch-workers", sweeping, stack.env, tmp_path / "logs", cwd=stack.home)
-        with procs.running(watcher):
-            [run] = procs.poll(lambda: settled_runs(1), 60, what="the swept worker's run")
-            procs.wait_for_log(watcher, "watching for workers coming online")
+        watcher = processes.start("watch-workers", sweeping, stack.env, tmp_path / "logs", cwd=stack.home)
+        with processes.running(watcher):
+            [run] = processes.poll(lambda: settled_runs(1), 60, what="the swept worker's run")
+            processes.wait_for_log(watcher, "watching for workers coming online")
             time.sleep(3)  # three more sweeps: the start has its run, nothing more is sent
         # The watcher restarted: its first sweep finds the run of this start, and sends nothing.
-        again = procs.start("watch-workers-again", sweeping, stack.env, tmp_path / "logs/again", cwd=stack.home)
-        with procs.running(again):
-            procs.wait_for_log(again, "watching for workers coming online")
+        again = processes.start("watch-workers-again", sweeping, stack.env, tmp_path / "logs/again", cwd=stack.home)
+        with processes.running(again):
+            processes.wait_for_log(again, "watching for workers coming online")
             time.sleep(2)
         logs = watcher.log() + again.log()
     assert [r.id for r in online_runs()] == [run.id]

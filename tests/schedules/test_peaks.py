@@ -13,8 +13,8 @@ from zoneinfo import ZoneInfo
 import pytest
 from sqlalchemy import select
 
-from preheat.db import session_scope
-from preheat.models import (
+from preheat.history.db import session_scope
+from preheat.history.models import (
     JobStatus,
     RunStatus,
     Schedule,
@@ -25,7 +25,7 @@ from preheat.models import (
     WarmupJob,
     WarmupRun,
 )
-from schedules.peaks import _days_field, find_peaks, p95
+from preheat.schedules.peaks import _days_field, find_peaks, p95
 from tests.conftest import write_catalog
 
 BERLIN = ZoneInfo("Europe/Berlin")

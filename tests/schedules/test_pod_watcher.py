@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from preheat import procs
-from schedules.pods import PodTarget, PodWatcher, PodWatchers, kube_api, transition_of
+from preheat.core import processes
+from preheat.schedules.pods import PodTarget, transition_of
+from preheat.schedules.podwatch import PodWatcher, PodWatchers, kube_api
 from tests.schedules.fake_kube import FakeKube, pod
 
 T1 = "2026-11-30T08:00:00Z"
@@ -44,7 +45,7 @@ def start_watcher(kube, tmp_path, namespaces=("serving",), **options) -> tuple[P
         [PodWatcher(api, ns, None, PodTarget(endpoint="vllm"), send=recorder, **options) for ns in namespaces]
     )
     threading.Thread(target=watchers.run, daemon=True).start()
-    procs.poll(lambda: len(kube.watches()) >= len(namespaces), 10, what="the watch")
+    processes.poll(lambda: len(kube.watches()) >= len(namespaces), 10, what="the watch")
     return watchers, recorder
 
 
@@ -62,14 +63,14 @@ def bad_pods() -> list[tuple[str, dict]]:
 
 
 def test_a_malformed_event_is_skipped_with_a_line_and_a_later_ready_pod_is_warmed(kube, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="schedules.pods")
+    caplog.set_level(logging.WARNING, logger="preheat.schedules")
     watchers, recorder = start_watcher(kube, tmp_path)
     try:
         for _, bad in bad_pods():
             kube.inject("MODIFIED", bad)
         kube.inject("MODIFIED", "not a pod at all")
         kube.apply(pod("good", "uid-g", ready=True, since=T1))
-        procs.poll(lambda: recorder.pods() == ["good"], 10, what="the good pod's warmup")
+        processes.poll(lambda: recorder.pods() == ["good"], 10, what="the good pod's warmup")
     finally:
         watchers.stop()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping")]
@@ -81,14 +82,14 @@ def test_a_malformed_event_is_skipped_with_a_line_and_a_later_ready_pod_is_warme
 
 
 def test_a_malformed_listed_pod_is_skipped_and_the_watch_starts(kube, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="schedules.pods")
+    caplog.set_level(logging.WARNING, logger="preheat.schedules")
     for _, bad in bad_pods():
         kube.apply(bad)
     kube.apply(pod("listed", "uid-l", ready=True, since=T1))
     watchers, recorder = start_watcher(kube, tmp_path)
     try:
         kube.apply(pod("later", "uid-later", ready=True, since=T1))
-        procs.poll(lambda: recorder.pods() == ["listed", "later"], 10, what="both good pods")
+        processes.poll(lambda: recorder.pods() == ["listed", "later"], 10, what="both good pods")
     finally:
         watchers.stop()
     assert len(kube.lists()) == 1
@@ -99,10 +100,10 @@ def test_an_error_that_repeats_at_one_version_ends_in_a_fresh_list(kube, tmp_pat
     watchers, recorder = start_watcher(kube, tmp_path, min_backoff_s=0.05, relist_after_failures=3)
     try:
         kube.inject("ERROR", {"kind": "Status", "code": 500, "message": "etcdserver: request timed out"})
-        procs.poll(lambda: len(kube.lists()) == 2, 15, what="a fresh list after repeated failures")
+        processes.poll(lambda: len(kube.lists()) == 2, 15, what="a fresh list after repeated failures")
         # The fresh list moved past the bad event (the server keeps sending it from older versions).
         kube.apply(pod("after", "uid-a", ready=True, since=T1))
-        procs.poll(lambda: recorder.pods() == ["after"], 10, what="the pod after the error")
+        processes.poll(lambda: recorder.pods() == ["after"], 10, what="the pod after the error")
     finally:
         watchers.stop()
 
@@ -118,7 +119,7 @@ def test_without_last_transition_time_a_pod_updated_while_ready_is_one_transitio
     kube.apply(ready_without_transition_time())
     watchers, recorder = start_watcher(kube, tmp_path)
     try:
-        procs.poll(lambda: recorder.pods() == ["p"], 10, what="the first warmup")
+        processes.poll(lambda: recorder.pods() == ["p"], 10, what="the first warmup")
         for note in ("a", "b", "c"):  # an annotation, twice more: each a new resourceVersion
             kube.apply(ready_without_transition_time(note))
         kube.bookmark()
@@ -128,7 +129,7 @@ def test_without_last_transition_time_a_pod_updated_while_ready_is_one_transitio
     # A restarted watcher lists the pod again: the same key, so dispatch's unique trigger key
     # keeps it to one run (tested in test_pods); here the key itself is what must not move.
     restarted, again = start_watcher(kube, tmp_path)
-    procs.poll(lambda: again.pods() == ["p"], 10, what="the restarted watcher's view")
+    processes.poll(lambda: again.pods() == ["p"], 10, what="the restarted watcher's view")
     restarted.stop()
     assert len(recorder.sent) == 1
     assert recorder.sent[0].trigger_key == again.sent[0].trigger_key == "pod:uid-p:started:2026-11-30T07:59:00Z"
@@ -146,7 +147,7 @@ def test_reconnects_stay_fast_when_every_cut_follows_a_healthy_watch(kube, tmp_p
             time.sleep(0.7)  # the watch was healthy for longer than healthy_after_s
             before, cut_at = len(kube.watches()), time.monotonic()
             kube.drop()
-            procs.poll(lambda n=before: len(kube.watches()) > n, 10, what=f"the watch after cut {cut + 1}")
+            processes.poll(lambda n=before: len(kube.watches()) > n, 10, what=f"the watch after cut {cut + 1}")
             delays.append(kube.watches()[-1]["at"] - cut_at)
     finally:
         watchers.stop()
@@ -160,9 +161,9 @@ def test_two_namespaces_each_watched_and_every_namespace_at_once(kube, tmp_path)
         kube.apply(pod(f"in-{namespace}", f"uid-{namespace}", ready=True, since=T1, namespace=namespace))
     watchers, recorder = start_watcher(kube, tmp_path, namespaces=("serving", "batch"))
     try:
-        procs.poll(lambda: sorted(recorder.pods()) == ["in-batch", "in-serving"], 10, what="two namespaces")
+        processes.poll(lambda: sorted(recorder.pods()) == ["in-batch", "in-serving"], 10, what="two namespaces")
         kube.apply(pod("new-batch", "uid-nb", ready=True, since=T1, namespace="batch"))
-        procs.poll(lambda: "new-batch" in recorder.pods(), 10, what="a new pod in batch")
+        processes.poll(lambda: "new-batch" in recorder.pods(), 10, what="a new pod in batch")
     finally:
         watchers.stop()
     assert {t.pod: t.namespace for t in recorder.sent} == {
@@ -173,7 +174,7 @@ def test_two_namespaces_each_watched_and_every_namespace_at_once(kube, tmp_path)
     assert {t.pod: t.detail()["namespace"] for t in recorder.sent}["new-batch"] == "batch"
     everywhere, seen = start_watcher(kube, tmp_path, namespaces=(None,))
     try:
-        procs.poll(lambda: len(seen.pods()) == 4, 10, what="every namespace")
+        processes.poll(lambda: len(seen.pods()) == 4, 10, what="every namespace")
     finally:
         everywhere.stop()
     assert {t.namespace for t in seen.sent} == {"serving", "batch", "elsewhere"}

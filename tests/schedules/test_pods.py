@@ -10,11 +10,11 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from preheat import procs
-from preheat.db import session_scope, utcnow
-from preheat.errors import ConfigError
-from preheat.models import JobStatus, TriggerKind, WarmupRun
-from schedules.pods import PodTarget, ReadyTracker, transition_of
+from preheat.core import processes
+from preheat.core.errors import ConfigError
+from preheat.history.db import session_scope, utcnow
+from preheat.history.models import JobStatus, TriggerKind, WarmupRun
+from preheat.schedules.pods import PodTarget, ReadyTracker, transition_of
 from tests.conftest import PREHEAT_CLI, write_catalog
 from tests.schedules.fake_kube import FakeKube, pod
 
@@ -89,13 +89,13 @@ def test_watch_pods_warms_once_per_transition_through_list_watch_bookmark_410_an
     services_stack, kube, tmp_path, tiny_model
 ):
     stack = services_stack
-    serve = procs.start_serve(stack.env, tmp_path / "logs")
-    worker = procs.start_worker("io@pods-test", stack.env, tmp_path / "logs", cwd=stack.home)
-    with procs.running(serve, worker):
-        url = procs.serve_url(serve)
+    serve = processes.start_serve(stack.env, tmp_path / "logs")
+    worker = processes.start_worker("io@pods-test", stack.env, tmp_path / "logs", cwd=stack.home)
+    with processes.running(serve, worker):
+        url = processes.serve_url(serve)
         port = int(url.rsplit(":", 1)[1])
         # The pods say Ready only once the server is (their readiness probe is /health/ready).
-        procs.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 60, what="serve ready")
+        processes.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 60, what="serve ready")
         # The catalog's address is the Service's; each pod is warmed at its own IP and port.
         write_catalog(
             tmp_path,
@@ -106,8 +106,8 @@ def test_watch_pods_warms_once_per_transition_through_list_watch_bookmark_410_an
         kube.apply(pod("pod-a", "uid-a", ready=True, since=T1, port=port))
         kube.apply(pod("pod-b", "uid-b", ready=False, since=T1, port=port))
         kube.apply(pod("other", "uid-o", ready=True, since=T1, labels={"app": "redis"}))
-        procs.wait_for_log(worker, "io@pods-test ready.", 90)
-        watcher = procs.start(
+        processes.wait_for_log(worker, "io@pods-test ready.", 90)
+        watcher = processes.start(
             "watch-pods",
             [
                 PREHEAT_CLI,
@@ -127,9 +127,9 @@ def test_watch_pods_warms_once_per_transition_through_list_watch_bookmark_410_an
             tmp_path / "logs",
             cwd=stack.home,
         )
-        with procs.running(watcher):
+        with processes.running(watcher):
             # Initial list: pod-a is first seen Ready; pod-b is not Ready; `other` is not selected.
-            procs.poll(lambda: runs_for(f"pod-a@{T1}"), 30, what="pod-a's warmup")
+            processes.poll(lambda: runs_for(f"pod-a@{T1}"), 30, what="pod-a's warmup")
             # ADDED ready, and MODIFIED not ready -> ready followed by a storm of the same transition.
             kube.apply(pod("pod-c", "uid-c", ready=True, since=T2, port=port))
             kube.apply(pod("pod-b", "uid-b", ready=True, since=T2, port=port))
@@ -137,10 +137,10 @@ def test_watch_pods_warms_once_per_transition_through_list_watch_bookmark_410_an
                 kube.apply(pod("pod-b", "uid-b", ready=True, since=T2, port=port, note=str(note)))
             kube.delete("pod-a")
             bookmark = kube.bookmark()
-            procs.poll(lambda: runs_for(f"pod-c@{T2}", f"pod-b@{T2}"), 30, what="pod-b and pod-c")
+            processes.poll(lambda: runs_for(f"pod-c@{T2}", f"pod-b@{T2}"), 30, what="pod-b and pod-c")
             # A dropped connection: watched again from the bookmark, not listed again.
             kube.drop()
-            procs.poll(
+            processes.poll(
                 lambda: any(w["resourceVersion"] == bookmark for w in kube.watches()),
                 30,
                 what="a watch from the bookmark",
@@ -149,13 +149,13 @@ def test_watch_pods_warms_once_per_transition_through_list_watch_bookmark_410_an
             # 410 Gone: listed again; pod-d became Ready meanwhile; b and c are not warmed again.
             kube.compact()
             kube.apply(pod("pod-d", "uid-d", ready=True, since=T3, port=port))
-            procs.poll(lambda: len(kube.lists()) == 2 and runs_for(f"pod-d@{T3}"), 30, what="re-list after 410")
+            processes.poll(lambda: len(kube.lists()) == 2 and runs_for(f"pod-d@{T3}"), 30, what="re-list after 410")
             # pod-b flaps: not ready, then ready again: a new transition.
             kube.apply(pod("pod-b", "uid-b", ready=False, since=T3, port=port))
             kube.apply(pod("pod-b", "uid-b", ready=True, since="2026-11-30T08:10:00Z", port=port))
-            procs.poll(lambda: runs_for("pod-b@2026-11-30T08:10:00Z"), 30, what="pod-b's second transition")
+            processes.poll(lambda: runs_for("pod-b@2026-11-30T08:10:00Z"), 30, what="pod-b's second transition")
             # Settle: every run is recorded; the first one ran to the end against pod-a's address.
-            procs.poll(lambda: _finished(pod_runs()[f"pod-a@{T1}"][0].id), 60, what="pod-a's warmup finishing")
+            processes.poll(lambda: _finished(pod_runs()[f"pod-a@{T1}"][0].id), 60, what="pod-a's warmup finishing")
         log = watcher.log()
     runs = pod_runs()
     assert sorted(runs) == sorted(
@@ -174,10 +174,10 @@ def test_watch_pods_warms_once_per_transition_through_list_watch_bookmark_410_an
 
 
 def _jobs(run_id):
-    from preheat import history
+    from preheat.history import service
 
     with session_scope() as session:
-        return history.get_run(session, run_id).jobs
+        return service.get_run(session, run_id).jobs
 
 
 def _finished(run_id) -> bool:
@@ -186,8 +186,8 @@ def _finished(run_id) -> bool:
 
 @pytest.mark.parametrize("stack", ["services"], indirect=True)
 def test_a_ready_worker_pod_is_warmed_on_its_own_queue_once(stack, stack_app, redis_client):
-    from preheat import registry
-    from schedules.pods import send_warmup
+    from preheat.fleet import registry
+    from preheat.schedules.pods import send_warmup
 
     with session_scope() as session:
         registry.beat(session, "gpu0@preheat-gpu-worker-1", started_at=utcnow(), ready=True, state={})

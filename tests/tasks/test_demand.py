@@ -1,8 +1,8 @@
 """Who wakes for a request that meets a sleeping model: one worker of the fleet, not all."""
 
-from preheat.db import session_scope, utcnow
-from preheat.models import WorkerRecord
-from tasks.demand import first_sleeper
+from preheat.fleet.sleep import first_sleeper
+from preheat.history.db import session_scope, utcnow
+from preheat.history.models import WorkerRecord
 
 
 def _worker(name: str, *, asleep: bool, model: str = "tiny") -> WorkerRecord:

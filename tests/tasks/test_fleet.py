@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from preheat import history, procs
-from preheat.db import session_scope
-from preheat.models import JobStatus, RunStatus, WarmupJob
+from preheat.core import processes
+from preheat.history import service
+from preheat.history.db import session_scope
+from preheat.history.models import JobStatus, RunStatus, WarmupJob
 from tests.conftest import write_catalog
 
 pytestmark = pytest.mark.slow
@@ -40,12 +41,12 @@ def _all_ready(stack, *names):
 def test_one_warm_reaches_both_workers_and_history_matches_what_each_measured(services_stack, tmp_path):
     stack = services_stack
     env = one_core_each(stack.env)
-    w1 = procs.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)
-    w2 = procs.start_worker(W2, env, tmp_path / "logs", cwd=stack.home)
-    with procs.running(w1, w2):
-        procs.wait_for_log(w1, f"{W1} ready.")
-        procs.wait_for_log(w2, f"{W2} ready.")
-        workers = procs.poll(lambda: _all_ready(stack, W1, W2), 90, what="both workers ready")
+    w1 = processes.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)
+    w2 = processes.start_worker(W2, env, tmp_path / "logs", cwd=stack.home)
+    with processes.running(w1, w2):
+        processes.wait_for_log(w1, f"{W1} ready.")
+        processes.wait_for_log(w2, f"{W2} ready.")
+        workers = processes.poll(lambda: _all_ready(stack, W1, W2), 90, what="both workers ready")
         for name in (W1, W2):
             assert workers[name]["models"]["tiny"]["device"] == "cpu/float32"
             assert workers[name]["models"]["tiny"]["weight_loader"] == "transformers"  # auto, on the CPU
@@ -63,10 +64,10 @@ def test_one_warm_reaches_both_workers_and_history_matches_what_each_measured(se
             listed = _workers(stack)
             return all("support" in listed[name]["last_warmup"] for name in (W1, W2)) and listed
 
-        reported_by = procs.poll(reported, 10, what="workers reporting their warmup")
+        reported_by = processes.poll(reported, 10, what="workers reporting their warmup")
 
     with session_scope() as session:
-        run = history.find_run(session, run_id)
+        run = service.find_run(session, run_id)
         assert run.status == RunStatus.succeeded
         jobs = {job.target: job for job in run.jobs}
     assert sorted(jobs) == [W1, W2]
@@ -89,7 +90,7 @@ def test_one_warm_reaches_both_workers_and_history_matches_what_each_measured(se
 
 def _job_of(run_id: str, target: str) -> WarmupJob:
     with session_scope() as session:
-        return next(job for job in history.find_run(session, run_id).jobs if job.target == target)
+        return next(job for job in service.find_run(session, run_id).jobs if job.target == target)
 
 
 def test_a_worker_killed_mid_warmup_leaves_no_job_running_and_its_replacement_warms_itself(
@@ -102,29 +103,29 @@ def test_a_worker_killed_mid_warmup_leaves_no_job_running_and_its_replacement_wa
     )
     env = one_core_each({**services_stack.env, "PREHEAT_PROBE_REPEATS": "40"})
     stack = services_stack
-    victim = procs.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)
-    witness = procs.start_worker(W2, env, tmp_path / "logs", cwd=stack.home)
-    with procs.running(victim, witness):
-        procs.poll(lambda: _all_ready(stack, W1, W2), 120, what="both workers ready")
+    victim = processes.start_worker(W1, env, tmp_path / "logs", cwd=stack.home)
+    witness = processes.start_worker(W2, env, tmp_path / "logs", cwd=stack.home)
+    with processes.running(victim, witness):
+        processes.poll(lambda: _all_ready(stack, W1, W2), 120, what="both workers ready")
         queued = stack.cli("warm", "--worker", W1, "--template", "long", "--json")
         assert queued.returncode == 0, queued.stderr
         run_id = json.loads(queued.stdout)["id"]
-        procs.poll(lambda: _job_of(run_id, W1).status == JobStatus.running, 60, what="the job running")
+        processes.poll(lambda: _job_of(run_id, W1).status == JobStatus.running, 60, what="the job running")
 
-        procs.kill(victim)
+        processes.kill(victim)
         killed_at = time.monotonic()
         # Bound: the worker is dead after 5 s without a heartbeat; the witness reaps every 1 s.
-        job = procs.poll(lambda: (j := _job_of(run_id, W1)).status.is_final and j, 30, what="the job settled")
+        job = processes.poll(lambda: (j := _job_of(run_id, W1)).status.is_final and j, 30, what="the job settled")
         settled_after = time.monotonic() - killed_at
         assert job.status == JobStatus.lost and f"worker {W1} sent no heartbeat" in job.error
         assert settled_after < 5 + 1 + 5  # dead-after, one heartbeat, slack for a loaded machine
         with session_scope() as session:
             assert session.query(WarmupJob).filter(WarmupJob.status == JobStatus.running).count() == 0
-            assert history.find_run(session, run_id).status == RunStatus.failed
+            assert service.find_run(session, run_id).status == RunStatus.failed
         assert _workers(stack)[W1]["state"] == "dead"
 
-        replacement = procs.start_worker(W1, env, tmp_path / "logs2", cwd=stack.home)
-        with procs.running(replacement):
-            workers = procs.poll(lambda: _all_ready(stack, W1), 120, what="the replacement ready")
+        replacement = processes.start_worker(W1, env, tmp_path / "logs2", cwd=stack.home)
+        with processes.running(replacement):
+            workers = processes.poll(lambda: _all_ready(stack, W1), 120, what="the replacement ready")
             assert workers[W1]["cache"]["entries"] == 2  # both templates pre-filled at start
             assert workers[W1]["pid"] == replacement.popen.pid

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from preheat import procs
+from preheat.core import processes
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.slow
@@ -17,16 +17,16 @@ INPUTS = [f"Parcel {i} was due {'on Monday' if i % 2 else 'last week'}. Where is
 
 
 def _proxied_app(url: str):
-    from preheat.celery import create_app
-    from preheat.settings import Settings
+    from preheat.celery.app import create_app
+    from preheat.core.settings import Settings
 
     return create_app(Settings(broker_url=url))
 
 
-def _send(app, text: str, max_new_tokens: int):
+def _send(app, text: str, max_tokens: int):
     return app.send_task(
         "preheat.infer",
-        kwargs={"template": "support", "user_input": text, "max_new_tokens": max_new_tokens, "temperature": 0.0},
+        kwargs={"template": "support", "user_input": text, "max_tokens": max_tokens, "temperature": 0.0},
     )
 
 
@@ -39,14 +39,16 @@ def test_a_broker_blip_mid_request_still_answers_every_caller_once(services_stac
     redis_url = stack.env["PREHEAT_BROKER_URL"]
     proxy = TcpProxy("127.0.0.1", 6379).start()
     proxied = redis_url.replace(":6379/", f":{proxy.port}/")
-    worker = procs.start_worker(WORKER, {**stack.env, "PREHEAT_BROKER_URL": proxied}, tmp_path / "logs", cwd=stack.home)
+    worker = processes.start_worker(
+        WORKER, {**stack.env, "PREHEAT_BROKER_URL": proxied}, tmp_path / "logs", cwd=stack.home
+    )
     try:
-        with procs.running(worker):
-            procs.wait_for_log(worker, "model tiny takes requests", 90)
+        with processes.running(worker):
+            processes.wait_for_log(worker, "model tiny takes requests", 90)
             app = _proxied_app(proxied)
             quiet = [_send(app, text, 600).get(timeout=60)["token_ids"] for text in INPUTS[:2]]
             pending = [_send(app, text, 600) for text in INPUTS]
-            procs.wait_for_log(worker, f"preheat.infer[{pending[-1].id}] received", 30)
+            processes.wait_for_log(worker, f"preheat.infer[{pending[-1].id}] received", 30)
             answers, errors = {}, {}
 
             def wait(index: int) -> None:
@@ -75,7 +77,7 @@ def test_a_broker_blip_mid_request_still_answers_every_caller_once(services_stac
                     for r in pending
                 )
 
-            procs.poll(computed_once, 30, what="every delivery after the first answered from the store")
+            processes.poll(computed_once, 30, what="every delivery after the first answered from the store")
             log = worker.log()
             # An ack sent on the connection the blip broke is logged CRITICAL by kombu ("Couldn't
             # ack"); its message comes again and is answered from the store (computed_once above).
@@ -89,20 +91,20 @@ def test_a_broker_blip_mid_request_still_answers_every_caller_once(services_stac
 def test_a_message_delivered_again_after_its_answer_is_not_run_twice(embedded_stack, tmp_path):
     """What a broker does when a worker's ack was lost: the same message (same task id)
     again. The stored answer stands; the model does not compute it a second time."""
-    from preheat.celery import create_app
-    from preheat.settings import get_settings
+    from preheat.celery.app import create_app
+    from preheat.core.settings import get_settings
 
-    worker = procs.start_worker(WORKER, embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
-    with procs.running(worker):
-        procs.wait_for_log(worker, "model tiny takes requests", 90)
+    worker = processes.start_worker(WORKER, embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
+    with processes.running(worker):
+        processes.wait_for_log(worker, "model tiny takes requests", 90)
         app = create_app(get_settings())
-        kwargs = {"template": "support", "user_input": INPUTS[0], "max_new_tokens": 8, "temperature": 0.9}
+        kwargs = {"template": "support", "user_input": INPUTS[0], "max_tokens": 8, "temperature": 0.9}
         sent = app.send_task("preheat.infer", kwargs=kwargs)
         first = sent.get(timeout=60)
         again = app.send_task("preheat.infer", kwargs=kwargs, task_id=sent.id)
-        procs.wait_for_log(worker, f"preheat.infer[{sent.id}] came again after it was answered", 30)
+        processes.wait_for_log(worker, f"preheat.infer[{sent.id}] came again after it was answered", 30)
         assert again.get(timeout=30) == first  # sampled at 0.9: a second run would differ
-        procs.wait_for_log(worker, f"Task preheat.infer[{sent.id}] succeeded", 30)
+        processes.wait_for_log(worker, f"Task preheat.infer[{sent.id}] succeeded", 30)
         log = worker.log()
         assert log.count(f"preheat.infer[{sent.id}] received") == 2
         assert log.count("came again after it was answered") == 1

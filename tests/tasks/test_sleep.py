@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from preheat import procs
-from preheat.db import session_scope, utcnow
+from preheat.core import processes
+from preheat.history.db import session_scope, utcnow
 from tests.tasks.test_worker import send_infer
 
 pytestmark = pytest.mark.slow
@@ -19,19 +19,21 @@ WORKER = "w1@preheat-sleep"
 
 @pytest.fixture
 def worker(stack, tmp_path):
-    proc = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
-    with procs.running(proc):
-        procs.wait_for_log(proc, f"{WORKER} ready.")
-        procs.poll(lambda: httpx.get(f"{procs.health_url(proc)}/health/ready").status_code == 200, 60, what="ready")
+    proc = processes.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
+    with processes.running(proc):
+        processes.wait_for_log(proc, f"{WORKER} ready.")
+        processes.poll(
+            lambda: httpx.get(f"{processes.health_url(proc)}/health/ready").status_code == 200, 60, what="ready"
+        )
         yield proc
 
 
 def _ready(proc) -> httpx.Response:
-    return httpx.get(f"{procs.health_url(proc)}/health/ready")
+    return httpx.get(f"{processes.health_url(proc)}/health/ready")
 
 
 def test_sleep_and_wake_are_recorded_and_a_request_while_asleep_wakes_the_worker(stack, worker):
-    answer = send_infer(max_new_tokens=6).get(timeout=60)
+    answer = send_infer(max_tokens=6).get(timeout=60)
 
     slept = stack.cli("sleep", "--model", "tiny", "--wait", "--json")
     assert slept.returncode == 0, slept.stderr + worker.log()[-3000:]
@@ -41,12 +43,12 @@ def test_sleep_and_wake_are_recorded_and_a_request_while_asleep_wakes_the_worker
     assert (job["target"], job["model"], job["template"], job["status"]) == (WORKER, "tiny", "*", "asleep")
     assert job["sleep_level"] == 1 and job["sleep_ms"] > 0 and job["bytes_freed"] > job["cache_bytes"] > 0
     assert _ready(worker).json() == {"status": "not ready", "reasons": ["model tiny: asleep (level 1)"]}
-    procs.wait_for_log(worker, "Canceling queue preheat.infer.tiny", 10)
+    processes.wait_for_log(worker, "Canceling queue preheat.infer.tiny", 10)
     again = stack.cli("sleep", "--model", "tiny", "--wait", "--json")
     assert json.loads(again.stdout)["jobs"][0]["status"] == "skipped"  # idempotent
 
     # A request while the only worker sleeps: it waits in the queue, the worker sees it and wakes.
-    woken_answer = send_infer(max_new_tokens=6).get(timeout=90)
+    woken_answer = send_infer(max_tokens=6).get(timeout=90)
     assert woken_answer["token_ids"] == answer["token_ids"]
     assert woken_answer["cached_tokens"] == answer["cached_tokens"]
     demand = json.loads(stack.cli("history", "--trigger", "demand", "--json").stdout)
@@ -54,7 +56,7 @@ def test_sleep_and_wake_are_recorded_and_a_request_while_asleep_wakes_the_worker
     rows = {job["template"]: job for job in demand[0]["jobs"]}
     assert rows["*"]["status"] == "awake" and rows["*"]["wake_ms"] > 0
     assert rows["support"]["status"] == "warm" and rows["support"]["ttft_warm_ms"] > 0
-    procs.poll(lambda: _ready(worker).status_code == 200, 30, what="ready after the wake")
+    processes.poll(lambda: _ready(worker).status_code == 200, 30, what="ready after the wake")
 
     # A wake of a model awake is skipped, and its templates are warmed all the same.
     woke = stack.cli("wake", "--template", "support", "--wait", "--json")
@@ -68,7 +70,7 @@ def test_sleep_and_wake_are_recorded_and_a_request_while_asleep_wakes_the_worker
 def test_a_scheduled_wake_brings_the_worker_back_warm_and_a_restart_off_peak_starts_asleep(
     stack, stack_app, worker, tmp_path
 ):
-    from schedules import beat, store
+    from preheat.schedules import beat, store
 
     added = stack.cli("schedule", "add", "night", "--cron", "* * * * *", "--action", "sleep", "--level", "2")
     assert added.returncode == 0, added.stderr
@@ -81,15 +83,15 @@ def test_a_scheduled_wake_brings_the_worker_back_warm_and_a_restart_off_peak_sta
     assert list(fired.values()) == ["sent"]
     with session_scope() as session:
         slot = next(slot for slot in store.recent_slots(session, "night") if slot.status == "sent")
-    run = procs.poll(lambda: _final(stack, str(slot.run_id)), 60, what="the night's sleep")
+    run = processes.poll(lambda: _final(stack, str(slot.run_id)), 60, what="the night's sleep")
     assert run["action"] == "sleep" and run["jobs"][0]["status"] == "asleep" and run["jobs"][0]["sleep_level"] == 2
 
     # Restarted while the schedule says asleep: it starts asleep, nothing loaded.
-    procs.stop(worker)
-    restarted = procs.start_worker(WORKER, stack.env, tmp_path / "logs2", cwd=stack.home)
-    with procs.running(restarted):
-        procs.wait_for_log(restarted, "model tiny starts asleep: schedule night put it to sleep", 60)
-        procs.poll(lambda: _ready(restarted).status_code == 503, 30, what="health")
+    processes.stop(worker)
+    restarted = processes.start_worker(WORKER, stack.env, tmp_path / "logs2", cwd=stack.home)
+    with processes.running(restarted):
+        processes.wait_for_log(restarted, "model tiny starts asleep: schedule night put it to sleep", 60)
+        processes.poll(lambda: _ready(restarted).status_code == 503, 30, what="health")
         assert _ready(restarted).json()["reasons"] == ["model tiny: asleep (level 2)"]
         assert "model tiny resident" not in restarted.log()
 
@@ -98,8 +100,8 @@ def test_a_scheduled_wake_brings_the_worker_back_warm_and_a_restart_off_peak_sta
         rows = {job["template"]: job for job in json.loads(woke.stdout)["jobs"]}
         assert rows["*"]["status"] == "awake" and rows["*"]["load_ms"] > 0  # loaded through the weight loader
         assert rows["support"]["status"] == "warm"
-        procs.poll(lambda: _ready(restarted).status_code == 200, 30, what="ready after the wake")
-        assert send_infer(max_new_tokens=2).get(timeout=60)["cached_tokens"] > 20
+        processes.poll(lambda: _ready(restarted).status_code == 200, 30, what="ready after the wake")
+        assert send_infer(max_tokens=2).get(timeout=60)["cached_tokens"] > 20
 
 
 def _final(stack, run_id: str):
@@ -113,9 +115,9 @@ def test_a_day_in_minutes_asleep_at_night_woken_by_a_request_and_warm_for_the_mo
     real: a night's sleep, a request at 23:30 that wakes it on demand and is answered as
     before, the next night's sleep, and the morning's wake ahead of the peak that makes the
     peak's first request start from the cached prefix."""
-    from schedules import beat, store
+    from preheat.schedules import beat, store
 
-    answer = send_infer(max_new_tokens=6).get(timeout=60)
+    answer = send_infer(max_tokens=6).get(timeout=60)
     assert stack.cli("schedule", "add", "night", "--cron", "0 22 * * *", "--action", "sleep").returncode == 0
     morning = ("schedule", "add", "morning", "--cron", "0 7 * * *", "--lead", "120", "--action", "wake")
     assert stack.cli(*morning).returncode == 0
@@ -126,11 +128,11 @@ def test_a_day_in_minutes_asleep_at_night_woken_by_a_request_and_warm_for_the_mo
         assert list(fired.values()) == ["sent"], fired
         with session_scope() as session:
             [slot] = store.recent_slots(session, limit=1)
-        return procs.poll(lambda: _final(stack, str(slot.run_id)), 90, what=f"the slot at {at}")
+        return processes.poll(lambda: _final(stack, str(slot.run_id)), 90, what=f"the slot at {at}")
 
     night = fire(day + dt.timedelta(hours=22, seconds=5))
     assert (night["action"], night["trigger"], night["jobs"][0]["status"]) == ("sleep", "schedule", "asleep")
-    late = send_infer(max_new_tokens=6).get(timeout=90)  # 23:30, asleep: woken on demand
+    late = send_infer(max_tokens=6).get(timeout=90)  # 23:30, asleep: woken on demand
     assert late["token_ids"] == answer["token_ids"] and late["cached_tokens"] == answer["cached_tokens"]
 
     second_night = fire(day + dt.timedelta(days=1, hours=22, seconds=5))  # the morning between: missed
@@ -138,7 +140,7 @@ def test_a_day_in_minutes_asleep_at_night_woken_by_a_request_and_warm_for_the_mo
     wake = fire(day + dt.timedelta(days=2, hours=6, minutes=58, seconds=5))  # 07:00 less the lead
     rows = {job["template"]: job for job in wake["jobs"]}
     assert (wake["action"], rows["*"]["status"], rows["support"]["status"]) == ("wake", "awake", "warm")
-    first = send_infer(max_new_tokens=6).get(timeout=60)  # the peak's first request
+    first = send_infer(max_tokens=6).get(timeout=60)  # the peak's first request
     assert first["token_ids"] == answer["token_ids"] and first["cached_tokens"] == answer["cached_tokens"]
     # The two mornings the compressed day skipped are recorded missed, not fired late.
     slots = json.loads(stack.cli("schedule", "slots", "morning", "--json").stdout)

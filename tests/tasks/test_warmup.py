@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from preheat import history, procs
-from preheat.db import session_scope
-from preheat.models import JobStatus, RunStatus, TriggerKind
+from preheat.core import processes
+from preheat.history import service
+from preheat.history.db import session_scope
+from preheat.history.models import JobStatus, RunStatus, TriggerKind
 from tests.throttle import cpu_share
 
 pytestmark = pytest.mark.slow
@@ -17,9 +18,9 @@ WORKER = "w1@preheat-test"
 
 @pytest.fixture
 def worker(stack, tmp_path):
-    proc = procs.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
-    with procs.running(proc):
-        procs.wait_for_log(proc, f"{WORKER} ready.")
+    proc = processes.start_worker(WORKER, stack.env, tmp_path / "logs", cwd=stack.home)
+    with processes.running(proc):
+        processes.wait_for_log(proc, f"{WORKER} ready.")
         yield proc
 
 
@@ -30,7 +31,7 @@ def test_warm_wait_records_what_the_worker_measured_and_the_model_stays_resident
     assert printed["status"] == "succeeded" and printed["trigger"] == "manual"
 
     with session_scope() as session:
-        run = history.find_run(session, printed["id"])
+        run = service.find_run(session, printed["id"])
         assert run.status == RunStatus.succeeded and run.trigger == TriggerKind.manual
         assert run.requested_by and run.finished_at is not None
         [job] = run.jobs
@@ -57,8 +58,8 @@ def test_warm_wait_records_what_the_worker_measured_and_the_model_stays_resident
 
 def test_warm_fleet_reaches_the_worker_that_runs_it(stack, worker):
     """What beat sends: the dispatcher runs on a (solo) worker that cannot answer its own ping."""
-    from preheat.celery import create_app
-    from preheat.settings import get_settings
+    from preheat.celery.app import create_app
+    from preheat.core.settings import get_settings
 
     app = create_app(get_settings())
     app.send_task(
@@ -70,8 +71,8 @@ def test_warm_fleet_reaches_the_worker_that_runs_it(stack, worker):
             "requested_by": "beat",
         },
     )
-    procs.wait_for_log(worker, "preheat.warm_worker[", timeout_s=60)
-    procs.wait_for_log(worker, "succeeded in", timeout_s=60)
+    processes.wait_for_log(worker, "preheat.warm_worker[", timeout_s=60)
+    processes.wait_for_log(worker, "succeeded in", timeout_s=60)
     listing = stack.cli("history", "--trigger", "schedule", "--json")
     deadline_runs = json.loads(listing.stdout)
     assert len(deadline_runs) == 1
@@ -88,13 +89,13 @@ def test_verdicts_hold_under_a_neighbours_load_and_catch_a_throttled_worker(embe
     import subprocess
     import sys
 
-    import preheat.dispatch
-    from preheat.celery import create_app
+    import preheat.fleet.dispatch
+    from preheat.celery.app import create_app
     from preheat.cli.warm import wait_for_run
-    from preheat.settings import get_settings
+    from preheat.core.settings import get_settings
 
     # This stack's broker: the process-wide app may be an earlier test's (another home).
-    monkeypatch.setattr(preheat.dispatch, "app", create_app(get_settings()))
+    monkeypatch.setattr(preheat.fleet.dispatch, "app", create_app(get_settings()))
 
     env = {
         **embedded_stack.env,
@@ -102,15 +103,17 @@ def test_verdicts_hold_under_a_neighbours_load_and_catch_a_throttled_worker(embe
         "PREHEAT_PROBE_REPEATS": "3",
         "PREHEAT_WORKER_DEAD_AFTER_S": "120",  # a throttled worker beats slowly, and is not dead
     }
-    worker = procs.start_worker(WORKER, env, tmp_path / "logs", cwd=embedded_stack.home)
+    worker = processes.start_worker(WORKER, env, tmp_path / "logs", cwd=embedded_stack.home)
 
     def warm():
-        dispatched = preheat.dispatch.dispatch_warmup(templates=["support"], workers=[WORKER], requested_by="verdict")
+        dispatched = preheat.fleet.dispatch.dispatch_warmup(
+            templates=["support"], workers=[WORKER], requested_by="verdict"
+        )
         [job] = wait_for_run(dispatched.run_id, 90, show_progress=False).jobs
         return job
 
-    with procs.running(worker):
-        procs.wait_for_log(worker, f"{WORKER} ready.", 90)
+    with processes.running(worker):
+        processes.wait_for_log(worker, f"{WORKER} ready.", 90)
         hog, seen = None, []
         try:
             for i in range(20):

@@ -3,11 +3,11 @@
 import httpx
 import pytest
 
-from preheat.catalog import load_catalog
+from preheat.api.sampling import SamplingParams
+from preheat.core.catalog import load_catalog
+from preheat.workers.health import PATHS, HealthServer
+from preheat.workers.runtime import RuntimeConfig, WorkerRuntime
 from tests.conftest import write_catalog
-from workers.health import PATHS, HealthServer
-from workers.runtime import RuntimeConfig, WorkerRuntime
-from workers.sampling import SamplingParams
 
 
 @pytest.fixture

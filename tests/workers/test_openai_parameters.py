@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.protocol import ApiError, parse_body, parse_chat, parse_completion
-from workers.sampling import SamplingParams
+from preheat.api.requests import ApiError, parse_body, parse_chat, parse_completion
+from preheat.api.sampling import SamplingParams
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -172,7 +172,7 @@ def test_logprob_bytes_are_each_tokens_own_bytes_even_half_a_character(tiny_mode
     still its own, so the bytes of an answer's tokens join into the answer's UTF-8."""
     from transformers import AutoTokenizer
 
-    from workers.protocol import LogprobShapes
+    from preheat.api.answers import LogprobShapes
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     shapes = LogprobShapes(tokenizer)

@@ -4,13 +4,13 @@ import shutil
 
 import pytest
 
-from preheat.catalog import load_catalog
-from preheat.errors import UnknownNameError
+from preheat.api.sampling import SamplingParams
+from preheat.core.catalog import load_catalog
+from preheat.core.errors import UnknownNameError
+from preheat.workers.engine.chat import conversation
+from preheat.workers.engine.kvcache import CacheBudget, CacheBudgetError
+from preheat.workers.runtime import RuntimeConfig, WorkerRuntime
 from tests.conftest import SUPPORT_PROMPT, write_catalog
-from workers.chat import conversation
-from workers.kvcache import CacheBudget, CacheBudgetError
-from workers.runtime import RuntimeConfig, WorkerRuntime
-from workers.sampling import SamplingParams
 
 SUMMARY = '\n[templates.summarise]\nmodel = "tiny"\nsystem_prompt = "Summarise the text in three bullet points."\n'
 BROKEN = (
@@ -226,7 +226,7 @@ def test_chat_requests_with_a_template_prompt_use_its_pinned_prefix_and_are_reme
 
 
 def test_a_warmup_and_a_request_resolve_their_template_once_and_hash_nothing_twice(tmp_path, tiny_model, monkeypatch):
-    import workers.kvcache as kvcache
+    import preheat.workers.engine.kvcache as kvcache
 
     runtime = make_runtime(tmp_path, tiny_model)
     calls = {"system_prompt": 0, "ensure": 0, "digest": 0}
@@ -264,7 +264,7 @@ def test_a_prompt_file_emptied_since_the_start_is_not_warm(tmp_path, tiny_model)
 
 
 def test_a_restarted_runtime_restores_its_prefixes_and_prefills_nothing(tmp_path, tiny_model, caplog):
-    from workers.prefixstore import PrefixStore
+    from preheat.workers.engine.prefixstore import PrefixStore
 
     store_folder = tmp_path / "prefixes"
     first = make_runtime(tmp_path, tiny_model, SUMMARY, prefix_store=PrefixStore(store_folder, 2**30))

@@ -9,10 +9,10 @@ import httpx
 import pytest
 from openai import NotFoundError, OpenAI
 
-from preheat import procs
+from preheat.cli.devmodel import ARCHITECTURES
+from preheat.core import processes
+from preheat.workers.engine.resident import DEFAULT_CHAT_TEMPLATE
 from tests.conftest import SUPPORT_PROMPT, write_catalog
-from workers.devmodel import ARCHITECTURES
-from workers.resident import DEFAULT_CHAT_TEMPLATE
 
 pytestmark = pytest.mark.slow
 
@@ -21,10 +21,10 @@ TOKEN = "serve-test-token"
 
 @pytest.fixture
 def server(embedded_stack, tmp_path):
-    proc = procs.start_serve({**embedded_stack.env, "PREHEAT_SERVE_TOKEN": TOKEN}, tmp_path / "logs")
-    with procs.running(proc):
-        url = procs.serve_url(proc)
-        procs.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 60, what="ready")
+    proc = processes.start_serve({**embedded_stack.env, "PREHEAT_SERVE_TOKEN": TOKEN}, tmp_path / "logs")
+    with processes.running(proc):
+        url = processes.serve_url(proc)
+        processes.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 60, what="ready")
         yield url, proc
 
 
@@ -204,10 +204,10 @@ def test_bytes_that_are_not_text_are_a_4xx_with_a_reason(server):
 
 def test_an_api_key_guards_v1_and_internal_routes_are_off_without_a_token(embedded_stack, tmp_path):
     env = {**embedded_stack.env, "PREHEAT_SERVE_API_KEY": "client-key"}
-    proc = procs.start_serve(env, tmp_path / "logs")
-    with procs.running(proc):
-        url = procs.serve_url(proc)
-        procs.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 60, what="ready")
+    proc = processes.start_serve(env, tmp_path / "logs")
+    with processes.running(proc):
+        url = processes.serve_url(proc)
+        processes.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 60, what="ready")
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 401
         ok = httpx.post(
@@ -226,15 +226,15 @@ def test_a_model_that_is_not_warm_takes_no_request(embedded_stack, tmp_path, tin
         '\n[models.gone]\npath = "does/not/exist"\n'
         '[templates.orphan]\nmodel = "gone"\nsystem_prompt = "You are lost."\n',
     )
-    proc = procs.start_serve(embedded_stack.env, tmp_path / "logs")
-    with procs.running(proc):
-        url = procs.serve_url(proc)
+    proc = processes.start_serve(embedded_stack.env, tmp_path / "logs")
+    with processes.running(proc):
+        url = processes.serve_url(proc)
 
         def only_gone_is_missing():
             reasons = httpx.get(f"{url}/health/ready", timeout=5).json().get("reasons", [])
             return [r.split(":")[0] for r in reasons] == ["model gone unavailable", "template orphan"]
 
-        procs.poll(only_gone_is_missing, 60, what="tiny warm and gone reported")
+        processes.poll(only_gone_is_missing, 60, what="tiny warm and gone reported")
         assert httpx.get(f"{url}/health/ready", timeout=5).status_code == 503
         refused = httpx.post(
             f"{url}/v1/chat/completions",
@@ -285,10 +285,10 @@ def chat_server(embedded_stack, tmp_path, dev_model):
     )
     (tmp_path / "preheat.toml").write_text(models + templates)
     env = {**embedded_stack.env, "PREHEAT_CATALOG": str(tmp_path / "preheat.toml")}
-    proc = procs.start_serve(env, tmp_path / "logs")
-    with procs.running(proc):
-        url = procs.serve_url(proc)
-        procs.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 120, what="ready")
+    proc = processes.start_serve(env, tmp_path / "logs")
+    with processes.running(proc):
+        url = processes.serve_url(proc)
+        processes.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 120, what="ready")
         yield OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), proc
 
 
@@ -394,12 +394,12 @@ def test_logprobs_in_both_shapes_streamed_and_not(chat_server, dev_model):
 
 def test_every_damaged_prefix_file_is_computed_again_and_answers_as_transformers(embedded_stack, tmp_path, tiny_model):
     """What comes back from disk is proven, in a real server: prefix files written for a
-    template each, then each damaged a different way (tests/workers/test_prefixstore.py);
+    template each, then each damaged a different way (tests/workers/engine/test_prefixstore.py);
     every one is one log line and a pre-fill, and every answer is transformers' own."""
+    from preheat.workers.engine.chat import TemplatePrefix
+    from preheat.workers.engine.prefixstore import PrefixStore
     from tests.conftest import load_resident, new_scheduler, reference_generate
-    from tests.workers.test_prefixstore import DAMAGES
-    from workers.chat import TemplatePrefix
-    from workers.prefixstore import PrefixStore
+    from tests.workers.engine.test_prefixstore import DAMAGES
 
     prompts = {f"t{i}": f"{SUPPORT_PROMPT} You are desk number {i}." for i in range(len(DAMAGES))}
     catalog = tmp_path / "damaged.toml"
@@ -417,10 +417,10 @@ def test_every_damaged_prefix_file_is_computed_again_and_answers_as_transformers
     for (name, prefix), damage in zip(prefixes.items(), DAMAGES.values(), strict=True):
         damage(store.path_for(resident, prefix.ids[0].numpy()), tmp_path / name, prefix.ids)
     env = {**embedded_stack.env, "PREHEAT_CATALOG": str(catalog), "PREHEAT_PREFIX_STORE": str(store.folder)}
-    proc = procs.start_serve(env, tmp_path / "logs")
-    with procs.running(proc):
-        url = procs.serve_url(proc)
-        procs.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 90, what="ready")
+    proc = processes.start_serve(env, tmp_path / "logs")
+    with processes.running(proc):
+        url = processes.serve_url(proc)
+        processes.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 90, what="ready")
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         for name, text in prompts.items():
             messages = [{"role": "system", "content": text}, {"role": "user", "content": QUESTION}]

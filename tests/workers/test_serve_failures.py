@@ -12,13 +12,13 @@ import threading
 import httpx
 import pytest
 
-import workers.scheduler as scheduler
-from preheat import procs
-from preheat.catalog import load_catalog
+from preheat.core import processes
+from preheat.core.catalog import load_catalog
+from preheat.workers.engine.runner import ModelRunner
+from preheat.workers.engine.scheduler import BatchLimits
+from preheat.workers.runtime import RuntimeConfig, WorkerRuntime
+from preheat.workers.serve import ServeConfig, Server, listen
 from tests.conftest import SUPPORT_PROMPT, write_catalog
-from workers.runtime import RuntimeConfig, WorkerRuntime
-from workers.scheduler import BatchLimits
-from workers.serve import ServeConfig, Server, listen
 
 BODY = {
     "model": "tiny",
@@ -59,7 +59,7 @@ def _serve(tmp_path, tiny_model, limits: BatchLimits = BatchLimits()):
     thread.start()
     started.wait(10)
     url = f"http://127.0.0.1:{bound['port']}"
-    procs.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 30, what="ready")
+    processes.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, 30, what="ready")
     yield url
     bound["loop"].add_callback(bound["loop"].stop)
     thread.join(5)
@@ -80,8 +80,8 @@ def fail_after(monkeypatch, calls: int) -> None:
 
         return run
 
-    monkeypatch.setattr(scheduler, "forward", failing(scheduler.forward))
-    monkeypatch.setattr(scheduler.Scheduler, "_forward", staticmethod(failing(scheduler.Scheduler._forward)))
+    monkeypatch.setattr(ModelRunner, "forward", failing(ModelRunner.forward))
+    monkeypatch.setattr(ModelRunner, "step", failing(ModelRunner.step))
 
 
 def test_a_failure_mid_stream_ends_it_with_an_error_event_and_done(served, monkeypatch):
@@ -127,7 +127,7 @@ def test_a_full_queue_is_429_with_retry_after_and_a_gone_client_frees_its_row(se
 
         waiting = threading.Thread(target=second)
         waiting.start()
-        procs.poll(lambda: "preheat_requests_waiting 1.0" in httpx.get(f"{url}/metrics").text, 10, 0.02, "queued")
+        processes.poll(lambda: "preheat_requests_waiting 1.0" in httpx.get(f"{url}/metrics").text, 10, 0.02, "queued")
         refused = httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=10)
         assert refused.status_code == 429
         assert refused.json()["error"]["code"] == "queue_full"
@@ -137,4 +137,4 @@ def test_a_full_queue_is_429_with_retry_after_and_a_gone_client_frees_its_row(se
     waiting.join(60)
     assert queued["answer"].status_code == 200
     assert queued["answer"].json()["choices"][0]["message"]["content"]
-    procs.poll(lambda: _running(url) == 0, 10, 0.05, "no request running")
+    processes.poll(lambda: _running(url) == 0, 10, 0.05, "no request running")

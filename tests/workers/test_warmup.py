@@ -4,7 +4,7 @@ the worker is not several-fold slower than its recent self."""
 
 import pytest
 
-from workers.warmup import FirstToken, Probe, Recent, TemplateWarmup, median_of, side_by_side, verdict
+from preheat.workers.warmup import FirstToken, Probe, Recent, TemplateWarmup, median_of, side_by_side, verdict
 
 PREFIX_TOKENS = 200
 

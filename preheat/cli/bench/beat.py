@@ -19,11 +19,11 @@ from pathlib import Path
 import typer
 from sqlalchemy import delete, select
 
-from preheat import procs
 from preheat.cli.bench.common import ensure_no_live_workers, host, prepare, worker_env, worker_name, write_report
-from preheat.db import aware, session_scope, utcnow
-from preheat.errors import ConfigError
-from preheat.models import Schedule, ScheduleSlot, SlotStatus, WarmupRun
+from preheat.core import processes
+from preheat.core.errors import ConfigError
+from preheat.history.db import aware, session_scope, utcnow
+from preheat.history.models import Schedule, ScheduleSlot, SlotStatus, WarmupRun
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def minutely_lead_for(fire_at: dt.datetime) -> int:
 
 
 def ensure_no_beat() -> None:
-    from schedules import leader
+    from preheat.schedules import leader
 
     with session_scope() as session:
         lease = leader.current(session)
@@ -72,24 +72,24 @@ def run(
     """Start a worker and two beats, schedule `slots` fire times `spacing_s` apart, kill the
     leader after `kill_after` have fired; returns each slot, the kill time, the takeover time
     and how many runs the slots made (one each, if no slot fired twice)."""
-    from schedules import leader, store
+    from preheat.schedules import leader, store
 
     ensure_no_live_workers("bench beat starts its own worker")
     ensure_no_beat()
     env = worker_env(PREHEAT_BEAT_LEASE_S=f"{lease_s:g}")
     nodename = worker_name("beat")
-    worker = procs.start_worker(nodename, env, log_dir)
-    beat_argv = procs.celery_command("beat", "--loglevel=INFO")
+    worker = processes.start_worker(nodename, env, log_dir)
+    beat_argv = processes.celery_command("beat", "--loglevel=INFO")
     prefix = f"bench-beat-{uuid.uuid4().hex[:6]}"
     try:
-        with procs.running(worker):
-            procs.wait_for_log(worker, f"{nodename} ready.", timeout_s)
-            leader_proc = procs.start("beat-leader", beat_argv, env, log_dir)
-            with procs.running(leader_proc):
-                procs.wait_for_log(leader_proc, "leads", timeout_s)
-                standby = procs.start("beat-standby", beat_argv, env, log_dir)
-                with procs.running(standby):
-                    procs.wait_for_log(standby, "is standby", timeout_s)
+        with processes.running(worker):
+            processes.wait_for_log(worker, f"{nodename} ready.", timeout_s)
+            leader_proc = processes.start("beat-leader", beat_argv, env, log_dir)
+            with processes.running(leader_proc):
+                processes.wait_for_log(leader_proc, "leads", timeout_s)
+                standby = processes.start("beat-standby", beat_argv, env, log_dir)
+                with processes.running(standby):
+                    processes.wait_for_log(standby, "is standby", timeout_s)
                     first = utcnow() + dt.timedelta(seconds=3)
                     fire_times = [first + dt.timedelta(seconds=i * spacing_s) for i in range(slots)]
                     with session_scope() as session:
@@ -102,10 +102,10 @@ def run(
                                 targets={"templates": [template], "workers": [nodename]},
                                 lead_time_s=minutely_lead_for(fire_at),
                             )
-                    procs.poll(lambda: _settled(prefix, kill_after), timeout_s, what="the slots before the kill")
-                    procs.kill(leader_proc)
+                    processes.poll(lambda: _settled(prefix, kill_after), timeout_s, what="the slots before the kill")
+                    processes.kill(leader_proc)
                     killed_at = utcnow()
-                    procs.poll(lambda: _settled(prefix, slots), timeout_s + lease_s, what="every slot")
+                    processes.poll(lambda: _settled(prefix, slots), timeout_s + lease_s, what="every slot")
                     with session_scope() as session:
                         lease = leader.current(session)
                         took_over = (

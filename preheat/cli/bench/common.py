@@ -21,10 +21,10 @@ def prepare(console, *, exclusive: str | None = None, database: bool = True, mod
     work); the dev models built if missing (`models`); the history database migrated
     (`database`); and with `exclusive` (why the bench must be alone), no live worker taking
     part. Returns (settings, catalog)."""
-    from preheat import migrate
-    from preheat.catalog import load_catalog
     from preheat.cli.dev import build_missing_models
-    from preheat.settings import get_settings
+    from preheat.core.catalog import load_catalog
+    from preheat.core.settings import get_settings
+    from preheat.history import migrate
 
     settings = get_settings()
     catalog = load_catalog(settings.catalog)
@@ -42,10 +42,10 @@ def prepare(console, *, exclusive: str | None = None, database: bool = True, mod
 
 def ensure_no_live_workers(why: str) -> None:
     """A benchmark's requests must reach only the workers it started."""
-    from preheat import registry
     from preheat.cli.lazy import get_settings
-    from preheat.db import session_scope
-    from preheat.errors import ConfigError
+    from preheat.core.errors import ConfigError
+    from preheat.fleet import registry
+    from preheat.history.db import session_scope
 
     with session_scope() as session:
         live = [w.nodename for w in registry.live_workers(session, get_settings().worker_dead_after_s)]
@@ -71,7 +71,7 @@ def dev_model(folder: Path, shape: str, console) -> Path:
     """The dev model of `shape` (tiny, or SmolLM-135M's: 30 layers of 576, 9 heads over 3 KV
     heads, 49,152 embedding rows) in `folder`, built there if it is not yet. The path is
     absolute: the catalogs that name it resolve relative paths against their own folder."""
-    from workers.devmodel import ModelShape, make_model
+    from preheat.cli.devmodel import ModelShape, make_model
 
     folder = folder.resolve()
     if (folder / "config.json").exists():
@@ -93,13 +93,13 @@ def database_url(url: str) -> Iterator[None]:
 def settings_from(**variables: str) -> Iterator[None]:
     """This process's settings read with `variables` set inside the block (settings and the
     database engine reloaded), as configured again after it."""
-    from preheat import settings
-    from preheat.db import reset_engine
+    from preheat.core import settings
+    from preheat.history.db import reset_connections
 
     before = {name: os.environ.get(name) for name in variables}
     os.environ.update(variables)
     settings.get_settings.cache_clear()
-    reset_engine()
+    reset_connections()
     try:
         yield
     finally:
@@ -109,7 +109,7 @@ def settings_from(**variables: str) -> Iterator[None]:
             else:
                 os.environ[name] = value
         settings.get_settings.cache_clear()
-        reset_engine()
+        reset_connections()
 
 
 def write_report(report: dict, path: Path, console) -> None:
@@ -119,7 +119,7 @@ def write_report(report: dict, path: Path, console) -> None:
 
 
 def host() -> dict:
-    from preheat.settings import get_settings
+    from preheat.core.settings import get_settings
 
     settings = get_settings()
     return {

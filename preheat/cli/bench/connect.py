@@ -18,11 +18,11 @@ from pathlib import Path
 
 import httpx
 
-from preheat import procs
-from preheat.catalog import Catalog, EndpointSpec
 from preheat.cli.bench.common import host, prepare, write_report
-from preheat.endpoints import EndpointPool, build_client, chat_body, stream_chat
-from preheat.errors import ConfigError
+from preheat.core import processes
+from preheat.core.catalog import Catalog, EndpointSpec
+from preheat.core.errors import ConfigError
+from preheat.endpoints.pools import EndpointPool, build_client, chat_body, stream_chat
 
 
 def make_tls(folder: Path) -> dict[str, Path]:
@@ -116,13 +116,13 @@ def run(catalog: Catalog, template: str, rounds: int, http2: bool, folder: Path,
         "PREHEAT_SERVE_TLS_KEY": str(tls["key"]),
     }
     env.pop("PREHEAT_SERVE_API_KEY", None)
-    server = procs.start_serve(env, folder / "logs", name="bench-serve")
-    with procs.running(server):
-        url = procs.serve_url(server, timeout_s)
+    server = processes.start_serve(env, folder / "logs", name="bench-serve")
+    with processes.running(server):
+        url = processes.serve_url(server, timeout_s)
         import ssl
 
         trust = ssl.create_default_context(cafile=str(tls["ca"]))
-        procs.poll(lambda: _ready(url, trust), timeout_s, 0.2, "preheat serve ready")
+        processes.poll(lambda: _ready(url, trust), timeout_s, 0.2, "preheat serve ready")
         time.sleep(0.5)  # let the server's start-up work settle before the first timed round
         spec = EndpointSpec(base_url=f"{url}/v1", kind="preheat", ca_bundle=str(tls["ca"]), http2=http2)
         return measure(spec, catalog, template, catalog.template(template).model, rounds)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from preheat.cli.bench.common import host, prepare, write_report
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 FIRST_REQUEST_TARGET = 1.1  # first request TTFT / steady state, on a gated worker
 

@@ -15,10 +15,12 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from preheat import history, procs, registry
 from preheat.cli.bench.common import worker_env, worker_name
 from preheat.cli.lazy import get_settings
-from preheat.db import session_scope
+from preheat.core import processes
+from preheat.fleet import registry
+from preheat.history import service
+from preheat.history.db import session_scope
 
 # First request -------------------------------------------------------------------------
 
@@ -41,19 +43,19 @@ def first_request_round(
     template: str, user_input: str, gated: bool, steady_requests: int, log_dir: Path, timeout_s: float
 ) -> FirstRequestRound:
     """Start a fresh worker, send one request the moment it is launched, then more."""
-    from preheat.celery import app
+    from preheat.celery.app import app
 
     def ask() -> dict:
         pending = app.send_task(
-            "preheat.infer", kwargs={"template": template, "user_input": user_input, "max_new_tokens": 1}
+            "preheat.infer", kwargs={"template": template, "user_input": user_input, "max_tokens": 1}
         )
         return pending.get(timeout=timeout_s)
 
     env = worker_env(PREHEAT_GATE_INFERENCE="true" if gated else "false")
     nodename = worker_name("gated" if gated else "ungated")
     launched = time.perf_counter()
-    worker = procs.start_worker(nodename, env, log_dir)
-    with procs.running(worker):
+    worker = processes.start_worker(nodename, env, log_dir)
+    with processes.running(worker):
         first = ask()
         answered_s = time.perf_counter() - launched
         steady = [ask()["ttft_ms"] for _ in range(steady_requests)]
@@ -108,19 +110,19 @@ class FanoutRow:
 
 
 def fanout_round(count: int, templates: list[str] | None, log_dir: Path, timeout_s: float) -> FanoutRow:
-    from preheat.dispatch import dispatch_warmup, prime_dispatch
+    from preheat.fleet.dispatch import dispatch_warmup, prime_dispatch
 
     names = [worker_name(f"fan{count}") for _ in range(count)]
     # Each worker gets its share of the CPUs, as a pod gets its CPU request: N processes
     # each spinning up every core's worth of OpenMP threads measure oversubscription.
     threads = str(max(1, (os.cpu_count() or 1) // count))
-    workers = [procs.start_worker(name, worker_env(OMP_NUM_THREADS=threads), log_dir) for name in names]
-    with procs.running(*workers):
-        procs.poll(lambda: _all_ready(names), timeout_s, 0.2, f"{count} worker(s) ready")
+    workers = [processes.start_worker(name, worker_env(OMP_NUM_THREADS=threads), log_dir) for name in names]
+    with processes.running(*workers):
+        processes.poll(lambda: _all_ready(names), timeout_s, 0.2, f"{count} worker(s) ready")
         prime_dispatch()  # a dispatcher's connections are open before the warmup it sends
         started = time.perf_counter()
         dispatched = dispatch_warmup(templates=templates, workers=names, requested_by="preheat bench fanout")
-        run = procs.poll(lambda: _finished(dispatched.run_id), timeout_s, 0.02, "every job final")
+        run = processes.poll(lambda: _finished(dispatched.run_id), timeout_s, 0.02, "every job final")
         total_s = time.perf_counter() - started
     spans = {}
     for job in run.jobs:
@@ -155,5 +157,5 @@ def _all_ready(names: list[str]) -> bool:
 
 def _finished(run_id: uuid.UUID):
     with session_scope() as session:
-        run = history.get_run(session, run_id)
+        run = service.get_run(session, run_id)
         return run if all(job.status.is_final for job in run.jobs) else None

@@ -29,7 +29,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 from preheat.cli.bench.common import database_url, host, write_report
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 JOBS_PER_RUN = 4
 WORKERS, LIVE_WORKERS = 200, 20
@@ -66,11 +66,11 @@ def scratch_url(url: str) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def scratch_database(url: str) -> Iterator[str]:
-    from preheat.db import make_engine
+    from preheat.history.db import open_database
 
     admin_url, scratch = scratch_url(url)
     name = make_url(scratch).database
-    admin = make_engine(admin_url).execution_options(isolation_level="AUTOCOMMIT")
+    admin = open_database(admin_url).execution_options(isolation_level="AUTOCOMMIT")
     with admin.connect() as connection:
         connection.execute(text(f'CREATE DATABASE "{name}"'))
     try:
@@ -122,11 +122,11 @@ FILL = [
 def fill(url: str, jobs: int, days: int) -> int:
     """The record, made by the server; on an engine of its own, without the statement bound
     every preheat process has (a bulk fill is not a command's query)."""
-    from preheat.db import make_engine
+    from preheat.history.db import open_database
 
     runs = -(-jobs // JOBS_PER_RUN)
     params = {"runs": runs, "days": str(days), "workers": WORKERS, "live": LIVE_WORKERS, "per_run": JOBS_PER_RUN}
-    engine = make_engine(url)
+    engine = open_database(url)
     try:
         with engine.begin() as connection:
             for statement in FILL:
@@ -139,29 +139,30 @@ def fill(url: str, jobs: int, days: int) -> int:
 
 
 def queries() -> list[tuple[str, Callable[[Session], object]]]:
-    from preheat import history, registry
     from preheat.cli.history import parse_since
-    from preheat.db import utcnow
-    from preheat.states import JobStatus, RunStatus, TriggerKind
+    from preheat.core.states import JobStatus, RunStatus, TriggerKind
+    from preheat.fleet import registry
+    from preheat.history import service
+    from preheat.history.db import utcnow
 
     # Run 1000 as the fill made it: its id, its task and its worker.
     a_run, a_task = uuid.UUID(hashlib.md5(b"run1000").hexdigest()), hashlib.md5(b"task1000").hexdigest()
     its_worker = f"gpu{1000 % WORKERS}@node"
     return [
-        ("preheat history", lambda s: history.list_runs(s)),
-        ("preheat history --status running", lambda s: history.list_runs(s, status=RunStatus.running)),
-        ("preheat history --status failed", lambda s: history.list_runs(s, status=RunStatus.failed)),
-        ("preheat history --trigger peak", lambda s: history.list_runs(s, trigger=TriggerKind.peak)),
-        ("preheat history --since 6h", lambda s: history.list_runs(s, since=parse_since("6h"))),
-        ("preheat history RUN (id prefix)", lambda s: history.find_run(s, a_run.hex[:8])),
+        ("preheat history", lambda s: service.list_runs(s)),
+        ("preheat history --status running", lambda s: service.list_runs(s, status=RunStatus.running)),
+        ("preheat history --status failed", lambda s: service.list_runs(s, status=RunStatus.failed)),
+        ("preheat history --trigger peak", lambda s: service.list_runs(s, trigger=TriggerKind.peak)),
+        ("preheat history --since 6h", lambda s: service.list_runs(s, since=parse_since("6h"))),
+        ("preheat history RUN (id prefix)", lambda s: service.find_run(s, a_run.hex[:8])),
         ("preheat workers", lambda s: registry.workers(s)),
         (
             "a job's finish (worker)",
-            lambda s: history.finish_job(
+            lambda s: service.finish_job(
                 s, a_run, target=its_worker, template="t1", status=JobStatus.warm, measured={"ttft_warm_ms": 12.0}
             ),
         ),
-        ("a task's failure (worker)", lambda s: history.fail_task_jobs(s, a_task, "bench", utcnow())),
+        ("a task's failure (worker)", lambda s: service.fail_task_jobs(s, a_task, "bench", utcnow())),
         (
             "the reaper's pass (heartbeat)",
             lambda s: registry.reap(s, dead_after_s=45, time_limit_s=3600, now=utcnow()),
@@ -170,9 +171,9 @@ def queries() -> list[tuple[str, Callable[[Session], object]]]:
 
 
 def measure(schema: str, timed: dict[str, Timed], repeats: int) -> None:
-    from preheat.db import get_engine
+    from preheat.history.db import database
 
-    engine = get_engine()
+    engine = database()
     for name, query in queries():
         row = timed.setdefault(name, Timed(name))
         sent: list[tuple[str, object]] = []
@@ -220,7 +221,7 @@ def _plan(engine, statement: str, parameters) -> str:
 
 
 def prune_timed(retention_days: int) -> dict:
-    from preheat import prune
+    from preheat.history import prune
 
     started = time.perf_counter()
     counted = prune.prune(dt.timedelta(days=retention_days), dry_run=True)
@@ -243,9 +244,9 @@ def exporter_timed(repeats: int) -> dict:
     (one grouped statement), each later one reads what finished since."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from preheat.catalog import load_catalog
-    from preheat.fleet import FleetCollector
-    from preheat.settings import get_settings
+    from preheat.core.catalog import load_catalog
+    from preheat.core.settings import get_settings
+    from preheat.fleet.exporter import FleetCollector
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FleetCollector(load_catalog(get_settings().catalog), get_settings()))
@@ -276,9 +277,9 @@ def main(jobs: int, days: int, retention_days: int, repeats: int, server_url: st
     """The command (its options are declared in preheat.cli.bench): measure, print, write JSON."""
     from rich.table import Table
 
-    from preheat import migrate
     from preheat.cli import render
-    from preheat.settings import get_settings
+    from preheat.core.settings import get_settings
+    from preheat.history import migrate
 
     console = render.console()
     settings = get_settings()
@@ -324,4 +325,4 @@ def main(jobs: int, days: int, retention_days: int, repeats: int, server_url: st
         f"prune to {retention_days} days: dry run {pruned['dry_run_s']:.1f} s, prune {pruned['prune_s']:.1f} s "
         f"({deleted['warmup_runs']:,} runs, {deleted['warmup_jobs']:,} jobs, {pruned['rows_per_s']:,.0f} rows/s)"
     )
-    write_report(report, json_path or settings.home / "bench" / "history.json", console)
+    write_report(report, json_path or settings.home / "bench" / "runs.json", console)

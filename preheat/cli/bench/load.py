@@ -27,16 +27,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from preheat.cli.bench import servers, tables
 from preheat.cli.bench.common import dev_model, host, prepare, worker_env, worker_name, write_report
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 CALLER_CORES_TARGET = 0.1  # what 16 callers' result wait may cost their process
 MODES = ("batch", "one-at-a-time", "no-prefix-cache", "transformers", "celery")
-SERVER_ENV = {
-    "batch": {},
-    "one-at-a-time": {"PREHEAT_MAX_RUNNING_REQUESTS": "1"},
-    "no-prefix-cache": {"PREHEAT_PREFIX_CACHING": "false"},
-}
 USER_INPUTS = (
     "Where is my parcel? It was due on Monday.",
     "Summarise: the launch moved to March, QA goes to Dana, the budget stays.",
@@ -127,7 +123,7 @@ def main(
             )
             continue
         try:
-            server = _start(mode, model_name, model_dir, templates, catalog, folder, python, timeout)
+            server = servers.start(mode, model_name, model_dir, templates, catalog, folder, python, timeout)
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
             skipped[mode] = str(exc)
             console.print(f"{mode}: not measured: {exc}", highlight=False)
@@ -143,81 +139,28 @@ def main(
         finally:
             server.stop()
     report = _report(shape, rows, skipped, max_tokens)
-    console.print(render.load_table(report))
+    console.print(tables.load_table(report))
     for line in report["verdicts"]:
         console.print(line, highlight=False)
     write_report(report, json_path or settings.home / "bench" / "load.json", console)
-
-
-# The servers --------------------------------------------------------------------------
-
-
-@dataclass
-class Server:
-    url: str
-    model: str
-    stop: object  # () -> None
-
-
-def _start(mode, model_name, model_dir, templates, catalog, folder: Path, python: Path, timeout: float) -> Server:
-    if mode == "transformers":
-        return _start_transformers(model_dir, python, folder / "logs", timeout)
-    return _start_preheat(mode, model_name, model_dir, templates, catalog, folder, timeout)
-
-
-def _bench_catalog(folder: Path, model_name: str, model_dir: Path, templates: list[str], catalog) -> Path:
-    """The catalog's templates of `model_name`, on the dev model."""
-    path = folder / "catalog.toml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"[models.{model_name}]\npath = {json.dumps(str(model_dir))}\n"]
-    for name in templates:
-        text, probe = catalog.system_prompt(name), catalog.template(name).probe
-        lines.append(
-            f"[templates.{name}]\nmodel = {json.dumps(model_name)}\nsystem_prompt = {json.dumps(text)}\n"
-            f"probe = {json.dumps(probe)}\n"
-        )
-    path.write_text("\n".join(lines))
-    return path
-
-
-def _start_preheat(mode, model_name, model_dir, templates, catalog, folder: Path, timeout: float) -> Server:
-    import httpx
-
-    from preheat import procs
-
-    env = {
-        **os.environ,
-        "PREHEAT_CATALOG": str(_bench_catalog(folder, model_name, model_dir, templates, catalog)),
-        "PREHEAT_HOME": str(folder / "home"),
-        "PREHEAT_PREFIX_STORE": "off",
-        **SERVER_ENV[mode],
-    }
-    proc = procs.start_serve(env, folder / "logs", name=f"serve-{mode}")
-    try:
-        url = procs.serve_url(proc, timeout)
-        procs.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, timeout, 0.05, "ready")
-    except Exception:
-        procs.kill(proc)
-        raise
-    return Server(url, model_name, lambda: procs.stop(proc))
 
 
 def _celery_rows(
     model_name, model_dir, templates, catalog, folder, user_counts, per_user, max_tokens, timeout, console
 ) -> list[Row]:
     """One worker on the configured stack; each user sends `preheat.infer` and waits for it."""
-    from preheat import procs
-    from preheat.celery import app
+    from preheat.celery.app import app
+    from preheat.core import processes
 
     console.print("celery: starting a worker …")
     env = worker_env(
-        PREHEAT_CATALOG=str(_bench_catalog(folder, model_name, model_dir, templates, catalog)),
+        PREHEAT_CATALOG=str(servers.bench_catalog(folder, model_name, model_dir, templates, catalog)),
         PREHEAT_PREFIX_STORE="off",
     )
-    worker = procs.start_worker(worker_name("load"), env, folder / "logs")
+    worker = processes.start_worker(worker_name("load"), env, folder / "logs")
     rows = []
-    with procs.running(worker):
-        procs.wait_for_log(worker, f"model {model_name} takes requests", timeout)
+    with processes.running(worker):
+        processes.wait_for_log(worker, f"model {model_name} takes requests", timeout)
         for count in user_counts:
             rows.append(celery_loop(app, templates, count, _turns(count, per_user), max_tokens))
             console.print(_line(rows[-1]), highlight=False)
@@ -237,7 +180,7 @@ def celery_loop(app, templates: list[str], users: int, per_user: int, max_tokens
             kwargs = {
                 "template": templates[k % len(templates)],
                 "user_input": _input(k),
-                "max_new_tokens": max_tokens,
+                "max_tokens": max_tokens,
                 "temperature": 0.0,
             }
             began = time.perf_counter()
@@ -262,48 +205,6 @@ def celery_loop(app, templates: list[str], users: int, per_user: int, max_tokens
         row.worker_p50_ms = _pct([w for _, w in waits], 50)
         row.client_over_worker_p50_ms = _pct([c - w for c, w in waits], 50)
     return row
-
-
-def _start_transformers(model_dir: Path, python: Path, logs: Path, timeout: float) -> Server:
-    import httpx
-
-    from preheat import procs
-
-    if not python.exists():
-        raise RuntimeError(f"{python} not found: `make bench-env` installs transformers' serving extras there")
-    check = subprocess.run([str(python), "-c", "import fastapi, uvicorn, transformers"], capture_output=True)
-    if check.returncode:
-        raise RuntimeError(f"{python} lacks transformers' serving extras (`make bench-env`)")
-    port = procs.free_port()
-    cli = str(python.parent / "transformers")
-    argv = [cli, "serve", str(model_dir), "--continuous-batching", "--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = procs.start("transformers-serve", argv, env, logs)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        procs.poll(lambda: _answers(url), timeout, 0.2, "transformers serve to listen")
-    except Exception:
-        procs.kill(proc)
-        raise RuntimeError(f"transformers serve did not start: {proc.log()[-400:]}") from None
-    # It loads the model on its first request: that one is not part of any measurement.
-    warm = httpx.post(
-        f"{url}/v1/chat/completions",
-        json={"model": str(model_dir), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-        timeout=timeout,
-    )
-    if warm.status_code != 200:
-        procs.kill(proc)
-        raise RuntimeError(f"transformers serve answered {warm.status_code}: {warm.text[:300]}")
-    return Server(url, str(model_dir), lambda: procs.stop(proc))
-
-
-def _answers(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 # The load -----------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 against its exact KV bytes, side by side in one run: each template's tensors in heap
 allocations of their own (how entries were kept before), the same with the heap's free
 pages given back after each pre-fill (`malloc_trim`), and settled into one slab outside the
-heap, then trimmed (`workers.prefix.settle`, production).
+heap, then trimmed (`preheat.workers.engine.kvtensors.settle`, production).
 
 Each layout runs in a fresh process (a resident set carries everything a process did
 before), which loads the model, pre-fills one template to warm the allocator, and then
@@ -25,7 +25,7 @@ TARGET_RATIO = 1.1
 
 def _heap_copies(cache) -> None:
     """The layout before the slab: each key/value tensor a heap allocation of its own."""
-    from workers.prefix import kv_tensors
+    from preheat.workers.engine.kvtensors import kv_tensors
 
     for layer, name, tensor in kv_tensors(cache):
         setattr(layer, name, tensor.clone())
@@ -33,7 +33,7 @@ def _heap_copies(cache) -> None:
 
 def _heap_copies_trimmed(cache) -> None:
     """The same, and the heap's free pages given back after each pre-fill, as the slab does."""
-    from workers.prefix import release_free_heap
+    from preheat.workers.engine.kvtensors import release_free_heap
 
     _heap_copies(cache)
     release_free_heap()
@@ -43,19 +43,19 @@ def child(model_dir: str, templates: int, tokens: int, layout: str) -> dict:
     """In its own process: pre-fill and measure (run by `main` through this module)."""
     import torch
 
-    from workers import prefix, prefixcache
-    from workers.kvcache import CacheBudget, KVCacheManager
-    from workers.prefixcache import PrefixCache
-    from workers.resident import ModelSource, ResidentModels
-    from workers.scheduler import BatchLimits, Scheduler
-    from workers.sleep import resident_set_bytes
+    from preheat.workers.engine import kvtensors, prefixes
+    from preheat.workers.engine.kvcache import CacheBudget, KVCacheManager
+    from preheat.workers.engine.prefixes import Prefixes
+    from preheat.workers.engine.resident import ModelSource, ResidentModels
+    from preheat.workers.engine.scheduler import BatchLimits, Scheduler
+    from preheat.workers.sleep import resident_set_bytes
 
     if layout != "slab":
-        prefixcache.settle = prefix.settle = _heap_copies if layout == "heap" else _heap_copies_trimmed
+        prefixes.settle = kvtensors.settle = _heap_copies if layout == "heap" else _heap_copies_trimmed
     resident, _ = ResidentModels("cpu").ensure(ModelSource("bench", model_dir))
     budget = CacheBudget(max_entries=templates + 2, max_bytes=64 * 1024**3)
     cache = KVCacheManager(budget)
-    scheduler = Scheduler(PrefixCache(cache), BatchLimits())
+    scheduler = Scheduler(Prefixes(cache), BatchLimits())
     generator = torch.Generator().manual_seed(0)
 
     def prompt() -> torch.Tensor:
@@ -85,7 +85,7 @@ def main(shape: str, templates: int, tokens: int, json_path: Path | None) -> Non
     from rich.table import Table
 
     from preheat.cli import render
-    from preheat.settings import get_settings
+    from preheat.core.settings import get_settings
 
     console = render.console()
     settings = get_settings()

@@ -22,11 +22,12 @@ from pathlib import Path
 from sqlalchemy import delete
 from sqlalchemy.engine import make_url
 
-from preheat import history, outbox, procs
 from preheat.cli.bench.common import database_url, host, prepare, write_report
 from preheat.cli.lazy import get_settings
-from preheat.db import session_scope, utcnow
-from preheat.models import AppliedWrite, TriggerKind, WarmupRun
+from preheat.core import processes
+from preheat.history import outbox, service
+from preheat.history.db import session_scope, utcnow
+from preheat.history.models import AppliedWrite, TriggerKind, WarmupRun
 
 SOURCE = "bench-outbox"
 
@@ -49,7 +50,7 @@ def unreachable_url(url: str) -> str:
     parsed = make_url(url)
     if parsed.drivername.startswith("sqlite"):
         return f"sqlite:///{Path('/nonexistent-preheat-bench') / 'preheat.db'}"
-    return parsed.set(host="127.0.0.1", port=procs.free_port()).render_as_string(hide_password=False)
+    return parsed.set(host="127.0.0.1", port=processes.free_port()).render_as_string(hide_password=False)
 
 
 def database_away() -> contextlib.AbstractContextManager[None]:
@@ -65,8 +66,8 @@ def _throwaway_runs(jobs: int) -> tuple[list[str], str]:
     with session_scope() as session:
         runs = []
         for _ in range(-(-jobs // JOBS_PER_RUN)):
-            run = history.create_run(session, trigger=TriggerKind.manual, requested_by="preheat bench outbox")
-            history.add_jobs(
+            run = service.create_run(session, trigger=TriggerKind.manual, requested_by="preheat bench outbox")
+            service.add_jobs(
                 session,
                 run,
                 target=target,
@@ -92,7 +93,7 @@ def _timed_writes(box: outbox.Outbox, payloads: list[dict], name: str) -> Way:
     took, started = [], time.perf_counter()
     for payload in payloads:
         one = time.perf_counter()
-        box.write(history.JOB_FINISH, payload)
+        box.write(service.JOB_FINISH, payload)
         took.append((time.perf_counter() - one) * 1000)
     return _way(name, took, time.perf_counter() - started)
 
@@ -106,7 +107,7 @@ def _way(name: str, took_ms: list[float], total_s: float) -> Way:
 def run(writes: int, folder: Path) -> tuple[list[Way], int]:
     """(the three ways, entries left in the outbox after the replay: 0 when none was lost)."""
     runs, target = _throwaway_runs(2 * writes)
-    box = outbox.Outbox(outbox.path_for(folder, f"{SOURCE}-{uuid.uuid4().hex[:8]}"), SOURCE, [history.JOB_FINISH])
+    box = outbox.Outbox(outbox.path_for(folder, f"{SOURCE}-{uuid.uuid4().hex[:8]}"), SOURCE, [service.JOB_FINISH])
     try:
         direct = _timed_writes(box, [_finish(runs, target, n) for n in range(writes)], "written directly")
         with database_away():
@@ -134,7 +135,7 @@ def main(writes: int, json_path: Path) -> None:
     from rich.table import Table
 
     from preheat.cli import render
-    from preheat.settings import get_settings
+    from preheat.core.settings import get_settings
 
     console = render.console()
     # The embedded database is migrated here; a Postgres one is the operator's (db upgrade).

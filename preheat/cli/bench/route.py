@@ -3,8 +3,8 @@ model's shared queue alone, side by side on one fleet in one run.
 
 It starts N workers on the configured stack with a catalog of its own: one dev model and
 `factor` × as many templates as one worker can pin (PREHEAT_KV_CACHE_* set so that a worker
-pins `--pinned`), so the fleet's plan spreads them (preheat.placement). Then, for each mode
-(`routed`: preheat.routing as shipped; `shared`: PREHEAT_ROUTING off, every request to the
+pins `--pinned`), so the fleet's plan spreads them (preheat.fleet.placement). Then, for each mode
+(`routed`: preheat.fleet.routing as shipped; `shared`: PREHEAT_ROUTING off, every request to the
 shared queue):
 
 - **conversations**: C users at once, each a conversation of T turns with a system prompt of
@@ -194,7 +194,7 @@ def summarise(mode: str, asked: list[Asked], watch: QueueWatch) -> dict:
 def _plan_settled(router, names: list[str], templates: list[str], pinned: int) -> dict | None:
     """Every worker serving, and every template held somewhere or every worker's pins used
     (a fleet with fewer pins than templates): the holders, or None yet."""
-    from preheat.placement import holders_of
+    from preheat.fleet.placement import holders_of
 
     router._fleet = (0.0, {})
     fleet = router.fleet()
@@ -221,11 +221,11 @@ def main(
 ) -> None:
     from rich.table import Table
 
-    from preheat import procs
-    from preheat.celery import app
+    from preheat.celery.app import app
     from preheat.cli import render
-    from preheat.routing import Router
-    from preheat.settings import get_settings
+    from preheat.core import processes
+    from preheat.core.settings import get_settings
+    from preheat.fleet.routing import Router
 
     console = render.console()
     settings, _ = prepare(console, exclusive="bench route starts its own workers", models=False)
@@ -249,10 +249,10 @@ def main(
     names = [worker_name(f"route{i}") for i in range(workers)]
     report_rows, asked_by_mode = [], {}
     with settings_from(PREHEAT_CATALOG=str(catalog)):
-        fleet = [procs.start_worker(name, worker_env(**fleet_env), folder / "logs") for name in names]
-        with procs.running(*fleet):
+        fleet = [processes.start_worker(name, worker_env(**fleet_env), folder / "logs") for name in names]
+        with processes.running(*fleet):
             probe = Router(app, get_settings())
-            holders = procs.poll(
+            holders = processes.poll(
                 lambda: _plan_settled(probe, names, names_of_templates, pinned),
                 timeout,
                 0.5,

@@ -19,9 +19,10 @@ import statistics
 import time
 from pathlib import Path
 
+from preheat.cli.bench import tables
 from preheat.cli.bench.common import dev_model, host, prepare, worker_env, worker_name, write_report
 from preheat.cli.bench.start import _catalog, as_installed
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 SHAPES = ("tiny", "135m")
 WAKE_TARGET = 0.2  # wake -> ready, over launch -> ready
@@ -52,23 +53,23 @@ def main(shape: str, rounds: int, timeout: float, json_path: Path | None) -> Non
     console.print(f"{shape}: a cold start, then {rounds} round(s) of sleep and wake at levels 1 and 2 …")
     report = measure(env, spec.model, template, spec.probe, rounds, timeout, folder / "logs")
     report.update(shape=shape, host=host())
-    console.print(render.sleep_bench_table(report))
+    console.print(tables.sleep_bench_table(report))
     for line in report["verdicts"]:
         console.print(line, highlight=False)
     write_report(report, json_path or settings.home / "bench" / "sleep.json", console)
 
 
 def measure(env: dict, model: str, template: str, probe: str, rounds: int, timeout: float, logs: Path) -> dict:
-    from preheat import procs
+    from preheat.core import processes
 
     name = worker_name("sleep")
     # A first start fills the prefix store, so the measured cold start restores as a wake does.
-    with procs.running(procs.start_worker(name, env, logs)) as (first,):
-        _ready(procs.health_url(first, timeout), timeout)
+    with processes.running(processes.start_worker(name, env, logs)) as (first,):
+        _ready(processes.health_url(first, timeout), timeout)
     launched = time.perf_counter()
-    worker = procs.start_worker(name, env, logs)
-    with procs.running(worker):
-        health = procs.health_url(worker, timeout)
+    worker = processes.start_worker(name, env, logs)
+    with processes.running(worker):
+        health = processes.health_url(worker, timeout)
         _ready(health, timeout)
         cold_s = time.perf_counter() - launched
         steady_ms = statistics.median(_ask(template, probe, timeout)["ttft_ms"] for _ in range(STEADY_REQUESTS))
@@ -82,9 +83,9 @@ def measure(env: dict, model: str, template: str, probe: str, rounds: int, timeo
 
 def _round(worker, name: str, model: str, template: str, probe: str, level: int, health: str, timeout: float) -> dict:
     from preheat.cli.warm import wait_for_run
-    from preheat.dispatch import dispatch_sleep_wake
-    from preheat.states import WHOLE_MODEL, RunAction
-    from workers.sleep import resident_set_bytes
+    from preheat.core.states import WHOLE_MODEL, RunAction
+    from preheat.fleet.sleep import dispatch_sleep_wake
+    from preheat.workers.sleep import resident_set_bytes
 
     before = resident_set_bytes(worker.popen.pid)
     slept = dispatch_sleep_wake(RunAction.sleep, models=[model], workers=[name], level=level, requested_by="bench")
@@ -161,15 +162,15 @@ def _met(ok: bool) -> str:
 def _ready(health: str, timeout: float) -> None:
     import httpx
 
-    from preheat import procs
+    from preheat.core import processes
 
     with httpx.Client(timeout=5) as client:
-        procs.poll(lambda: client.get(f"{health}/health/ready").status_code == 200, timeout, 0.05, "ready")
+        processes.poll(lambda: client.get(f"{health}/health/ready").status_code == 200, timeout, 0.05, "ready")
 
 
 def _ask(template: str, probe: str, timeout: float) -> dict:
-    from preheat.celery import app
+    from preheat.celery.app import app
 
-    return app.send_task("preheat.infer", kwargs={"template": template, "user_input": probe, "max_new_tokens": 1}).get(
+    return app.send_task("preheat.infer", kwargs={"template": template, "user_input": probe, "max_tokens": 1}).get(
         timeout=timeout
     )

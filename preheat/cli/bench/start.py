@@ -24,8 +24,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from preheat.cli.bench import tables
 from preheat.cli.bench.common import dev_model, host, prepare, worker_env, worker_name, write_report
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 START_TARGET = 1.3  # launch -> ready, against the limit
 STOP_TARGET_S = 1.0  # an idle worker, SIGTERM -> exit
@@ -69,8 +70,8 @@ print(json.dumps({"imports_s": imported - started, "read_s": done_reading - impo
 # In a process of its own: each loader's time for the model's weights, its imports paid first.
 WEIGHTS_SCRIPT = r"""
 import json, statistics, sys, time
-from workers.resident import ModelSource, ResidentModels
-from workers.weights import streamer_installed
+from preheat.workers.engine.resident import ModelSource, ResidentModels
+from preheat.workers.engine.weights import streamer_installed
 ResidentModels("cpu", "transformers").ensure(ModelSource("imports", sys.argv[1]))
 seconds = {}
 for loader in ("transformers", "runai-streamer") if streamer_installed() else ("transformers",):
@@ -151,7 +152,7 @@ def main(shapes: str, rounds: int, timeout: float, json_path: Path) -> None:
         limits[shape] = median_limit(measured)
         loads[shape] = measure_loaders(model_dir)
     report = _report(rows, limits, rounds, loads)
-    console.print(render.start_table(report))
+    console.print(tables.start_table(report))
     for line in report["verdicts"]:
         console.print(line, highlight=False)
     write_report(report, json_path or settings.home / "bench" / "start.json", console)
@@ -224,20 +225,20 @@ def launch(
 ) -> Launch:
     import httpx
 
-    from preheat import procs
-    from preheat.celery import app
+    from preheat.celery.app import app
+    from preheat.core import processes
 
     model, template, probe = request
     env = as_installed(worker_env(PREHEAT_CATALOG=str(catalog), PREHEAT_PREFIX_STORE=str(store)))
     launched_wall, launched = time.time(), time.perf_counter()
-    worker = procs.start_worker(worker_name(f"start-{shape}"), env, logs)
-    with procs.running(worker), httpx.Client(timeout=5) as client:
-        health = procs.health_url(worker, timeout)
+    worker = processes.start_worker(worker_name(f"start-{shape}"), env, logs)
+    with processes.running(worker), httpx.Client(timeout=5) as client:
+        health = processes.health_url(worker, timeout)
         # Every 50 ms, on one connection: polled every 10 ms with a connection each, the probe
         # took enough of the 2 cores to make the worker's pre-fill 4x slower than unwatched.
-        procs.poll(lambda: client.get(f"{health}/health/ready").status_code == 200, timeout, 0.05, "ready")
+        processes.poll(lambda: client.get(f"{health}/health/ready").status_code == 200, timeout, 0.05, "ready")
         ready_s = time.perf_counter() - launched
-        app.send_task("preheat.infer", kwargs={"template": template, "user_input": probe, "max_new_tokens": 1}).get(
+        app.send_task("preheat.infer", kwargs={"template": template, "user_input": probe, "max_tokens": 1}).get(
             timeout=timeout
         )
         answered_s = time.perf_counter() - launched

@@ -6,8 +6,9 @@ import datetime as dt
 import platform
 from pathlib import Path
 
+from preheat.cli.bench import tables
 from preheat.cli.bench.common import prepare, token_counts, write_report
-from preheat.errors import ConfigError
+from preheat.core.errors import ConfigError
 
 SAVED_TARGET_PCT = 95.0  # at the longest system prompt
 OVERHEAD_TARGET_PCT = 2.0  # reuse (lookup + id check + clone) against the warm TTFT
@@ -18,9 +19,9 @@ TURN_ONE_TOKENS = 512  # the first turn's user message in the turn-two row
 def main(model: str, lengths: str, repeats: int, user_input: str, json_path: Path) -> None:
     """The command (its options are declared in preheat.cli.bench): measure, print, write JSON."""
     from preheat.cli import render
-    from workers.bench import measure_ttft, measure_turn_two, system_prompt_text
-    from workers.devmodel import _corpus
-    from workers.resident import ModelSource, ResidentModels
+    from preheat.cli.bench.measure import measure_ttft, measure_turn_two, system_prompt_text
+    from preheat.cli.devmodel import _corpus
+    from preheat.workers.engine.resident import ModelSource, ResidentModels
 
     def known_model(settings, catalog) -> None:
         if (model or next(iter(catalog.models), None)) is None:
@@ -58,8 +59,8 @@ def main(model: str, lengths: str, repeats: int, user_input: str, json_path: Pat
         f"({turn_two.cached_with_turn_one} cached) against {turn_two.ttft_prefix_only_ms:.1f} ms with the system "
         f"prompt alone ({turn_two.cached_prefix_only} cached): {turn_two.speedup:.2f}x"
     )
-    console.print(render.ttft_table(report))
-    console.print(render.turn_two_table(report))
+    console.print(tables.ttft_table(report))
+    console.print(tables.turn_two_table(report))
     for line in report["verdicts"]:
         console.print(line, highlight=False)
     write_report(report, json_path or settings.home / "bench" / "ttft.json", console)

@@ -1,0 +1,104 @@
+"""The model runner: the one place a model runs (vLLM's `GPUModelRunner`, on every device).
+
+The scheduler decides what a step feeds (which rows decode, which pre-fill chunks join);
+the runner runs it: the step's one forward pass over the running rows' packed ids
+(`step`), a prompt or a lone request's pass (`forward`), and the choice of each row's next
+token (`sample`). It owns the model, the step's input buffers and, where compiled
+(`preheat.workers.engine.compiled`), the graphs each step runs as. A step the graphs do
+not cover runs eager, through transformers' own modeling code with preheat's ragged
+attention; compiled or eager, a step gives the same tokens (tests/workers/engine).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from preheat.workers.engine import attention
+from preheat.workers.engine.device import Placement, out_of_memory_as_error
+from preheat.workers.engine.raggedkv import RaggedKV, Segment, batchable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class ModelRunner:
+    """Runs one resident model. Only the scheduler's thread calls it."""
+
+    name: str
+    model: object  # a transformers PreTrainedModel, in inference mode
+    placement: Placement
+    cache_kwarg: str = "past_key_values"  # transformers 5.24 renamed it `cache`
+    compiled: object | None = None  # preheat.workers.engine.compiled.CompiledSteps, once compiled
+
+    # Passes ---------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, cache=None):
+        """One forward pass extending `cache` (a new DynamicCache when None): a prefix's
+        pre-fill, a lone request's chunk or token. Returns (the last position's logits, cache)."""
+        from transformers import DynamicCache
+
+        cache = cache if cache is not None else DynamicCache(config=self.model.config)
+        device = self.placement.device
+        doing = f"running {input_ids.shape[-1]} tokens through {self.name} (after {cache.get_seq_length()} cached)"
+
+        def run():
+            with torch.inference_mode():
+                return self.model(
+                    input_ids=input_ids.to(device, non_blocking=True),
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{self.cache_kwarg: cache},
+                ).logits[0, -1]
+
+        return out_of_memory_as_error(device, doing, run), cache
+
+    def step(self, kv: RaggedKV, segments: list[Segment]) -> torch.Tensor:
+        """The step's one forward pass over the running rows: the logits after each segment's
+        last id, [segments, vocab]. Through a compiled graph where one covers the step."""
+        fed = sum(len(segment.ids) for segment in segments)
+        doing = f"running {len(segments)} requests together on {self.name} ({fed} ids)"
+        if self.compiled is not None and (graph := self.compiled.for_step(kv, segments)) is not None:
+            return out_of_memory_as_error(self.placement.device, doing, lambda: graph(kv, segments))
+
+        def run():
+            with torch.inference_mode():
+                inputs = kv.step_inputs(segments)
+                return self.model(**inputs, use_cache=True, **{self.cache_kwarg: kv}).logits[0]
+
+        return out_of_memory_as_error(self.placement.device, doing, run)
+
+    # The running rows' KV ---------------------------------------------------------------
+
+    def new_batch(self) -> RaggedKV | None:
+        """The KV of a batch of running rows, or None where this model cannot run rows
+        together (its cache's layers, or an attention the rows' pass cannot run)."""
+        from transformers import DynamicCache
+
+        shell = DynamicCache(config=self.model.config)
+        if not (batchable(shell) and self.model.config._attn_implementation == attention.NAME):
+            return None
+        return RaggedKV(shell, self.placement.device)
+
+    # Sampling ---------------------------------------------------------------------------
+
+    @staticmethod
+    def sample(requests: Sequence, logits: torch.Tensor) -> list:
+        """Each request's next token from its row of `logits` ([rows, vocab]), by its own
+        sampler: (token, log probability or None) per row, or the exception its sampler raised.
+        Greedy rows with nothing to apply are chosen together, in one argmax."""
+        chosen: list = [None] * len(requests)
+        plain = [i for i, request in enumerate(requests) if request.sampler.plain_greedy]
+        if plain:
+            for i, token in zip(plain, logits[plain].argmax(-1).tolist(), strict=True):
+                chosen[i] = (token, None)
+        for i, request in enumerate(requests):
+            if chosen[i] is None:
+                try:
+                    chosen[i] = request.sampler.choose(logits[i], request.ids)
+                except Exception as exc:  # the request's own: it ends with it, the others go on
+                    chosen[i] = exc
+        return chosen

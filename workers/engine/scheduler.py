@@ -1,0 +1,463 @@
+"""The scheduler: one thread decides what every forward pass computes; the runner runs it.
+
+Everything that runs a model goes through it: requests (``submit``), a template's pre-fill
+(``prefill``), a warmup's probes and the first-call exercise (requests like any other).
+Callers (HTTP handlers, Celery pool threads) hand it work and read a request's
+``TextStream``. Each iteration of its loop:
+
+1. runs one queued *call* (a pre-fill): work that is not a request is scheduled with the
+   traffic, one piece per iteration, so decoding goes on between the pieces;
+2. admits waiting requests while their model's running rows, with theirs, fit the KV
+   budget (``BatchLimits.running_kv_bytes``: each row as long as its prompt and
+   ``max_tokens``) and the step's prompt-token budget lasts: each starts from a clone of the
+   longest cached prefix of its ids (``Prefixes.start``), copied into a row of its model's
+   running KV (``raggedkv``);
+3. plans one *step* per model: every decoding row its next id, the pre-filling rows the
+   next chunks of their prompts, up to ``prefill_tokens_per_step`` prompt tokens, oldest
+   first; the model's runner runs it as one forward pass (``ModelRunner.step``) and chooses
+   each row's token (``ModelRunner.sample``). So an arrival starts within a step or two and
+   the running streams keep their pace. A request whose cache cannot run with the others
+   runs alone (``lone.LoneRequests``), a chunk or a token an iteration.
+
+Each token goes to ``Request.append_token``, which applies every per-token rule. A request
+leaves its row when it finishes, when its reader goes away (the stream closed), or when it
+fails: a failure in its own sampling ends that request only; a step that fails for the
+batch (out of memory) is undone, and the newest row leaves with the error while the others
+go on. A full queue refuses at once (``QueueFullError``: HTTP 429 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from preheat.api.sampling import SamplingParams
+from preheat.core.errors import PreheatError
+from preheat.workers.engine.lone import LoneRequests
+from preheat.workers.engine.prefixes import Prefilled, Prefixes, Start
+from preheat.workers.engine.raggedkv import RaggedKV, Segment, batchable
+from preheat.workers.engine.request import Request, RequestStatus, TextStream
+from preheat.workers.engine.resident import ResidentModel, check_context
+
+log = logging.getLogger(__name__)
+
+
+class ModelAsleepError(PreheatError):
+    """A request for a model that is asleep here: the caller wakes it first (WorkerRuntime)."""
+
+
+class SleepRefused(PreheatError):
+    """A model cannot be parked without cutting a request short: the sleep is refused instead."""
+
+
+class QueueFullError(PreheatError):
+    """More requests wait than the engine queues: the caller should come back later."""
+
+    def __init__(self, waiting: int, retry_after_s: int) -> None:
+        super().__init__(
+            f"{waiting} requests are already waiting (PREHEAT_MAX_QUEUED_REQUESTS); retry in {retry_after_s} s"
+        )
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_running: int = 64  # rows running together, per model, at most (the KV budget decides below it)
+    max_queued: int = 64  # requests waiting for a row; one more is refused
+    prefill_tokens_per_step: int = 128  # prompt tokens a step computes beside its decoding rows
+    running_kv_bytes: int = 2 * 1024**3  # the KV the running rows of a model may need
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_queued", "prefill_tokens_per_step", "running_kv_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(eq=False)
+class _Row:
+    """A running request of the batch: its prompt ids still to compute (none once it decodes)."""
+
+    request: Request
+    feed: list[int]
+    order: int  # when it was admitted: pre-fills go oldest first, the newest leaves on a failed step
+
+
+@dataclass
+class _Batch:
+    """The running requests of one model: row i holds slot i of `kv`."""
+
+    kv: RaggedKV
+    rows: list[_Row] = field(default_factory=list)
+
+    @property
+    def requests(self) -> list[Request]:
+        return [row.request for row in self.rows]
+
+
+@dataclass(eq=False)
+class _Call:
+    work: Callable[[], object]
+    finished: threading.Event = field(default_factory=threading.Event)
+    result: object = None
+    error: BaseException | None = None
+
+
+class Scheduler:
+    def __init__(self, prefixes: Prefixes, limits: BatchLimits = BatchLimits()) -> None:
+        self.prefixes, self.limits = prefixes, limits
+        self._waiting: deque[Request] = deque()
+        self._calls: deque[_Call] = deque()
+        self._batches: dict[str, _Batch] = {}
+        self._lone = LoneRequests(self)
+        self._wakeup = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._asleep: set[str] = set()  # parked models: no request is taken for them
+        self._admitted = 0  # requests given a row so far: each row's order
+        self._request_s = 1.0  # a moving average of how long a request runs, for Retry-After
+        self.steps = 0  # decode steps run, and rows they fed: the mean batch size is their ratio
+        self.rows_stepped = 0
+
+    # What callers use -----------------------------------------------------------------
+
+    def submit(self, resident: ResidentModel, prompt_ids: torch.Tensor, sampling: SamplingParams, **how) -> TextStream:
+        """Queue a request; iterate the stream for its pieces as they are decoded. `how`: the
+        Request's options (use_cache, record, remember, arrived, on_first_token)."""
+        check_context(resident, prompt_ids.shape[-1], "prompt", new_tokens=sampling.max_tokens)
+        request = Request(resident, prompt_ids, sampling, **{"arrived": time.perf_counter(), **how})
+        with self._wakeup:
+            if resident.name in self._asleep:
+                raise ModelAsleepError(f"model {resident.name} is asleep")
+            if len(self._waiting) >= self.limits.max_queued:
+                raise QueueFullError(len(self._waiting), self._retry_after_s())
+            self._waiting.append(request)
+            self._start_thread()
+            self._wakeup.notify()
+        return TextStream(request)
+
+    def prefill(self, resident: ResidentModel, token_ids: torch.Tensor, **how) -> Prefilled:
+        """`Prefixes.prefill` on the scheduler's thread, between two steps."""
+        return self._call(self.prefixes.prefill, resident, token_ids, **how)
+
+    def park(self, model: str, drain_s: float) -> int:
+        """Take no more requests for `model` once those it runs and queues have finished
+        (waited for up to `drain_s`, never cut), and free its cached KV; returns the bytes
+        freed. Raises SleepRefused, with nothing changed, when they outlast `drain_s`."""
+        deadline = time.monotonic() + drain_s
+        while (busy := self._call(self._park, model)) is not None:
+            if time.monotonic() >= deadline:
+                raise SleepRefused(f"{busy} request(s) of {model} still running or waiting after {drain_s:g} s")
+            time.sleep(0.02)
+        return self._call(self.prefixes.cache.drop_model, model)
+
+    def _park(self, model: str) -> int | None:
+        with self._wakeup:
+            busy = len(self._model_requests(model)) + sum(request.model == model for request in self._waiting)
+            if busy:
+                return busy
+            self._asleep.add(model)
+            self._batches.pop(model, None)  # an empty batch still holds its grown buffers
+            return None
+
+    def unpark(self, model: str) -> None:
+        with self._wakeup:
+            self._asleep.discard(model)
+
+    def load(self) -> dict[str, int]:
+        """Requests running and waiting now (metrics, `preheat workers`)."""
+        with self._wakeup:
+            running = sum(len(b.rows) for b in list(self._batches.values())) + len(self._lone.requests())
+            return {"running": running, "waiting": len(self._waiting), "max_running": self.limits.max_running}
+
+    def cancel_all(self) -> None:
+        """Every request taken ends at the next step (the process is exiting)."""
+        with self._wakeup:
+            for request in self._taken():
+                request.cancel()
+            self._wakeup.notify()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish what was taken (up to `timeout_s`) and stop the thread; new work starts it again."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+        with self._wakeup:
+            if self._thread is thread and not (thread and thread.is_alive()):
+                self._thread, self._stopping = None, False
+
+    # The loop -------------------------------------------------------------------------
+
+    def _call(self, work: Callable[..., object], *args, **kwargs):
+        """Run `work` on the scheduler's thread between two steps, and return what it returns."""
+        if threading.current_thread() is self._thread:
+            return work(*args, **kwargs)
+        job = _Call(lambda: work(*args, **kwargs))
+        with self._wakeup:
+            self._calls.append(job)
+            self._start_thread()
+            self._wakeup.notify()
+        job.finished.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            _RUNNING.add(self)
+            self._thread = threading.Thread(target=self._run, name="preheat-engine", daemon=True)
+            self._thread.start()
+
+    def _busy(self) -> bool:
+        return bool(self._calls or self._waiting or self._batches or self._lone.requests())
+
+    def _run(self) -> None:
+        while True:
+            with self._wakeup:
+                while not (self._busy() or self._stopping):
+                    self._wakeup.wait()
+                if self._stopping and not self._busy():
+                    return
+                call = self._calls.popleft() if self._calls else None
+            if call is not None:
+                try:
+                    call.result = call.work()
+                except BaseException as exc:  # handed to the caller, who raises it
+                    call.error = exc
+                finally:
+                    call.finished.set()
+            try:
+                self._admit()
+                for model in list(self._batches):
+                    self._step(model)
+                self._lone.step_all()
+            except Exception as exc:  # a fault of the scheduler's own: no reader waits for ever
+                log.exception("a scheduler iteration failed; the requests it was running end with its error")
+                running = self._lone.take_all() + [r for b in self._batches.values() for r in b.requests]
+                self._batches = {}
+                for request in running:
+                    if not request.status.finished:
+                        self.fail(request, exc)
+
+    def _taken(self) -> list[Request]:
+        return [*self._waiting, *self._lone.requests(), *(r for b in list(self._batches.values()) for r in b.requests)]
+
+    def _model_requests(self, model: str) -> list[Request]:
+        """The requests of `model` that hold a row: in its batch, or running alone."""
+        batch = self._batches.get(model)
+        return (batch.requests if batch else []) + [r for r in self._lone.requests() if r.model == model]
+
+    # Admission ------------------------------------------------------------------------
+
+    def _next_admissible(self, pending: dict[str, list[Request]]) -> Request | None:
+        """The first waiting request whose model has room for its row (`pending`: admitted in
+        this iteration, not running yet); a cancelled one is taken to be ended. Served
+        requests go before off-the-books ones (a warmup's probes, the first-call exercise)."""
+        with self._wakeup:
+            for served in (True, False):
+                for request in self._waiting:
+                    if request.record is served and (
+                        request.cancelled.is_set() or self._room_for(request, pending.get(request.model, []))
+                    ):
+                        self._waiting.remove(request)
+                        return request
+        return None
+
+    def _room_for(self, request: Request, pending: list[Request]) -> bool:
+        """Whether `request` may run beside its model's rows: at most `max_running` of them,
+        and the KV they may need (each as long as its prompt and max_tokens, in the batch's
+        slots of the longest) within `running_kv_bytes`. A model with nothing running takes
+        one, whatever it needs (the context check bounds it)."""
+        running = self._model_requests(request.model) + pending
+        if len(running) >= self.limits.max_running:
+            return False
+        if not running:
+            return True
+        longest = max(_need(r) for r in [*running, request])
+        per_token = request.resident.kv_bytes_per_token
+        return (len(running) + 1) * longest * per_token <= self.limits.running_kv_bytes
+
+    def _admit(self) -> None:
+        """Waiting requests join while there is room for their rows and the step's prompt
+        budget lasts, each from a clone of its cached entry copied into a row; a request
+        whose cache cannot run with the others starts alone."""
+        budget = self._lone.continue_prefills(self.limits.prefill_tokens_per_step)
+        budget -= sum(len(row.feed) for batch in self._batches.values() for row in batch.rows)
+        pending: dict[str, list[Request]] = {}
+        while budget > 0 and (request := self._next_admissible(pending)) is not None:
+            if request.cancelled.is_set():
+                self.finish(request, None, RequestStatus.FINISHED_ABORTED)
+                continue
+            try:
+                start = self.prefixes.start(
+                    request.resident, request.prompt_ids, use_cache=request.use_cache, record=request.record
+                )
+                request.started(start.cached_tokens, start.reuse_ms)
+                budget -= int(start.feed_ids.shape[-1])
+                pending.setdefault(request.model, []).append(request)
+                self._start(request, start)
+            except Exception as exc:
+                self.fail(request, exc)
+
+    def _start(self, request: Request, start: Start) -> None:
+        """The request takes a row of its model's batch: its cached positions copied in, the
+        rest of its prompt to feed (a prompt that is a cached entry has its first token now)."""
+        batch = self._batches.get(request.model)
+        if batch is None and (kv := request.resident.runner.new_batch()) is not None:
+            batch = self._batches[request.model] = _Batch(kv)
+        if batch is None or (start.cache is not None and not batchable(start.cache)):
+            self._lone.start(request, start, self.limits.prefill_tokens_per_step)
+            return
+        self._admitted += 1
+        if start.logits is not None:
+            request.prefilled(start.logits, lambda: start.cache)
+            if self.append(request, start.logits):
+                self.finish(request, start.cache)
+                return
+        batch.kv.add(start.cache, _need(request))
+        batch.rows.append(_Row(request, start.feed_ids[0].tolist(), self._admitted))
+
+    # Steps ----------------------------------------------------------------------------
+
+    def _segments(self, batch: _Batch) -> list[Segment]:
+        """What the step feeds each row: its next id when it decodes; the next chunk of its
+        prompt when it pre-fills, oldest first, up to the step's prompt budget (a lone
+        prompt with nothing else to do is computed whole: two passes cost more than one)."""
+        kv, rows = batch.kv, batch.rows
+        decoding = [slot for slot, row in enumerate(rows) if not row.feed]
+        segments = [Segment(slot, kv.lengths[slot], (rows[slot].request.ids[-1],)) for slot in decoding]
+        prefilling = sorted((row.order, slot) for slot, row in enumerate(rows) if row.feed)
+        budget = self.limits.prefill_tokens_per_step
+        if len(prefilling) == 1 and not decoding and not self._waiting:
+            budget = len(rows[prefilling[0][1]].feed)
+        for _, slot in prefilling:
+            if budget <= 0:
+                break
+            chunk = rows[slot].feed[:budget]
+            budget -= len(chunk)
+            segments.append(Segment(slot, kv.lengths[slot], tuple(chunk)))
+        return segments
+
+    def _step(self, model: str) -> None:
+        batch = self._batches[model]
+        self._drop(batch, [slot for slot, row in enumerate(batch.rows) if row.request.cancelled.is_set()])
+        if not batch.rows:
+            del self._batches[model]
+            return
+        runner, segments = batch.rows[0].request.resident.runner, self._segments(batch)
+        before = batch.kv.snapshot()
+        try:
+            logits = runner.step(batch.kv, segments)
+        except Exception as exc:
+            # Undone for all; the newest row (the one that made the batch this large) leaves.
+            batch.kv.restore(before)
+            newest = max(range(len(batch.rows)), key=lambda slot: batch.rows[slot].order)
+            self.fail(batch.rows[newest].request, exc)
+            self._drop(batch, [newest])
+            return
+        batch.kv.stepped()
+        choosing, rows_logits = [], []  # the rows that choose a token this step
+        for segment, row_logits in zip(segments, logits, strict=True):
+            row = batch.rows[segment.slot]
+            if row.feed:
+                row.feed = row.feed[len(segment.ids) :]
+                if row.feed:
+                    continue
+                row.request.prefilled(row_logits, lambda slot=segment.slot: batch.kv.row(slot))
+            choosing.append(segment.slot)
+            rows_logits.append(row_logits)
+        leaving = []
+        if choosing:
+            stacked = torch.stack(rows_logits)
+            chosen = runner.sample([batch.rows[slot].request for slot in choosing], stacked)
+            for slot, row_logits, choice in zip(choosing, rows_logits, chosen, strict=True):
+                if self._accept(batch.rows[slot].request, choice, row_logits):
+                    leaving.append(slot)
+        self.decoded(sum(1 for segment in segments if len(segment.ids) == 1))
+        self._drop(batch, leaving)
+
+    def _drop(self, batch: _Batch, slots: list[int]) -> None:
+        """Take the rows in `slots` out of the batch; those that did not fail are finished (a
+        row still running leaves because its reader went away)."""
+        for slot in slots:
+            request = batch.rows[slot].request
+            if request.status is RequestStatus.FINISHED_FAILED:
+                continue
+            # Its KV is copied out only for a request that remembers (see Request.to_remember).
+            kv = batch.kv.row(slot) if request.remember and not batch.rows[slot].feed else None
+            self.finish(request, kv, None if request.status.finished else RequestStatus.FINISHED_ABORTED)
+        for slot in sorted(slots, reverse=True):  # the last row moves into a freed slot: highest first
+            if batch.kv.remove(slot) is not None:
+                batch.rows[slot] = batch.rows[-1]
+            batch.rows.pop()
+
+    # One request's token and end (lone.Outcomes) ---------------------------------------
+
+    def append(self, request: Request, logits: torch.Tensor) -> bool:
+        """One request's next token from its logits ([vocab]), by its runner; True: it leaves its row."""
+        [choice] = request.resident.runner.sample([request], logits[None])
+        return self._accept(request, choice, logits)
+
+    def _accept(self, request: Request, choice, logits: torch.Tensor) -> bool:
+        """`Request.append_token`; a failure (its sampler's) ends the request with its error."""
+        try:
+            if isinstance(choice, Exception):
+                raise choice
+            return request.append_token(*choice, logits)
+        except Exception as exc:
+            self.fail(request, exc)
+            return True
+
+    def decoded(self, rows: int) -> None:
+        if rows:
+            self.steps, self.rows_stepped = self.steps + 1, self.rows_stepped + rows
+
+    def finish(self, request: Request, kv, status: RequestStatus | None = None) -> None:
+        """What it leaves cached first (a follow-up sent the moment the reader has the
+        completion finds it), then the completion to the reader."""
+        try:
+            if (kept := request.to_remember(kv)) is not None:
+                self.prefixes.remember(request.resident, *kept)
+        finally:
+            completion = request.finish(status)
+            self._request_s = 0.9 * self._request_s + 0.1 * completion.total_ms / 1000
+
+    @staticmethod
+    def fail(request: Request, exc: Exception) -> None:
+        log.warning("request on %s failed: %s", request.model, exc)
+        request.fail(exc)
+
+    def _retry_after_s(self) -> int:
+        """About when a row frees up: the queue ahead, over the rows running now (what the
+        KV budget lets run, not the cap), times a request's run."""
+        waves = (len(self._waiting) + 1) / max(1, len(self._taken()) - len(self._waiting))
+        return max(1, min(60, math.ceil(waves * self._request_s)))
+
+
+# Schedulers whose thread may still run at interpreter exit: stopped first, as a thread
+# left inside torch while the interpreter tears down aborts the process.
+_RUNNING: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for scheduler in list(_RUNNING):
+        scheduler.cancel_all()
+        scheduler.close(timeout_s=5.0)
+
+
+def _need(request: Request) -> int:
+    """Positions a request's row may hold: its prompt and every token it may generate."""
+    need = request.prompt_tokens + request.sampling.max_tokens
+    return min(need, request.resident.max_context) if request.resident.max_context else need
