@@ -307,6 +307,10 @@ def _base_env(home: Path, catalog: Path) -> dict[str, str]:
         PREHEAT_CATALOG=str(catalog),
         PREHEAT_PROBE_REPEATS="2",
         PREHEAT_HEALTH_PORT="0",
+        # Answers compared token for token with transformers in float32, and no compile in
+        # a test that does not test it (tests/workers/engine/test_compiled.py does).
+        PREHEAT_DTYPE="float32",
+        PREHEAT_COMPILE="off",
         # The verdict's timing check is unit-tested with exact numbers; end to end, three
         # test processes and their workers share two cores, and a probe slowed 12x by a
         # neighbour was seen. The other two checks of `warm` (the cached prefix was used,

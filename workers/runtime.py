@@ -16,12 +16,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from preheat.api.answers import LogprobShapes, whole_answer
 from preheat.api.requests import Ask
 from preheat.api.sampling import SamplingParams
 from preheat.core.catalog import Catalog, load_catalog
 from preheat.workers.engine.chat import Messages, render, system_prompt_of
+from preheat.workers.engine.compilestore import CompileStore
 from preheat.workers.engine.kvcache import CacheBudget, KVCacheManager
 from preheat.workers.engine.prefixes import Prefixes
 from preheat.workers.engine.prefixstore import PrefixStore
@@ -44,6 +46,11 @@ EXERCISE = SamplingParams(max_tokens=2, temperature=0.0)
 class RuntimeConfig:
     device: str = "auto"  # see Settings.device
     weight_loader: str = "auto"  # see Settings.weight_loader
+    # A worker's come from its settings (auto: the hardware's fast precision, compiled); built
+    # by hand, a runtime is the exact one: float32, eager.
+    dtype: str = "float32"  # see Settings.dtype
+    compile: str = "off"  # see Settings.compile
+    compile_cache: Path | None = None  # see Settings.compile_cache
     probe_repeats: int = 3
     warm_factor: float = 3.0  # see Settings.warm_factor
     cache_budget: CacheBudget = DEFAULT_BUDGET
@@ -57,6 +64,9 @@ class RuntimeConfig:
         return cls(
             device=settings.device,
             weight_loader=settings.weight_loader,
+            dtype=settings.dtype,
+            compile=settings.compile,
+            compile_cache=settings.compile_cache_folder,
             probe_repeats=settings.probe_repeats,
             warm_factor=settings.warm_factor,
             cache_budget=CacheBudget(
@@ -120,7 +130,8 @@ class WorkerRuntime:
         self, catalog: Catalog, config: RuntimeConfig = RuntimeConfig(), prefix_store: PrefixStore | None = None
     ) -> None:
         self.catalog, self.config = catalog, config
-        self.resident_models = ResidentModels(config.device, config.weight_loader)
+        self.resident_models = ResidentModels(config.device, config.weight_loader, config.dtype)
+        self.compile_store = CompileStore(config.compile_cache) if config.compile_cache is not None else None
         self.cache = KVCacheManager(config.cache_budget)
         self.scheduler = Scheduler(Prefixes(self.cache, prefix_store), config.batch_limits)
         self.metrics = RuntimeMetrics(self.cache, self.resident_models, lambda: not self.readiness())
@@ -149,7 +160,7 @@ class WorkerRuntime:
             on_sleep=self.gate.sleeping,
             on_wake=self._announce_if_warm,
             forget_prefixes=self.templates.asleep,
-            restore_prefixes=self._prefill_templates,
+            restore_prefixes=self._ready_again,
             drain_s=config.sleep_drain_s,
         )
         self.metrics.collectors.register(SleepCollector(self.sleeps, lambda: list(catalog.models)))
@@ -182,6 +193,8 @@ class WorkerRuntime:
         kept (and reported by `readiness`), never raised. Returns the reasons not ready."""
         with self.warmups.lock:
             self.load_models(max_parallel)
+            for model in self.resident_models.resident:
+                self._compile(model)
             if self.planner is not None:
                 self.templates.planned = self._planned_quietly()
             for template in self.catalog.templates:
@@ -291,6 +304,20 @@ class WorkerRuntime:
         if resident is None:
             resident, _ = self.resident_models.ensure(self.source(model))
         return resident
+
+    def _compile(self, model: str) -> None:
+        """Its steps compiled (or restored from the compile store) on the scheduler's thread,
+        before the model takes requests; the first warmup after reports how."""
+        resident = self.resident_models.get(model)
+        if resident is not None and resident.runner.compiled is None:
+            runner, digest = resident.runner, resident.content_digest
+            report = self.scheduler.call(runner.compile, self.config.compile, self.compile_store, digest)
+            self.warmups.compiled(model, report)
+
+    def _ready_again(self, model: str) -> None:
+        """After a wake: its steps compiled again (restored), its templates restored and pinned."""
+        self._compile(model)
+        self._prefill_templates(model)
 
     def _prefill_templates(self, model: str) -> None:
         """Every template of `model` pre-filled (restored) and pinned, as at start-up."""
@@ -434,6 +461,7 @@ class WorkerRuntime:
             "models": {
                 name: {
                     "device": m.placement.describe(),
+                    "steps": m.runner.compile_report.source if m.runner.compile_report else "eager",
                     "load_ms": round(m.load_ms, 1),
                     "weight_loader": m.weight_loader,
                     "chat_template": m.chat_template_source,

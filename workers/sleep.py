@@ -192,6 +192,8 @@ class WakeResult:
     sleep_level: int | None = None
     wake_ms: float | None = None
     load_ms: float | None = None  # level 2: the load through the weight loader
+    compile_source: str | None = None  # its steps: compiled | restored (from the compile store) | eager
+    compile_ms: float | None = None
     device: str | None = None
     error: str | None = None
 
@@ -293,6 +295,7 @@ class Sleeps:
             return result
 
     def _release(self, resident: ResidentModel, level: int) -> int:
+        resident.runner.release()  # its compiled steps and their packed weights; compiled again on wake
         if level == 1:
             offloaded, freed = offload_weights(resident)
             self.asleep[resident.name] = Asleep(1, time.time(), offloaded)
@@ -340,6 +343,8 @@ class Sleeps:
             result.device, result.status = resident.placement.describe(), "awake"
             log.info("model %s awake (level %d) after %.0f ms", model, state.level, result.wake_ms)
             self._restore_prefixes(model)
+            if (report := resident.runner.compile_report) is not None:
+                result.compile_source, result.compile_ms = report.source, report.ms
             self._on_wake(model)
             return result
 

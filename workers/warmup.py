@@ -48,6 +48,8 @@ class TemplateWarmup:
     device: str | None = None
     load_ms: float | None = None
     prefill_ms: float | None = None
+    compile_source: str | None = None  # compiled | restored (from the compile store) | eager
+    compile_ms: float | None = None
     prefix_source: str | None = None  # computed | restored (from the prefix store) | cached
     restore_ms: float | None = None
     ttft_cold_ms: float | None = None
@@ -232,12 +234,17 @@ class Warmups:
         self._recent: dict[CacheKey, deque[tuple[float, float]]] = {}  # (warm, bare) of the latest probes
         self._unreported_prefill: dict[CacheKey, Prefilled] = {}
         self._load_reported: set[str] = set()
+        self._unreported_compile: dict[str, object] = {}  # model -> its compile's report
         self.last: dict[str, dict] = {}  # template -> what its latest warmup reported
 
     def started_with(self, prefilled: Prefilled) -> None:
         """A prefix computed or restored at start: the first job that uses it reports how."""
         if prefilled.source != "cached":
             self._unreported_prefill[prefilled.entry.key] = prefilled
+
+    def compiled(self, model: str, report) -> None:
+        """A model's steps compiled (restored, or eager): the first job after reports how."""
+        self._unreported_compile[model] = report
 
     def observe(self, template: str, ttft_ms: float) -> None:
         """A served request that started from its template's cached prefix."""
@@ -273,6 +280,8 @@ class Warmups:
         resolved, prefilled = self._templates.prefill(template)
         resident, prefix = resolved.resident, resolved.prefix
         result.load_ms = self._unreported_load_ms(resident)
+        if (report := self._unreported_compile.pop(resident.name, None)) is not None:
+            result.compile_source, result.compile_ms = report.source, report.ms
         result.device = resident.placement.describe()
         if prefilled.source == "cached":  # done at start: the first job reports how
             prefilled = self._unreported_prefill.pop(prefilled.entry.key, prefilled)

@@ -38,6 +38,14 @@ class Settings(BaseSettings):
     # How weights are read (workers/weights.py): transformers' own loading, or the Run:ai
     # Model Streamer (the fast-load extra); auto takes the streamer for CUDA where installed.
     weight_loader: Literal["auto", "transformers", "runai-streamer"] = "auto"
+    # The precision models compute in, unless the catalog names one: auto is bfloat16 where
+    # the hardware computes it (CUDA; a CPU with avx512_bf16 or AMX), else float32.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Each model's steps as compiled graphs (workers/engine/compiled.py), compiled at start
+    # before the worker is ready, and kept in compile_cache (a folder, default home/compiled;
+    # a volume shared by replicas shares them; "off" keeps none): auto, or off (eager).
+    compile: Literal["auto", "off"] = "auto"
+    compile_cache: str | None = Field(None, min_length=1, description="Compiled graphs folder, or off.")
     # The longest warmup we expect; Redis redelivers unacked messages after the visibility
     # timeout, so it must be larger or a slow warmup runs twice.
     warmup_time_limit_s: int = Field(1800, gt=0, le=31_536_000)
@@ -263,6 +271,12 @@ class Settings(BaseSettings):
         if self.prefix_store is not None and self.prefix_store.strip().lower() == "off":
             return None
         return Path(self.prefix_store or self.home / "prefixes").expanduser().resolve()
+
+    @property
+    def compile_cache_folder(self) -> Path | None:
+        if self.compile_cache is not None and self.compile_cache.strip().lower() == "off":
+            return None
+        return Path(self.compile_cache or self.home / "compiled").expanduser().resolve()
 
     @property
     def outbox_folder(self) -> Path:

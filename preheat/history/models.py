@@ -63,6 +63,10 @@ class WarmupJob(Model):
     started_at: Mapped[dt.datetime | None]
     finished_at: Mapped[dt.datetime | None]
     load_ms: Mapped[float | None]
+    # How the model's steps came to run (a start's first job, a wake): compiled, restored
+    # (from the compile store, in compile_ms) or eager.
+    compile_source: Mapped[str | None] = mapped_column(String(16))
+    compile_ms: Mapped[float | None]
     prefill_ms: Mapped[float | None]
     # How the prefix came to be cached: computed, restored (from the prefix store, in
     # restore_ms) or cached (already there).

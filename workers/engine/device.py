@@ -30,17 +30,39 @@ class Placement:
         return f"{self.device.type}/{str(self.dtype).removeprefix('torch.')}"
 
 
-def pick_placement(preference: str = "auto", dtype: str = "auto") -> Placement:
-    """CUDA with bf16 when present (fp16 on pre-Ampere cards), else CPU float32."""
+def pick_placement(preference: str = "auto", dtype: str = "auto", default_dtype: str = "auto") -> Placement:
+    """CUDA when present, else the CPU; in `dtype` (the catalog model's), else `default_dtype`
+    (PREHEAT_DTYPE), else the precision the hardware computes fast (`fast_dtype`)."""
     use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
     if preference == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("PREHEAT_DEVICE=cuda but no CUDA device is visible")
     device = torch.device("cuda") if use_cuda else torch.device("cpu")
-    if dtype != "auto":
-        return Placement(device, DTYPES[dtype])
+    chosen = dtype if dtype != "auto" else default_dtype
+    return Placement(device, DTYPES[chosen] if chosen != "auto" else fast_dtype(device))
+
+
+# CPU features with which bfloat16 is computed natively (a dot product of bf16 pairs).
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def fast_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 where the hardware computes it: CUDA (float16 on cards before Ampere), a CPU
+    with avx512_bf16 or AMX; float32 elsewhere (bf16 emulated is slower than float32)."""
     if device.type == "cuda":
-        return Placement(device, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
-    return Placement(device, torch.float32)
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if any(flag in cpu_flags() for flag in BF16_CPU_FLAGS) else torch.float32
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; none where there is no such file)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def synchronize(device: torch.device) -> None:

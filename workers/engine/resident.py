@@ -106,6 +106,8 @@ class ResidentModels:
 
     device_preference: str = "auto"
     weight_loader: str = "auto"  # PREHEAT_WEIGHT_LOADER (workers/weights.py)
+    # PREHEAT_DTYPE (a worker's: auto; by hand, float32); a model's catalog dtype, when not auto, wins.
+    dtype_preference: str = "float32"
     _models: dict[str, ResidentModel] = field(default_factory=dict)
     _errors: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -122,7 +124,7 @@ class ResidentModels:
                 return self._models[source.name], 0.0
             started = time.perf_counter()
             try:
-                placement = pick_placement(self.device_preference, source.dtype)
+                placement = pick_placement(self.device_preference, source.dtype, self.dtype_preference)
                 resident = _load(source, placement, pick_loader(self.weight_loader, placement))
             except Exception as exc:
                 self._errors[source.name] = f"{type(exc).__name__}: {exc}"

@@ -33,6 +33,7 @@ class ModelRunner:
     placement: Placement
     cache_kwarg: str = "past_key_values"  # transformers 5.24 renamed it `cache`
     compiled: object | None = None  # preheat.workers.engine.compiled.CompiledSteps, once compiled
+    compile_report: object | None = None  # what its latest compile did (compiled.CompileReport)
 
     # Passes ---------------------------------------------------------------------------
 
@@ -65,11 +66,55 @@ class ModelRunner:
             return out_of_memory_as_error(self.placement.device, doing, lambda: graph(kv, segments))
 
         def run():
-            with torch.inference_mode():
-                inputs = kv.step_inputs(segments)
-                return self.model(**inputs, use_cache=True, **{self.cache_kwarg: kv}).logits[0]
+            with torch.inference_mode(), attention.running(kv):
+                return self.model(**kv.step_inputs(segments), use_cache=False).logits[0]
 
         return out_of_memory_as_error(self.placement.device, doing, run)
+
+    # Compiled steps -------------------------------------------------------------------
+
+    def compile(self, mode: str, store, model_digest: str):
+        """Compile the steps (or restore them from `store`, a CompileStore, or None), before
+        the model takes requests. Never raises: what cannot be compiled runs eager, and the
+        report says why (logged once)."""
+        from preheat.workers.engine import compilestore
+        from preheat.workers.engine.compiled import CompiledSteps, CompileReport, why_not_compiled
+
+        if self.compiled is not None:
+            return self.compile_report
+        reason = "PREHEAT_COMPILE=off" if mode == "off" else why_not_compiled(self.placement.device)
+        scratch = self.new_batch()
+        if reason is None and scratch is None:
+            reason = "its cache or attention cannot run rows together, so no step of it is compiled"
+        if reason is not None:
+            if mode != "off":
+                log.warning("model %s runs its steps eager: %s", self.name, reason)
+            self.compile_report = CompileReport("eager", reason=reason)
+            return self.compile_report
+        compilestore.process_folder()
+        key = compilestore.identity(self.placement.device, self.placement.dtype, model_digest, "one,many/1")
+        restored = store is not None and store.restore(key)
+        before = compilestore.snapshot()
+        steps = CompiledSteps(self.name, self.model, self.placement.device)
+        try:
+            ms = steps.compile(scratch)
+        except Exception as exc:
+            reason = f"compiling failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            log.warning("model %s runs its steps eager: %s", self.name, reason)
+            self.compile_report = CompileReport("eager", reason=reason)
+            return self.compile_report
+        self.compiled = steps
+        if store is not None and not restored:
+            store.publish(key, before)
+        self.compile_report = CompileReport("restored" if restored else "compiled", ms)
+        log.info("model %s: steps %s in %.0f ms", self.name, self.compile_report.source, ms)
+        return self.compile_report
+
+    def release(self) -> None:
+        """The compiled steps let go (their packed weights with them): a sleep."""
+        if self.compiled is not None:
+            self.compiled.release()
+        self.compiled = self.compile_report = None
 
     # The running rows' KV ---------------------------------------------------------------
 

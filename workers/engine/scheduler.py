@@ -148,6 +148,10 @@ class Scheduler:
         """`Prefixes.prefill` on the scheduler's thread, between two steps."""
         return self._call(self.prefixes.prefill, resident, token_ids, **how)
 
+    def call(self, work: Callable[..., object], *args, **kwargs):
+        """`work` on the scheduler's thread, between two steps (a model's compile): it alone runs models."""
+        return self._call(work, *args, **kwargs)
+
     def park(self, model: str, drain_s: float) -> int:
         """Take no more requests for `model` once those it runs and queues have finished
         (waited for up to `drain_s`, never cut), and free its cached KV; returns the bytes

@@ -4,11 +4,21 @@ import torch
 from preheat.workers.engine.device import pick_placement
 
 
-def test_cpu_is_float32_and_dtype_can_be_forced():
+def test_auto_is_the_precision_the_cpu_computes_and_dtype_can_be_forced(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    assert pick_placement("auto").describe() == "cpu/float32"
-    assert pick_placement("cpu", "bfloat16").describe() == "cpu/bfloat16"
+    from preheat.workers.engine import device
+
+    monkeypatch.setattr(device, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    assert pick_placement("auto").describe() == "cpu/bfloat16"
+    monkeypatch.setattr(device, "cpu_flags", lambda: {"avx2", "amx_bf16"})
+    assert pick_placement("auto").describe() == "cpu/bfloat16"
+    monkeypatch.setattr(device, "cpu_flags", lambda: {"avx2", "avx512f"})
+    assert pick_placement("auto").describe() == "cpu/float32"  # bf16 emulated is slower
+    # The catalog's dtype wins over PREHEAT_DTYPE, which wins over the hardware's choice.
+    assert pick_placement("cpu", "bfloat16", "float32").describe() == "cpu/bfloat16"
+    assert pick_placement("cpu", "auto", "float32").describe() == "cpu/float32"
+    assert pick_placement("cpu", "auto", "bfloat16").describe() == "cpu/bfloat16"
 
 
 def test_cuda_without_a_device_is_a_clear_error():

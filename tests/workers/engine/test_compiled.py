@@ -1,0 +1,165 @@
+"""Compiled steps on the production path: the same tokens as eager steps (and transformers) on
+the dev architectures in float32, batched and alone; a restart restores the graphs instead of
+compiling them; a damaged or foreign artefact costs a compile, never a crash or a wrong answer.
+
+Compiling is slow (tens of seconds a model on 2 cores): these are the only tests that compile,
+and each architecture compiles once per session (a compile store shared by the module)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from preheat.api.sampling import SamplingParams
+from preheat.workers.engine.compilestore import CompileStore
+from tests.conftest import greedy, new_scheduler, reference_generate, support_request
+
+pytestmark = pytest.mark.slow
+
+ARCHITECTURES = ("llama", "qwen3", "mistral", "gemma3", "gpt2")
+INPUTS = ("Where is my parcel?", "Summarise: the launch moved to March.", "Hello", "Is it raining in Oslo today?")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return CompileStore(tmp_path_factory.mktemp("compiled"))
+
+
+def _answers(scheduler, resident, requests) -> list:
+    import threading
+
+    results: list = [None] * len(requests)
+
+    def one(i: int) -> None:
+        results[i] = scheduler.submit(resident, *requests[i]).collect()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    return results
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_compiled_steps_give_the_eager_steps_tokens_batched_and_alone(dev_model, arch, store):
+    from preheat.workers.engine.resident import ModelSource, ResidentModels
+
+    resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(ModelSource(arch, str(dev_model(arch))))
+    requests = [(support_request(resident, text)[1], greedy(12)) for text in INPUTS]
+    eager = new_scheduler()
+    alone_eager = [eager.submit(resident, *request).collect() for request in requests]
+    together_eager = _answers(eager, resident, requests)
+    report = eager.call(resident.runner.compile, "auto", store, resident.content_digest)
+    assert report.source in ("compiled", "restored") and report.ms > 0, report
+    compiled_steps = []
+    real_run = resident.runner.compiled._run
+
+    def counted(kv, segments):
+        compiled_steps.append(sum(len(segment.ids) for segment in segments))
+        return real_run(kv, segments)
+
+    resident.runner.compiled._run = counted
+    alone = [eager.submit(resident, *request).collect() for request in requests]
+    together = _answers(eager, resident, requests)
+    eager.close()
+    assert 1 in compiled_steps and max(compiled_steps) > 1  # both graphs ran
+    for request, *answers in zip(requests, alone_eager, together_eager, alone, together, strict=True):
+        ids = [answer.token_ids for answer in answers]
+        assert ids[0] == ids[1] == ids[2] == ids[3]
+        assert ids[0] == reference_generate(resident, request[0], 12)[: len(ids[0])]
+
+
+def test_a_long_step_and_sampling_run_through_the_compiled_graphs(dev_model, store):
+    """A step far longer than any the compile ran (a 700-token prompt in one pass) and a
+    sampled request: one graph for every number of tokens, nothing padded, nothing eager."""
+    from preheat.workers.engine.resident import ModelSource, ResidentModels
+
+    resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(
+        ModelSource("llama", str(dev_model("llama")))
+    )
+    scheduler = new_scheduler()
+    scheduler.call(resident.runner.compile, "auto", store, resident.content_digest)
+    from preheat.workers.engine.chat import conversation, render
+
+    long_ids = render(resident, conversation(" ".join(f"Rule {n}: be kind." for n in range(120)), "Hi"))
+    assert long_ids.shape[-1] > 600
+    got = scheduler.submit(resident, long_ids, greedy(6)).collect()
+    assert got.token_ids == reference_generate(resident, long_ids, 6)[: len(got.token_ids)]
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7)
+    first = scheduler.submit(resident, long_ids, sampled).collect()
+    again = scheduler.submit(resident, long_ids, sampled).collect()
+    assert first.token_ids == again.token_ids and len(first.token_ids) > 0
+    scheduler.close()
+
+
+RESTART = textwrap.dedent(
+    """
+    import json, sys
+    from torch._dynamo.utils import counters
+    from preheat.workers.engine.compilestore import CompileStore
+    from preheat.workers.engine.resident import ModelSource, ResidentModels
+    from tests.conftest import greedy, new_scheduler, support_request
+
+    resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(ModelSource("m", sys.argv[1]))
+    scheduler = new_scheduler()
+    report = scheduler.call(resident.runner.compile, "auto", CompileStore(sys.argv[2]), resident.content_digest)
+    answer = scheduler.submit(resident, support_request(resident, "Where is my parcel?")[1], greedy(8)).collect()
+    scheduler.close()
+    print(json.dumps({"source": report.source, "misses": counters["inductor"]["fxgraph_cache_miss"],
+                      "hits": counters["inductor"]["fxgraph_cache_hit"], "tokens": answer.token_ids}))
+    """
+)
+
+
+def _start(model, folder) -> dict:
+    from tests.conftest import REPO
+
+    done = subprocess.run(
+        [sys.executable, "-c", RESTART, str(model), str(folder)], capture_output=True, text=True, cwd=REPO, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_restart_restores_the_graphs_and_a_damaged_or_foreign_artefact_is_compiled_again(tiny_model, tmp_path):
+    folder = tmp_path / "compiled"
+    cold = _start(tiny_model, folder)
+    assert (cold["source"], cold["misses"], cold["hits"]) == ("compiled", 2, 0)
+    warm = _start(tiny_model, folder)  # a restarted worker: both graphs from the store, none compiled
+    assert (warm["source"], warm["misses"], warm["hits"]) == ("restored", 0, 2)
+    assert warm["tokens"] == cold["tokens"]
+
+    [entry] = [path for path in folder.iterdir() if path.is_dir()]
+    stored = max((path for path in (entry / "files").rglob("*") if path.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(stored.read_bytes())
+    data[len(data) // 2] ^= 0x40  # one flipped bit in the largest artefact (a kernel library)
+    stored.write_bytes(bytes(data))
+    damaged = _start(tiny_model, folder)
+    assert (damaged["source"], damaged["misses"]) == ("compiled", 2)  # not used: compiled again
+    assert damaged["tokens"] == cold["tokens"]
+    assert _start(tiny_model, folder)["source"] == "restored"  # and stored again, whole
+
+    manifest = json.loads((entry / "manifest.json").read_text())
+    manifest["identity"]["dtype"] = "torch.bfloat16"  # another identity's graphs under this name
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    foreign = _start(tiny_model, folder)
+    assert (foreign["source"], foreign["misses"]) == ("compiled", 2)
+    assert foreign["tokens"] == cold["tokens"]
+
+
+def test_compile_off_and_a_device_that_cannot_compile_run_eager_and_say_why(tiny_model, monkeypatch):
+    from preheat.workers.engine import compiled
+    from preheat.workers.engine.resident import ModelSource, ResidentModels
+
+    resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(ModelSource("m", str(tiny_model)))
+    off = resident.runner.compile("off", None, resident.content_digest)
+    assert (off.source, off.reason) == ("eager", "PREHEAT_COMPILE=off") and resident.runner.compiled is None
+    resident.runner.compile_report = None
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    missing = resident.runner.compile("auto", None, resident.content_digest)
+    assert missing.source == "eager" and "no C++ compiler" in missing.reason

@@ -1,0 +1,206 @@
+"""Compiled steps: the running rows' forward pass as torch.compile graphs (vLLM's compiled
+model runner, on the CPU as on a GPU), compiled at start before the worker is ready, and kept
+on disk (preheat.workers.engine.compilestore), since compilation is a cold start like loading
+weights.
+
+**What is compiled.** transformers' own modeling code of the model, whole (`fullgraph`), with
+preheat's attention as one opaque op per layer (`preheat::ragged_attention`: what the step's
+layout says is no tensor). Two shapes cover every step the batch runs: a step that feeds **one
+token** (a single user decoding: its own graph, every size static) and a step that feeds **two
+or more** (rows decoding together, pre-fill chunks beside them: one graph, the number of
+tokens and of rows symbolic). So a burst of users never meets a shape that was not compiled at
+start, and nothing is padded.
+
+**Linear layers on the CPU.** A one-token step reads every weight once for one row: its
+linear layers are written as a reduction (`(x * w).sum(-1)`), which inductor turns into loops
+that stream the weights at memory speed (torch's GEMV for one row runs at a third of it
+here: 8 GB/s against 24-29). A step of many rows uses oneDNN with the weights pre-packed for
+it (`preheat::packed_linear`, an opaque op: a packed tensor cannot be a graph input). The
+packed copies cost a second copy of the linear weights in memory, released with the graphs
+(a sleep). On CUDA both are cuBLAS.
+
+**Honour or refuse.** `PREHEAT_COMPILE=off` runs every step eager; `auto` compiles where the
+device can (a C++ compiler on the CPU, Triton on CUDA) and, where it cannot or a compile
+fails, runs eager and says why once (`CompiledSteps.eager_reason`, in `preheat workers`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+import time
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from preheat.workers.engine import attention
+from preheat.workers.engine.raggedkv import RaggedKV, Segment
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "off")
+_PACKED: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id -> (oneDNN-packed weight, bias)
+
+
+@torch.library.custom_op("preheat::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight_id: int, out_features: int) -> torch.Tensor:
+    """A linear layer through oneDNN with its weight packed ahead (`pack_linear_layers`)."""
+    packed, bias = _PACKED[weight_id]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, weight_id, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def why_not_compiled(device: torch.device) -> str | None:
+    """Why this device cannot compile steps, or None when it can."""
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "Triton is not installed (torch.compile's CUDA backend needs it)"
+        return None
+    if device.type != "cpu":
+        return f"no compiled steps on {device.type}"
+    if not any(shutil.which(name) for name in ("c++", "g++", "clang++")):
+        return "no C++ compiler on this machine (torch.compile's CPU backend needs one: apt-get install g++)"
+    return None
+
+
+class _CompiledLinear(torch.nn.Module):
+    """nn.Linear's forward, eager as transformers runs it; compiled, the shape's fastest way."""
+
+    def __init__(self, linear: torch.nn.Linear, weight_id: int) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.out_features, self.in_features = linear.out_features, linear.in_features
+        # A graph holds the id as a constant: stable across processes (the model's name and
+        # the layer's), so a restarted worker's graph is the one stored.
+        self.weight_id = weight_id
+        if weight_id in _PACKED:
+            raise RuntimeError(f"packed weight {weight_id} is already in use (two models of one name?)")
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+        _PACKED[self.weight_id] = (packed, self.bias.detach() if self.bias is not None else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        if x.shape[-2] == 1:  # one row: stream the weights (see the module's docstring)
+            y = (x.unsqueeze(-2).float() * self.weight.float()).sum(-1)
+            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+        return torch.ops.preheat.packed_linear(x, self.weight_id, self.out_features)
+
+    def release(self) -> None:
+        _PACKED.pop(self.weight_id, None)
+
+
+def pack_linear_layers(model: torch.nn.Module, owner: str) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    """Every nn.Linear of the model (the output head too) made a _CompiledLinear; returns what
+    was replaced, to put back (`unpack_linear_layers`). `owner`: the model's name."""
+    replaced = []
+    for path, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                weight_id = zlib.crc32(f"{owner}/{path}.{name}".encode())
+                setattr(parent, name, _CompiledLinear(child, weight_id))
+                replaced.append((parent, name, child))
+    return replaced
+
+
+def unpack_linear_layers(replaced: list[tuple[torch.nn.Module, str, torch.nn.Linear]]) -> None:
+    for parent, name, linear in replaced:
+        getattr(parent, name).release()
+        setattr(parent, name, linear)
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What a start or a wake did about the graphs: the history job's columns."""
+
+    source: str  # compiled | restored | eager
+    ms: float = 0.0
+    reason: str | None = None  # why eager
+
+
+class CompiledSteps:
+    """One model's compiled steps. Built by the runner; `compile` runs at start (and after a
+    wake) on the scheduler's thread, before the model takes requests."""
+
+    def __init__(self, name: str, model, device: torch.device) -> None:
+        self.name, self.model, self.device = name, model, device
+        self.ready = False
+        self._replaced: list = []
+        self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+        configure_dynamo()
+        self._graph = torch.compile(self._forward, fullgraph=True, dynamic=None)
+
+    def _forward(self, input_ids, position_ids, logits_to_keep):
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=self._mask,
+            logits_to_keep=logits_to_keep,
+            use_cache=False,
+            preheat_rows=True,
+        )
+        return out.logits[0]
+
+    def for_step(self, kv: RaggedKV, segments: list[Segment]):
+        """The graph that runs this step, or None: it runs eager."""
+        return self._run if self.ready else None
+
+    def _run(self, kv: RaggedKV, segments: list[Segment]) -> torch.Tensor:
+        inputs = kv.step_inputs(segments)
+        ids, positions, keep = inputs["input_ids"], inputs["position_ids"], inputs["logits_to_keep"]
+        single = ids.shape[-1] == 1
+        if not single:
+            # Two or more rows kept, so the many-token graph never specializes on one (the
+            # last is repeated and dropped after).
+            keep = torch.cat([keep, keep[-1:]]) if keep.shape[0] == 1 else keep
+            torch._dynamo.maybe_mark_dynamic(ids, 1)
+            torch._dynamo.maybe_mark_dynamic(positions, 1)
+            torch._dynamo.maybe_mark_dynamic(keep, 0)
+        with torch.inference_mode(), attention.running(kv):
+            logits = self._graph(ids, positions, keep)
+        return logits[: len(segments)]
+
+    def compile(self, scratch: RaggedKV) -> float:
+        """Both graphs compiled (or restored from inductor's caches) by running each on
+        `scratch`, an empty batch of the model: one token; then a chunk of three beside a
+        row decoding; then a chunk alone. Returns the milliseconds it took."""
+        started = time.perf_counter()
+        if self.device.type == "cpu" and not self._replaced:
+            self._replaced = pack_linear_layers(self.model, self.name)
+        self.ready = True
+        try:
+            for _ in range(3):
+                scratch.add(None, 8)
+            for step in ([(0, (1,))], [(0, (2,)), (1, (1, 2, 3))], [(2, (4, 5))]):
+                self._run(scratch, [Segment(slot, scratch.lengths[slot], ids) for slot, ids in step])
+                scratch.stepped()
+        except Exception:
+            self.release()
+            raise
+        return (time.perf_counter() - started) * 1000
+
+    def release(self) -> None:
+        """The graphs no longer used and the packed weights freed (a sleep, a failed compile)."""
+        self.ready = False
+        unpack_linear_layers(self._replaced)
+        self._replaced = []
+
+
+@functools.cache
+def configure_dynamo() -> None:
+    """Each model compiles its two graphs again after a wake: more than dynamo's default of
+    eight specializations per function over a worker's life, every one of them wanted. A
+    failure raises (the runner runs eager and says why) instead of falling back unseen."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+    torch._dynamo.config.suppress_errors = False

@@ -1,0 +1,146 @@
+"""Compiled graphs kept on disk: a restarted worker restores them instead of compiling again.
+
+What torch.compile produces on the CPU (inductor's FX graphs and the C++ kernels built from
+them) lives in inductor's cache folder. That folder is pickles and shared libraries: what
+comes back from disk is untrusted, and a damaged or foreign one would be loaded as code. So
+each process compiles into a folder of its own (`PREHEAT_HOME` never), and the store holds,
+per model and everything a graph depends on (its *identity*: torch and Python versions, the
+device and its instruction set, the dtype, the model's content digest, the graphs' shapes),
+a copy of the files that model's compile added, with a manifest of their SHA-256. A restore
+proves the manifest is this identity's and every file is whole before copying them into the
+process's folder; anything else (a flipped byte, a file missing, another machine's kernels)
+costs a compile, never a crash or a wrong answer, and the entry is written again. Entries
+are written under a temporary name and renamed, so replicas on one volume share them and
+never read half of one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from preheat.workers.engine.device import cpu_flags
+
+log = logging.getLogger(__name__)
+
+FORMAT = "preheat-compiled/1"
+MANIFEST = "manifest.json"
+_PROCESS_FOLDER: list[Path] = []  # inductor's cache folder of this process (set once)
+_LOCK = threading.Lock()
+
+
+def process_folder() -> Path:
+    """This process's own inductor cache folder, set before its first compile."""
+    with _LOCK:
+        if not _PROCESS_FOLDER:
+            folder = Path(tempfile.mkdtemp(prefix="preheat-inductor-"))
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+            _PROCESS_FOLDER.append(folder)
+        return _PROCESS_FOLDER[0]
+
+
+def identity(device, dtype, model_digest: str, shapes: str) -> dict[str, str]:
+    """Everything a compiled graph of the model depends on."""
+    import torch
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        hardware = f"{name} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    else:
+        hardware = f"{platform.machine()} {' '.join(sorted(cpu_flags()))}"
+    return {
+        "format": FORMAT,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "device": device.type,
+        "hardware": hashlib.sha256(hardware.encode()).hexdigest(),
+        "dtype": str(dtype),
+        "model": model_digest,
+        "shapes": shapes,
+    }
+
+
+class CompileStore:
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    def entry(self, key: dict[str, str]) -> Path:
+        return self.folder / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:40]
+
+    def restore(self, key: dict[str, str]) -> bool:
+        """The entry of `key` proven and copied into this process's folder; False when there
+        is none or it is unusable (then removed, with one log line)."""
+        entry = self.entry(key)
+        if not (entry / MANIFEST).is_file():
+            return False
+        try:
+            files = self._proven(entry, key)
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("compiled graphs in %s are unusable (%s): removed; compiling", entry, exc)
+            shutil.rmtree(entry, ignore_errors=True)
+            return False
+        into = process_folder()
+        for name in files:
+            target = into / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not target.exists():
+                shutil.copyfile(entry / "files" / name, target)
+        return True
+
+    def _proven(self, entry: Path, key: dict[str, str]) -> dict[str, str]:
+        manifest = json.loads((entry / MANIFEST).read_text())
+        if manifest.get("identity") != key:
+            raise ValueError("compiled for another identity")
+        files = manifest["files"]
+        for name, digest in files.items():
+            path = entry / "files" / name
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                raise ValueError(f"{name} is outside the entry")
+            if _sha256(path) != digest:
+                raise ValueError(f"{name} is not what was written (its SHA-256 differs)")
+        return files
+
+    def publish(self, key: dict[str, str], before: set[str]) -> Path | None:
+        """The files this process's folder gained since `before` (one model's compile), stored
+        as the entry of `key`. Best effort: a full disk is a log line, never raised."""
+        folder, entry = process_folder(), self.entry(key)
+        added = sorted(snapshot() - before)
+        if not added or (entry / MANIFEST).is_file():
+            return None
+        temporary = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+        try:
+            files = {}
+            for name in added:
+                target = temporary / "files" / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(folder / name, target)
+                files[name] = _sha256(target)
+            (temporary / MANIFEST).write_text(json.dumps({"identity": key, "files": files}, indent=1))
+            os.replace(temporary, entry)
+        except OSError as exc:
+            log.warning("compiled graphs not stored in %s: %s", self.folder, exc)
+            shutil.rmtree(temporary, ignore_errors=True)
+            return None
+        return entry
+
+
+def snapshot() -> set[str]:
+    """The files in this process's inductor folder now (relative names)."""
+    folder = process_folder()
+    return {str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file() and "lock" not in path.name}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
