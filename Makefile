@@ -9,20 +9,21 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install browser demo lint format test test-fast clean bench-env
+.PHONY: install test-tools demo lint format test test-fast clean bench-env
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[dev,fast-load]'
+	$(BIN)/pip install --quiet -e '.[dev,fast-load,real]'
 	touch $@
 
 install: $(STAMP)
 
-## Debian's Chromium + chromedriver, for the Flower browser test.
-browser:
-	.ci/install-browser
+## What the tests need beside Python, from Debian's packages: Chromium + chromedriver (the
+## Flower browser test), Prometheus + promtool (alert rules, dashboard queries).
+test-tools:
+	.ci/install-test-tools
 
 ## The main job: build the small model, migrate, start a worker and beat, warm, read history, stop.
 demo: install
@@ -49,7 +50,7 @@ format: install
 BYTECODE_ON := PYTHONDONTWRITEBYTECODE=
 
 ## Every test, slow end-to-end ones included (real Redis, Postgres, worker processes).
-test: install browser lint
+test: install test-tools lint
 	$(BYTECODE_ON) $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 ## The quick loop: skips tests marked slow.

@@ -99,6 +99,15 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct, converted from its PyPI wheel once per machine (shared by every
+    test process through a lock) and proven against its manifest (preheat.cli.realmodel)."""
+    from preheat.cli.realmodel import machine_copy
+
+    return machine_copy()
+
+
+@pytest.fixture(scope="session")
 def dev_model(tmp_path_factory, tiny_model, tiny_qwen2):
     """dev_model(arch): a small model of `arch` (preheat.cli.devmodel.ARCHITECTURES), built once."""
     from preheat.cli.devmodel import make_model

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from preheat import procs
+from preheat.core import processes
 from tests.conftest import PREHEAT_CLI
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
 def promtool() -> str:
     found = shutil.which("promtool")
     if found is None:
-        pytest.fail("promtool is not installed: it comes with Debian's prometheus package (.ci/run installs it)")
+        pytest.fail("promtool is not installed: it comes with Debian's prometheus package (`make test` installs it)")
     return found
 
 
@@ -77,8 +77,8 @@ def exported_names(text: str) -> set[str]:
 
 @pytest.mark.slow
 def test_every_metric_the_dashboard_and_the_rules_query_is_exported(embedded_stack, tmp_path):
-    from preheat.db import session_scope, utcnow
-    from preheat.models import Schedule, ScheduleSlot, SlotStatus
+    from preheat.history.db import session_scope, utcnow
+    from preheat.history.models import Schedule, ScheduleSlot, SlotStatus
     from tests.tasks.test_worker import send_infer
 
     with session_scope() as session:  # a schedule with a sent slot: its series exist
@@ -96,13 +96,13 @@ def test_every_metric_the_dashboard_and_the_rules_query_is_exported(embedded_sta
                 claimed_at=now,
             )
         )
-    worker = procs.start_worker("w1@monitoring", embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
+    worker = processes.start_worker("w1@monitoring", embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
     exporter = None
-    with procs.running(worker):
+    with processes.running(worker):
         send_infer().get(timeout=120)  # a request served: its histogram has samples
         done = embedded_stack.cli("warm", "--wait", "--json")
         assert done.returncode == 0, done.stderr
-        worker_metrics = httpx.get(f"{procs.health_url(worker)}/metrics").text
+        worker_metrics = httpx.get(f"{processes.health_url(worker)}/metrics").text
         exporter = subprocess.Popen(
             [PREHEAT_CLI, "exporter", "--port", "0"], env=embedded_stack.env, stdout=subprocess.PIPE, text=True
         )
@@ -130,11 +130,11 @@ def test_worker_and_fleet_metric_names_follow_the_conventions(embedded_stack, tm
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from preheat.catalog import load_catalog
-    from preheat.fleet import FleetCollector
-    from preheat.settings import get_settings
+    from preheat.api.sampling import SamplingParams
+    from preheat.core.catalog import load_catalog
+    from preheat.core.settings import get_settings
+    from preheat.fleet.exporter import FleetCollector
     from tests.workers.test_runtime import make_runtime
-    from workers.sampling import SamplingParams
 
     runtime = make_runtime(tmp_path, tiny_model)
     runtime.preload()
@@ -159,7 +159,9 @@ def test_a_real_prometheus_accepts_every_dashboard_query_and_the_snapshot_draws_
     one offline page."""
     prometheus = shutil.which("prometheus")
     if prometheus is None:
-        pytest.fail("prometheus is not installed: Debian's prometheus package (.ci/run installs it)")
+        pytest.fail(
+            "prometheus is not installed: Debian's prometheus package (`make test` installs it: .ci/install-test-tools)"
+        )
     exporter = subprocess.Popen(
         [PREHEAT_CLI, "exporter", "--port", "0"], env=embedded_stack.env, stdout=subprocess.PIPE, text=True
     )
@@ -169,7 +171,7 @@ def test_a_real_prometheus_accepts_every_dashboard_query_and_the_snapshot_draws_
         config = tmp_path / "prometheus.yml"
         scrape = {"job_name": "preheat-exporter", "static_configs": [{"targets": [f"127.0.0.1:{target}"]}]}
         config.write_text(yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": [scrape]}))
-        port = procs.free_port()
+        port = processes.free_port()
         server = subprocess.Popen(
             [
                 prometheus,
@@ -189,7 +191,7 @@ def test_a_real_prometheus_accepts_every_dashboard_query_and_the_snapshot_draws_
                 return False
             return answer["status"] == "success" and answer["data"]["result"]
 
-        procs.poll(scraped, 60, 0.5, "the exporter scraped")
+        processes.poll(scraped, 60, 0.5, "the exporter scraped")
         out = tmp_path / "dashboard.html"
         done = embedded_stack.cli(
             "dev", "dashboard-snapshot", "--prometheus", url, "--dashboard", str(DASHBOARD), "--out", str(out)

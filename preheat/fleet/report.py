@@ -46,6 +46,15 @@ class Series:
     points: list[tuple[float, float]]  # (unix seconds, value)
     colour: str
     dashed: bool = False
+    marker: str = "circle"  # circle | square | triangle: told apart without colour too
+
+
+# The one comparison a template's TTFT plot exists for: each way a colour, a marker and a dash.
+WAYS = {
+    "cold": ("cold: full prefill", "#d62728", "square", True),
+    "warm": ("warm: from the cached prefix", "#2ca02c", "circle", False),
+    "bare": ("bare: no system prompt (the floor)", "#7f7f7f", "triangle", True),
+}
 
 
 @dataclass
@@ -81,12 +90,9 @@ def gather(session: Session, since: dt.datetime, until: dt.datetime) -> ReportDa
                 ttft[job.template][way].append((at, ms))
         if job.cache_bytes:
             kv[job.template].append((at, job.cache_bytes / 2**20))
-    for index, (template, ways) in enumerate(sorted(ttft.items())):
-        colour = COLOURS[index % len(COLOURS)]
+    for template, ways in sorted(ttft.items()):
         data.ttft[template] = [
-            Series(f"{template} cold", ways["cold"], colour, dashed=True),
-            Series(f"{template} warm", ways["warm"], colour),
-            Series(f"{template} bare", ways["bare"], "#999999", dashed=True),
+            Series(name, ways[way], colour, dashed, marker) for way, (name, colour, marker, dashed) in WAYS.items()
         ]
     data.kv_bytes = [
         Series(template, points, COLOURS[i % len(COLOURS)]) for i, (template, points) in enumerate(sorted(kv.items()))
@@ -121,7 +127,7 @@ def _scale(lo: float, hi: float, out_lo: float, out_hi: float):
     return lambda v: out_lo + (v - lo) / span * (out_hi - out_lo)
 
 
-def _axes(x0: float, x1: float, ymax: float, unit: str) -> tuple[list[str], callable, callable]:
+def _axes(x0: float, x1: float, ymax: float, unit: str, times: bool = True) -> tuple[list[str], callable, callable]:
     sx = _scale(x0, x1, PAD, WIDTH - 12)
     sy = _scale(0, ymax or 1.0, HEIGHT - 28, 12)
     parts = [
@@ -133,13 +139,37 @@ def _axes(x0: float, x1: float, ymax: float, unit: str) -> tuple[list[str], call
         y = sy(value)
         parts.append(f'<line x1="{PAD}" y1="{y:.1f}" x2="{WIDTH - 12}" y2="{y:.1f}" stroke="#eee"/>')
         parts.append(f'<text x="{PAD - 4}" y="{y + 4:.1f}" text-anchor="end">{value:,.1f}</text>')
-    for i in range(5):
-        at = x0 + (x1 - x0) * i / 4
-        label = dt.datetime.fromtimestamp(at, dt.UTC).strftime("%m-%d %H:%M")
+    span = x1 - x0
+    shown = "%H:%M:%S" if span < 1800 else "%H:%M" if span < 86400 else "%m-%d %H:%M"
+    for i in range(5 if times else 0):
+        at = x0 + span * i / 4
+        label = dt.datetime.fromtimestamp(at, dt.UTC).strftime(shown)
         anchor = ("start", "middle", "middle", "middle", "end")[i]
         parts.append(f'<text x="{sx(at):.1f}" y="{HEIGHT - 10}" text-anchor="{anchor}">{label}</text>')
-    parts.append(f'<text x="6" y="10" class="unit">{html.escape(unit)}</text>')
+    parts.append(
+        f'<text x="6" y="10" class="unit">{html.escape(unit + (" (UTC on the time axis)" if times else ""))}</text>'
+    )
     return parts, sx, sy
+
+
+def fitted(series: list[Series], x0: float, x1: float) -> tuple[float, float]:
+    """The time axis fitted to what is drawn (a few dots after a demo fill the plot, not one
+    corner of an hour), at least two minutes wide; the report's range when nothing is."""
+    times = [t for s in series for t, _ in s.points]
+    if not times:
+        return x0, x1
+    lo, hi = min(times), max(times)
+    margin = max((hi - lo) * 0.05, 60.0)
+    return lo - margin, hi + margin
+
+
+def _marker(shape: str, x: float, y: float, colour: str) -> str:
+    if shape == "square":
+        return f'<rect class="series" x="{x - 4:.1f}" y="{y - 4:.1f}" width="8" height="8" fill="{colour}"/>'
+    if shape == "triangle":
+        points = f"{x:.1f},{y - 5:.1f} {x - 5:.1f},{y + 4:.1f} {x + 5:.1f},{y + 4:.1f}"
+        return f'<polygon class="series" points="{points}" fill="{colour}"/>'
+    return f'<circle class="series" cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{colour}"/>'
 
 
 def _dots(points, sx, sy, colour: str, radius: int) -> list[str]:
@@ -148,10 +178,9 @@ def _dots(points, sx, sy, colour: str, radius: int) -> list[str]:
     ]
 
 
-def _svg(plot_id: str, title: str, parts: list[str], legend: list[tuple[str, str]]) -> str:
-    keys = "".join(
-        f'<span class="key"><i style="background:{colour}"></i>{html.escape(name)}</span>' for name, colour in legend
-    )
+def _svg(plot_id: str, title: str, parts: list[str], legend: list[tuple]) -> str:
+    """The figure, its legend one key per (name, colour[, marker, dashed]) as the plot draws it."""
+    keys = "".join(f'<span class="key">{_key(*key)}{html.escape(key[0])}</span>' for key in legend)
     return (
         f'<figure id="{plot_id}"><figcaption>{html.escape(title)}</figcaption>'
         f'<svg class="plot" viewBox="0 0 {WIDTH} {HEIGHT}" width="{WIDTH}" height="{HEIGHT}" role="img" '
@@ -159,8 +188,19 @@ def _svg(plot_id: str, title: str, parts: list[str], legend: list[tuple[str, str
     )
 
 
+def _key(name: str, colour: str, marker: str | None = None, dashed: bool = False) -> str:
+    """A legend's swatch: a bar of the colour, or the line and marker as drawn."""
+    if marker is None:
+        return f'<svg width="12" height="12"><rect width="12" height="12" fill="{colour}"/></svg>'
+    dash = ' stroke-dasharray="5 4"' if dashed else ""
+    line = f'<line x1="1" y1="6" x2="25" y2="6" stroke="{colour}" stroke-width="2"{dash}/>'
+    mark = _marker(marker, 13, 6, colour).replace(' class="series"', "")
+    return f'<svg width="26" height="12">{line}{mark}</svg>'
+
+
 def line_plot(plot_id: str, title: str, series: list[Series], x0: float, x1: float, unit: str) -> str:
-    ymax = max((v for s in series for _, v in s.points), default=1.0) * 1.1
+    x0, x1 = fitted(series, x0, x1)
+    ymax = max((v for s in series for _, v in s.points), default=1.0) * 1.15
     parts, sx, sy = _axes(x0, x1, ymax, unit)
     for s in series:
         if not s.points:
@@ -170,21 +210,16 @@ def line_plot(plot_id: str, title: str, series: list[Series], x0: float, x1: flo
         parts.append(
             f'<polyline class="series" points="{path}" fill="none" stroke="{s.colour}" stroke-width="2"{dash}/>'
         )
-        parts += [
-            f'<circle class="series" cx="{sx(t):.1f}" cy="{sy(v):.1f}" r="3" fill="{s.colour}"/>' for t, v in s.points
-        ]
+        parts += [_marker(s.marker, sx(t), sy(v), s.colour) for t, v in s.points]
     if not any(s.points for s in series):
-        parts.append(
-            f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle">nothing recorded in the range</text>'
-        )
-    return _svg(plot_id, title, parts, [(s.name, s.colour) for s in series])
+        parts.append(NOTHING)
+    return _svg(plot_id, title, parts, [(s.name, s.colour, s.marker, s.dashed) for s in series])
 
 
 def verdict_plot(plot_id: str, verdicts: dict[str, Counter]) -> str:
     workers = sorted(verdicts)
     ymax = max((sum(c.values()) for c in verdicts.values()), default=1) * 1.1
-    parts, _, sy = _axes(0, 1, ymax, "jobs")
-    parts = parts[:2] + [p for p in parts[2:] if 'text-anchor="end"' in p or "#eee" in p]  # no time axis
+    parts, _, sy = _axes(0, 1, ymax, "jobs", times=False)
     band = (WIDTH - PAD - 12) / max(1, len(workers))
     for i, worker in enumerate(workers):
         x, base = PAD + i * band + band * 0.15, 0.0
@@ -202,9 +237,7 @@ def verdict_plot(plot_id: str, verdicts: dict[str, Counter]) -> str:
             f'<text x="{x + band * 0.35:.1f}" y="{HEIGHT - 10}" text-anchor="middle">{html.escape(worker)}</text>'
         )
     if not workers:
-        parts.append(
-            f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle">nothing recorded in the range</text>'
-        )
+        parts.append(NOTHING)
     return _svg(plot_id, "Verdicts per worker", parts, list(STATUS_COLOURS.items()))
 
 

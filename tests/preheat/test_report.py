@@ -4,6 +4,7 @@ nothing fetched; bad input is one line."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 
 import pytest
 
@@ -65,7 +66,26 @@ def test_the_report_opens_in_a_browser_with_every_plot_drawn_and_nothing_fetched
             assert any(element.is_displayed() for element in drawn), figure.get_attribute("id")
             assert "nothing recorded" not in plot.text
         assert browser.execute_script("return performance.getEntriesByType('resource').length") == 0
-        assert "w1@report" in browser.find_element(By.ID, "verdicts").text
+        verdicts = browser.find_element(By.ID, "verdicts")
+        assert "w1@report" in verdicts.text and not re.search(r"\d\d:\d\d", verdicts.text)  # no time axis
+        # Cold, warm and bare told apart: each its colour and its marker, a legend saying which.
+        ttft = browser.find_element(By.ID, "ttft-0")
+        drawn = {
+            (shape, element.get_attribute("fill"))
+            for shape in ("rect", "circle", "polygon")
+            for element in ttft.find_elements(By.CSS_SELECTOR, f"svg.plot {shape}.series")
+        }
+        assert len(drawn) == 3 and len({fill for _, fill in drawn}) == 3, drawn
+        legend = ttft.find_element(By.CSS_SELECTOR, ".legend").text
+        assert "cold: full prefill" in legend and "warm: from the cached prefix" in legend and "bare:" in legend
+        # The time axis fitted to the warmups (two runs minutes apart), not the hour asked for.
+        labels = [
+            e.text
+            for e in ttft.find_elements(By.CSS_SELECTOR, "svg.plot text")
+            if re.fullmatch(r"\d\d:\d\d:\d\d", e.text)
+        ]
+        first, last = (dt.datetime.strptime(label, "%H:%M:%S") for label in (labels[0], labels[-1]))
+        assert 60 <= (last - first).total_seconds() <= 1800, labels
         browser.save_screenshot(str(tmp_path / "report.png"))
     finally:
         browser.quit()

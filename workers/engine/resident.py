@@ -20,7 +20,7 @@ from preheat.core.errors import ModelLoadError
 from preheat.workers.engine import attention
 from preheat.workers.engine.device import Placement, pick_placement
 from preheat.workers.engine.runner import ModelRunner
-from preheat.workers.engine.weights import load_weights, pick_loader
+from preheat.workers.engine.weights import gguf_source, is_gguf, load_weights, pick_loader
 
 if TYPE_CHECKING:
     import torch
@@ -125,7 +125,7 @@ class ResidentModels:
             started = time.perf_counter()
             try:
                 placement = pick_placement(self.device_preference, source.dtype, self.dtype_preference)
-                resident = _load(source, placement, pick_loader(self.weight_loader, placement))
+                resident = _load(source, placement, pick_loader(self.weight_loader, placement, source.path))
             except Exception as exc:
                 self._errors[source.name] = f"{type(exc).__name__}: {exc}"
                 raise ModelLoadError(
@@ -219,7 +219,10 @@ def _load(source: ModelSource, placement: Placement, loader: str) -> ResidentMod
 
     hf_logging.disable_progress_bar()
     pinned = {"revision": source.revision} if source.revision else {}
-    tokenizer = AutoTokenizer.from_pretrained(source.path, **pinned)
+    if is_gguf(source.path):  # its tokenizer and chat template are in the file's metadata
+        tokenizer = AutoTokenizer.from_pretrained(**gguf_source(source.path))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **pinned)
     template_source = source.chat_template_source or "the model's own"
     if source.chat_template is not None:
         tokenizer.chat_template = source.chat_template

@@ -13,6 +13,7 @@ generation_config.json (tested against transformers' loading, logits compared ex
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from preheat.core.errors import ModelLoadError
@@ -29,9 +30,13 @@ def streamer_installed() -> bool:
     return importlib.util.find_spec("runai_model_streamer") is not None
 
 
-def pick_loader(preference: str, placement: Placement) -> str:
+def pick_loader(preference: str, placement: Placement, path: str = "") -> str:
     """The loader a model is read with. An explicit choice is honoured or refused, never
-    swapped for another."""
+    swapped for another; a GGUF file is read by transformers' GGUF loader alone."""
+    if is_gguf(path):
+        if preference not in ("auto", "transformers"):
+            raise ModelLoadError(f"PREHEAT_WEIGHT_LOADER={preference} reads safetensors; {path} is a GGUF file")
+        return "transformers"
     if preference not in LOADERS:
         raise ModelLoadError(f"PREHEAT_WEIGHT_LOADER must be one of {', '.join(LOADERS)}, got {preference!r}")
     if preference == "runai-streamer" and not streamer_installed():
@@ -45,9 +50,39 @@ def load_weights(path: str, placement: Placement, loader: str, onto: dict, pinne
     """The model at `path` with its weights in `placement.dtype` (moved to the device by the caller)."""
     from transformers import AutoModelForCausalLM
 
+    if is_gguf(path):
+        return AutoModelForCausalLM.from_pretrained(**gguf_source(path), dtype=placement.dtype, **onto)
     if loader == "transformers":
         return AutoModelForCausalLM.from_pretrained(path, dtype=placement.dtype, **onto, **pinned)
     return _streamed(path, placement, pinned)
+
+
+def is_gguf(path: str) -> bool:
+    return Path(path).suffix == ".gguf"
+
+
+def gguf_source(path: str) -> dict:
+    """A GGUF file (llama.cpp's, Ollama's) as transformers loads it, dequantized: its folder and
+    name. An architecture transformers cannot dequantize is one line naming it (the file's
+    own `general.architecture`)."""
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF reader draws a progress bar per load
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ModelLoadError(f"{path}: reading GGUF needs the gguf package (pip install 'preheat[real]')") from None
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    try:
+        field = GGUFReader(path).fields["general.architecture"]
+        architecture = bytes(field.parts[field.data[0]]).decode()
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+    if architecture not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {architecture!r} is not one transformers can dequantize "
+            f"(it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})"
+        )
+    return {"pretrained_model_name_or_path": str(Path(path).parent), "gguf_file": Path(path).name}
 
 
 def _streamed(path: str, placement: Placement, pinned: dict):
