@@ -171,18 +171,24 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         threading.Thread(target=runtime.preload, name="preheat-preload", daemon=True).start()
 
     def stop(self, worker) -> None:
-        if self.demand is not None:
-            self.demand.stop()
-            self.demand = None
-        POOLS.close_all()  # endpoint connections, closed cleanly rather than dropped
-        get_runtime().close()  # prefix files being written are finished, not left half-done
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-            self.heartbeat = None
-        outbox.close()
-        if self.health is not None:
-            self.health.stop()
-            self.health = None
+        """Every step of the stop, whatever one of them raises: the row is always marked
+        stopped and the pulse removed, so nothing is routed or dispatched to this worker."""
+        steps = [
+            ("on-demand waker", self.demand.stop if self.demand else None),
+            ("endpoint pools", POOLS.close_all),  # connections closed cleanly rather than dropped
+            ("runtime", lambda: get_runtime().close()),  # prefix files being written are finished
+            ("heartbeat", self.heartbeat.stop if self.heartbeat else None),
+            ("outbox", outbox.close),
+            ("health server", self.health.stop if self.health else None),
+        ]
+        self.demand = self.heartbeat = self.health = None
+        for what, step in steps:
+            if step is None:
+                continue
+            try:
+                step()
+            except Exception as exc:
+                log.warning("stopping the %s failed (%s: %s); the stop goes on", what, type(exc).__name__, exc)
 
 
 def _load_models() -> None:

@@ -279,8 +279,12 @@ class Stack:
     env: dict[str, str] = field(default_factory=dict)
 
     def cli(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        return self.cli_env(self.env, *args, timeout=timeout)
+
+    def cli_env(self, env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        """`preheat ARGS` in a process of its own with `env` (the stack's, changed)."""
         return subprocess.run(
-            [PREHEAT_CLI, *args], env=self.env, capture_output=True, text=True, timeout=timeout, cwd=self.home
+            [PREHEAT_CLI, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=self.home
         )
 
     def cli_here(self, *args: str) -> subprocess.CompletedProcess:
@@ -378,6 +382,27 @@ def stack(request, tmp_path, tiny_model, apply_env) -> Stack:
 def stack_app(stack):
     """This process's Celery app, pointed at the stack's broker: for code that sends tasks
     in-process (beat's dispatch, the watchers), as their own processes would."""
+    from preheat.celery.app import app, celery_config
+    from preheat.core.settings import get_settings
+
+    _point_app(app, celery_config(get_settings()))
+    yield app
+    _point_app(app, None)
+
+
+@pytest.fixture
+def embedded_app(embedded_stack):
+    """This process's Celery app on the embedded stack (as stack_app is on either)."""
+    yield from _app_of_this_process()
+
+
+@pytest.fixture
+def services_app(services_stack):
+    """This process's Celery app on Redis + Postgres (as stack_app is on either)."""
+    yield from _app_of_this_process()
+
+
+def _app_of_this_process():
     from preheat.celery.app import app, celery_config
     from preheat.core.settings import get_settings
 

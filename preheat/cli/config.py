@@ -11,6 +11,7 @@ app = typer.Typer(no_args_is_help=True, help="Settings and catalog.")
 def check() -> None:
     """Validate PREHEAT_* settings, the catalog, and that local model folders exist."""
     settings = get_settings()
+    settings.prefix_store_folder  # noqa: B018 - the workers' settings too: a file there is one line
     catalog = load_catalog(settings.catalog)
     catalog.check_model_paths()
     catalog.check_prompts()

@@ -188,15 +188,6 @@ class Settings(BaseSettings):
             raise ValueError(f"driver {url.drivername!r} is not one of {sorted(DATABASE_DRIVERS)}")
         return value
 
-    @field_validator("prefix_store")
-    @classmethod
-    def _prefix_store_is_a_folder(cls, value: str | None) -> str | None:
-        if value is not None and value.strip().lower() != "off":
-            folder = Path(value).expanduser()
-            if folder.exists() and not folder.is_dir():
-                raise ValueError(f"{folder} is a file, not a folder: the prefix store keeps one file per prefix")
-        return value
-
     @field_validator("engine")
     @classmethod
     def _engine_is_retired(cls, value: str | None) -> None:
@@ -268,9 +259,18 @@ class Settings(BaseSettings):
 
     @property
     def prefix_store_folder(self) -> Path | None:
+        """The prefix store's folder (None: off). Checked by the processes that open it (a
+        worker, `preheat serve`, `preheat config check`), not by every process that reads
+        settings: a CLI that never opens the store does not refuse to run for it."""
         if self.prefix_store is not None and self.prefix_store.strip().lower() == "off":
             return None
-        return Path(self.prefix_store or self.home / "prefixes").expanduser().resolve()
+        folder = Path(self.prefix_store or self.home / "prefixes").expanduser().resolve()
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(
+                f"invalid setting PREHEAT_PREFIX_STORE: {folder} is a file, not a folder: "
+                "the prefix store keeps one file per prefix"
+            )
+        return folder
 
     @property
     def compile_cache_folder(self) -> Path | None:

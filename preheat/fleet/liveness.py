@@ -137,6 +137,10 @@ class RedisPulses:
         raw = self.client.get(PREFIX + nodename)
         return Pulse.from_json(raw) if raw else None
 
+    def remove(self, nodename: str) -> None:
+        """A worker that stopped: no pulse says it lives, from now on."""
+        self.client.delete(PREFIX + nodename)
+
     def read_all(self) -> dict[str, Pulse]:
         """Every pulse not yet expired, by nodename (a fleet is tens of keys: one SCAN, one MGET)."""
         keys = list(self.client.scan_iter(match=PREFIX + "*", count=1000))
@@ -165,6 +169,9 @@ class FilePulses:
             return Pulse.from_json(self._path(nodename).read_text())
         except OSError:
             return None
+
+    def remove(self, nodename: str) -> None:
+        self._path(nodename).unlink(missing_ok=True)
 
     def read_all(self) -> dict[str, Pulse]:
         """Every pulse file's, by the nodename written in it."""

@@ -284,13 +284,25 @@ class Heartbeat:
             self.beat_once()
 
     def stop(self) -> None:
+        """The worker is stopping: its last bookkeeping, its row marked stopped, its pulse
+        gone (the router sends it nothing from now on). Each step whatever the one before
+        raised: a stop always completes."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(self.interval_s + 5)
-        try:
-            if self.on_beat is not None:
-                self.on_beat()
-            with session_scope() as session:
-                mark_stopped(session, self.nodename)
-        except SQLAlchemyError as exc:
-            log.warning("could not record that %s stopped: %s", self.nodename, str(exc).splitlines()[0])
+        steps = [("pulse removal", self._remove_pulse), ("stop record", self._mark_stopped)]
+        if self.on_beat is not None:
+            steps.insert(0, ("last bookkeeping", self.on_beat))
+        for what, step in steps:
+            try:
+                step()
+            except Exception as exc:
+                log.warning("%s of %s failed: %s", what, self.nodename, str(exc).splitlines()[0] if str(exc) else exc)
+
+    def _remove_pulse(self) -> None:
+        if self.pulses is not None:
+            self.pulses.remove(self.nodename)
+
+    def _mark_stopped(self) -> None:
+        with session_scope() as session:
+            mark_stopped(session, self.nodename)

@@ -19,17 +19,6 @@ SYSTEM = "You are a concise assistant. Answer in one sentence."
 
 
 @pytest.fixture
-def embedded_app(embedded_stack):
-    from preheat.celery.app import app, celery_config
-    from preheat.core.settings import get_settings
-    from tests.conftest import _point_app
-
-    _point_app(app, celery_config(get_settings()))
-    yield app
-    _point_app(app, None)
-
-
-@pytest.fixture
 def real_worker(embedded_stack, real_model, tmp_path, apply_env):
     catalog = tmp_path / "real.toml"
     catalog.write_text(f'[models.smollm2]\npath = "{real_model}"\n')

@@ -25,6 +25,7 @@ are not stored) and the logits after the last id.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -89,9 +90,10 @@ class PrefixStore:
         self._pending.append(self._writer.submit(self.save, resident, np.array(ids), prefix))
 
     def flush(self) -> None:
-        """Wait for the writes under way (a worker's shutdown, tests)."""
+        """Wait for the writes under way (a worker's shutdown, a sleep, tests). A write that
+        failed was logged where it failed; nothing here raises: a shutdown goes on."""
         for future in list(self._pending):
-            future.result()
+            future.exception()
 
     # Keys ---------------------------------------------------------------------------
 
@@ -127,16 +129,17 @@ class PrefixStore:
         }
         tensors["ids"] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
         metadata.update({f"sha256.{name}": tensor_digest(tensor) for name, tensor in tensors.items()})
-        self.folder.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
+            self.folder.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(temporary), metadata=metadata)
             with open(temporary, "rb") as written:
                 os.fsync(written.fileno())
             os.replace(temporary, path)
-        except OSError as exc:
-            log.warning("prefix of %s not stored in %s: %s", resident.name, self.folder, exc)
-            temporary.unlink(missing_ok=True)
+        except Exception as exc:  # a full disk (safetensors' own error), a folder that is a file now
+            log.warning("prefix of %s not stored in %s: %s", resident.name, self.folder, str(exc).splitlines()[0])
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
             return None
         self._within_budget(keep=path)
         return path

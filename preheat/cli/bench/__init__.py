@@ -10,6 +10,8 @@ from pathlib import Path
 
 import typer
 
+from preheat.core.errors import ConfigError
+
 app = typer.Typer(no_args_is_help=True, help="Benchmarks: side-by-side measurements, a table and a JSON file.")
 
 
@@ -72,14 +74,18 @@ def sleep_command(
 
 @app.command("load")
 def load_command(
-    shape: str = typer.Option("135m", help="Dev model shape: tiny or 135m (SmolLM-135M's)."),
+    shape: str = typer.Option("real", "--model", help="real (SmolLM2-135M-Instruct), or a random 135m or tiny."),
+    dtype: str = typer.Option("auto", help="float32, bfloat16, or auto: preheat's choice here, for every server."),
+    compile_mode: str = typer.Option("auto", "--compile", help="preheat's PREHEAT_COMPILE: auto or off."),
     users: str = typer.Option("1,4,16,32,64", help="Closed-loop user counts, comma-separated."),
     requests_per_user: int = typer.Option(4, min=1, max=1000, help="Requests each closed-loop user sends."),
     max_tokens: int = typer.Option(32, min=1, max=4096, help="max_tokens of every request."),
     rate: float = typer.Option(4.0, min=0.01, max=10_000, help="Open loop: Poisson arrivals per second."),
     arrivals: int = typer.Option(48, min=1, max=10_000, help="Open loop: how many requests arrive."),
     modes: str = typer.Option(
-        "batch,one-at-a-time,no-prefix-cache,transformers", help="Servers to load, comma-separated."
+        "batch,llama-server,transformers",
+        help="Servers to load, comma-separated (batch, one-at-a-time, "
+        "no-prefix-cache, llama-server, transformers, celery).",
     ),
     transformers_python: Path = typer.Option(
         None, help="Python with transformers' serving extras (default: .bench-venv/bin/python, `make bench-env`)."
@@ -88,12 +94,19 @@ def load_command(
     json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/load.json."),
 ) -> None:
     """Many chat users at once on one server: TTFT, inter-token latency, tokens/s and
-    requests/s, side by side for preheat batching, one at a time, prefix caching off and
+    requests/s, side by side for preheat (batching, one at a time, prefix caching off),
+    llama.cpp's llama-server (built here, the same weights at the same precision) and
     `transformers serve --continuous-batching`."""
     from preheat.cli.bench import load as bench
 
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    if compile_mode not in ("auto", "off"):
+        raise ConfigError(f"--compile must be auto or off, got {compile_mode!r}")
     bench.main(
         shape=shape,
+        dtype=dtype,
+        compile_mode=compile_mode,
         users=users,
         requests_per_user=requests_per_user,
         max_tokens=max_tokens,

@@ -67,12 +67,25 @@ def worker_name(kind: str) -> str:
     return f"bench-{kind}-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
 
 
-def dev_model(folder: Path, shape: str, console) -> Path:
-    """The dev model of `shape` (tiny, or SmolLM-135M's: 30 layers of 576, 9 heads over 3 KV
-    heads, 49,152 embedding rows) in `folder`, built there if it is not yet. The path is
-    absolute: the catalogs that name it resolve relative paths against their own folder."""
-    from preheat.cli.devmodel import ModelShape, make_model
+MODELS = ("real", "135m", "tiny")
 
+
+def dev_model(folder: Path, shape: str, console) -> Path:
+    """The model a benchmark measures: `real`, SmolLM2-135M-Instruct (converted once per
+    machine, preheat.cli.realmodel); or a random one of `shape` (tiny, or SmolLM-135M's: 30
+    layers of 576, 9 heads over 3 KV heads, 49,152 embedding rows) in `folder`, built there
+    if it is not yet. The path is absolute: the catalogs that name it resolve relative paths
+    against their own folder."""
+    from preheat.cli.devmodel import ModelShape, make_model
+    from preheat.core.errors import ConfigError
+
+    if shape not in MODELS:
+        raise ConfigError(f"--model must be one of {', '.join(MODELS)}, got {shape!r}")
+    if shape == "real":
+        from preheat.cli.realmodel import machine_copy
+
+        console.print("SmolLM2-135M-Instruct (converted once per machine) …")
+        return machine_copy()
     folder = folder.resolve()
     if (folder / "config.json").exists():
         return folder

@@ -24,10 +24,26 @@ class Server:
     stop: object  # () -> None
 
 
-def start(mode, model_name, model_dir, templates, catalog, folder: Path, python: Path, timeout: float) -> Server:
+@dataclass(frozen=True)
+class Setup:
+    """What every server of one run shares: the model, its precision, the rows it runs."""
+
+    model_name: str
+    model_dir: Path
+    dtype: str  # float32 | bfloat16
+    rows: int  # preheat's PREHEAT_MAX_RUNNING_REQUESTS and llama-server's slots
+    compile: str = "auto"  # preheat's PREHEAT_COMPILE
+
+
+def start(mode: str, setup: Setup, templates, catalog, folder: Path, python: Path, timeout: float) -> Server:
     if mode == "transformers":
-        return start_transformers(model_dir, python, folder / "logs", timeout)
-    return start_preheat(mode, model_name, model_dir, templates, catalog, folder, timeout)
+        return start_transformers(setup.model_dir, python, folder / "logs", timeout)
+    if mode == "llama-server":
+        from preheat.cli.bench import llamacpp
+
+        peer = llamacpp.start(folder / "llama.cpp", setup.model_dir, setup.dtype, setup.rows, timeout)
+        return Server(peer.url, setup.model_name, peer.stop)
+    return start_preheat(mode, setup, templates, catalog, folder, timeout)
 
 
 def bench_catalog(folder: Path, model_name: str, model_dir: Path, templates: list[str], catalog) -> Path:
@@ -45,16 +61,21 @@ def bench_catalog(folder: Path, model_name: str, model_dir: Path, templates: lis
     return path
 
 
-def start_preheat(mode, model_name, model_dir, templates, catalog, folder: Path, timeout: float) -> Server:
+def start_preheat(mode: str, setup: Setup, templates, catalog, folder: Path, timeout: float) -> Server:
     import httpx
 
     from preheat.core import processes
 
     env = {
         **os.environ,
-        "PREHEAT_CATALOG": str(bench_catalog(folder, model_name, model_dir, templates, catalog)),
+        "PREHEAT_CATALOG": str(bench_catalog(folder, setup.model_name, setup.model_dir, templates, catalog)),
         "PREHEAT_HOME": str(folder / "home"),
         "PREHEAT_PREFIX_STORE": "off",
+        "PREHEAT_DTYPE": setup.dtype,
+        "PREHEAT_COMPILE": setup.compile,
+        # Compiled graphs kept across runs of the bench (a restart restores them).
+        "PREHEAT_COMPILE_CACHE": str(folder / "compiled"),
+        "PREHEAT_MAX_RUNNING_REQUESTS": str(setup.rows),
         **SERVER_ENV[mode],
     }
     proc = processes.start_serve(env, folder / "logs", name=f"serve-{mode}")
@@ -64,7 +85,7 @@ def start_preheat(mode, model_name, model_dir, templates, catalog, folder: Path,
     except Exception:
         processes.kill(proc)
         raise
-    return Server(url, model_name, lambda: processes.stop(proc))
+    return Server(url, setup.model_name, lambda: processes.stop(proc))
 
 
 def start_transformers(model_dir: Path, python: Path, logs: Path, timeout: float) -> Server:
