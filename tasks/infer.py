@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import uuid
 
+from preheat.api.infer import ChatInferArguments, InferArguments, TemplateInferArguments
 from preheat.api.requests import with_template
 from preheat.celery.app import app
 from preheat.celery.queues import worker_queue
 from preheat.core.errors import RequestRefused
 from preheat.fleet.traffic import TRAFFIC
-from preheat.tasks.arguments import ChatInferArguments, InferArguments, TemplateInferArguments
 from preheat.tasks.runtime import get_runtime
 
 

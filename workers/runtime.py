@@ -30,6 +30,7 @@ from preheat.workers.engine.prefixstore import PrefixStore
 from preheat.workers.engine.request import Completion, Request, TextStream
 from preheat.workers.engine.resident import ModelSource, ResidentModel, ResidentModels, encode
 from preheat.workers.engine.scheduler import BatchLimits, ModelAsleepError, Scheduler
+from preheat.workers.gate import RequestGate
 from preheat.workers.metrics import EngineCollector, RuntimeMetrics, SleepCollector
 from preheat.workers.sleep import Sleeps
 from preheat.workers.templates import TEMPLATE_ERRORS, Templates
@@ -83,48 +84,6 @@ class RuntimeConfig:
         )
 
 
-class RequestGate:
-    """When a warm model takes requests. Once every template of a model is warm, the model
-    is announced (`on_model_warm`): a worker then consumes its inference queue, `preheat
-    serve` opens it. A gated process is ready only once it takes the model's requests
-    (`taking`): Kubernetes routes to a ready pod, so ready and taking requests must be the
-    same moment."""
-
-    def __init__(self) -> None:
-        self.gated = False
-        self.on_model_warm: Callable[[str], None] | None = None
-        # Called when a model goes to sleep: the process stops taking its requests.
-        self.on_model_sleep: Callable[[str], None] | None = None
-        self._announced: set[str] = set()
-        self._taking: set[str] = set()
-
-    def warm(self, model: str) -> None:
-        if model not in self._announced and self.on_model_warm is not None:
-            self._announced.add(model)
-            self.on_model_warm(model)
-
-    def taking(self, model: str) -> None:
-        self._taking.add(model)
-        log.info("model %s takes requests", model)
-
-    def sleeping(self, model: str) -> None:
-        """`model` goes to sleep: no more of its requests taken; once awake and warm it is
-        announced again."""
-        self._announced.discard(model)
-        self._taking.discard(model)
-        if self.on_model_sleep is not None:
-            self.on_model_sleep(model)
-
-    def serving(self, models: list[str]) -> list[str]:
-        """Of `models`, those whose requests this process takes now."""
-        return [model for model in models if (model in self._taking if self.gated else model in self._announced)]
-
-    def reason(self, model: str) -> str | None:
-        if self.gated and model not in self._taking:
-            return f"model {model}: warm, not taking requests yet"
-        return None
-
-
 class WorkerRuntime:
     def __init__(
         self, catalog: Catalog, config: RuntimeConfig = RuntimeConfig(), prefix_store: PrefixStore | None = None
@@ -159,6 +118,7 @@ class WorkerRuntime:
             self.warmups.lock,
             on_sleep=self.gate.sleeping,
             on_wake=self._announce_if_warm,
+            on_failed=self.gate.failed,
             forget_prefixes=self.templates.asleep,
             restore_prefixes=self._ready_again,
             drain_s=config.sleep_drain_s,
@@ -278,6 +238,8 @@ class WorkerRuntime:
         reasons = []
         if (level := self.sleeps.level_of(model)) is not None:
             return [f"model {model}: asleep (level {level})"]
+        if (failed := self.sleeps.failed.get(model)) is not None:
+            return [f"model {model}: could not wake: {failed}"]
         if model in self.resident_models.unavailable:
             reasons.append(f"model {model} unavailable: {self.resident_models.unavailable[model]}")
         elif self.resident_models.get(model) is None:
@@ -472,6 +434,7 @@ class WorkerRuntime:
             },
             "unavailable": self.resident_models.unavailable,
             "asleep": {name: state.describe() for name, state in self.sleeps.asleep.items()},
+            "failed": dict(self.sleeps.failed),  # a wake that failed, and why
             "engine": self.scheduler.load(),
             "serving": self.gate.serving(list(self.catalog.models)),
             # What the router sends template requests by (preheat.fleet.routing): the templates

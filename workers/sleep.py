@@ -138,10 +138,14 @@ def reload_into(resident: ResidentModel, source: ModelSource, loader: str) -> No
     _prove(resident)
 
 
+class WeightsChanged(ModelLoadError):
+    """The weights read back are not the ones the model slept with."""
+
+
 def _prove(resident: ResidentModel) -> None:
     """The weights back are the ones the model slept with: its content digest, taken at load."""
     if digest_contents(resident.model) != resident.content_digest:
-        raise ModelLoadError(
+        raise WeightsChanged(
             f"model {resident.name}: the weights read back from {resident.path} are not the ones it slept with "
             "(the files changed while it slept)"
         )
@@ -229,17 +233,23 @@ class Sleeps:
         *,
         on_sleep: Callable[[str], None],
         on_wake: Callable[[str], None],
+        on_failed: Callable[[str], None],
         forget_prefixes: Callable[[str], None],
         restore_prefixes: Callable[[str], None],
         drain_s: float = 30.0,
     ) -> None:
         """`on_sleep` / `on_wake` tell the gate (the model's requests stop, and are taken again
-        once it is warm); `forget_prefixes` marks the model's templates not ready (their KV is
-        freed), `restore_prefixes` restores (or pre-fills) and pins them again."""
+        once it is warm); `on_failed` too, when a wake failed (its requests are taken, to be
+        answered with the reason at once, not left waiting); `forget_prefixes` marks the
+        model's templates not ready (their KV is freed), `restore_prefixes` restores (or
+        pre-fills) and pins them again."""
         self._models, self._scheduler, self._source_of, self.lock = resident_models, scheduler, source_of, lock
-        self._on_sleep, self._on_wake, self.drain_s = on_sleep, on_wake, drain_s
+        self._on_sleep, self._on_wake, self._on_failed, self.drain_s = on_sleep, on_wake, on_failed, drain_s
         self._forget_prefixes, self._restore_prefixes = forget_prefixes, restore_prefixes
         self.asleep: dict[str, Asleep] = {}
+        # Models whose wake failed, and why: nothing of them is held; a request for one is
+        # refused with the reason at once, and only a wake (an admin's, a schedule's) tries again.
+        self.failed: dict[str, str] = {}
         self.wakes_on_demand = 0
 
     def level_of(self, model: str) -> int | None:
@@ -326,6 +336,8 @@ class Sleeps:
         result = WakeResult(model, "failed")
         with self.lock:
             state = self.asleep.get(model)
+            if state is None and model in self.failed:
+                state = Asleep(2, time.time())  # a failed wake left nothing: load it again
             if state is None:
                 result.status, result.error = "skipped", "awake already"
                 return result
@@ -334,10 +346,11 @@ class Sleeps:
             try:
                 resident = self._restore(model, state, result)
             except Exception as exc:
-                log.exception("model %s could not wake", model)
-                result.error = f"{type(exc).__name__}: {exc}"
+                result.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ModelLoadError) else str(exc)
+                self._fail(model, result.error)
                 return result
-            del self.asleep[model]
+            self.asleep.pop(model, None)
+            self.failed.pop(model, None)
             self._scheduler.unpark(model)
             result.wake_ms = (time.perf_counter() - started) * 1000
             result.device, result.status = resident.placement.describe(), "awake"
@@ -348,6 +361,20 @@ class Sleeps:
             self._on_wake(model)
             return result
 
+    def _fail(self, model: str, reason: str) -> None:
+        """A wake that failed: what it read is let go (never served, nor held beside nothing),
+        the model marked failed with the reason, and its waiting requests answered with it."""
+        log.warning("model %s could not wake: %s", model, reason)
+        rejected = self._models.drop(model)
+        if rejected is not None:
+            rejected.runner.release()
+            for _, parameter in unique_parameters(rejected.model).values():
+                parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+            _give_back(rejected.placement.device)
+        self.asleep.pop(model, None)
+        self.failed[model] = reason
+        self._on_failed(model)
+
     def _restore(self, model: str, state: Asleep, result: WakeResult) -> ResidentModel:
         if state.level == 2:
             resident, result.load_ms = self._models.ensure(self._source_of(model))
@@ -355,6 +382,8 @@ class Sleeps:
         resident = self._models.get(model)
         try:
             restore_weights(resident, state.offloaded)
+        except WeightsChanged:
+            raise  # read once: reading them again through the loader would read the same change
         except ModelLoadError as exc:
             if state.offloaded.host is not None:
                 raise
@@ -363,7 +392,10 @@ class Sleeps:
         return resident
 
     def ensure_awake(self, model: str) -> bool:
-        """Wake `model` if it sleeps (a request is waiting for it here); True if it did."""
+        """Wake `model` if it sleeps (a request is waiting for it here); True if it did. A
+        model whose wake failed is refused with the reason, never read again for a request."""
+        if (reason := self.failed.get(model)) is not None:
+            raise ModelLoadError(f"model {model} could not wake: {reason}")
         if model not in self.asleep:
             return False
         with self.lock:
@@ -371,7 +403,7 @@ class Sleeps:
                 return False
             result = self.wake(model)
         if result.status != "awake":
-            raise ModelLoadError(f"model {model} is asleep and could not be woken: {result.error}")
+            raise ModelLoadError(f"model {model} could not wake: {result.error}")
         self.wakes_on_demand += 1
         log.info("model %s woken on demand", model)
         return True

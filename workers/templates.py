@@ -118,6 +118,13 @@ class Templates:
         if known is not None and known.key in cache:
             cache.unpin(known.key)
 
+    def withdraw(self, resolved: ResolvedTemplate, reason: str) -> None:
+        """The template's prefix gave a wrong first token: out of service (readiness says
+        why) until a warmup computes it again and proves it."""
+        self._scheduler.prefixes.withdraw(resolved.resident, resolved.prefix.ids, resolved.prefix.key)
+        self._note(resolved.name, f"out of service: {reason}")
+        log.warning("template %s out of service: %s", resolved.name, reason)
+
     def asleep(self, model: str) -> None:
         """`model` went to sleep: its prefixes are no longer cached; a wake pre-fills them."""
         for name in self.catalog.templates_of(model):

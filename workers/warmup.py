@@ -314,6 +314,9 @@ class Warmups:
         )
         if proves_cache:  # only a probe that used the cache joins the reference
             recent.append((measured.warm_fastest_ms, measured.bare_fastest_ms))
+        elif measured.warm.token_id != measured.cold.token_id:  # never served from again
+            self._templates.withdraw(resolved, result.error)
+            result.error += "; the prefix is out of service until a warmup proves it again"
         if result.status == "warm":
             self._on_warm(result.model)
 

@@ -23,7 +23,7 @@ from celery import Task, states
 from celery.signals import task_postrun
 from sqlalchemy.exc import OperationalError
 
-from preheat.core.errors import PreheatError, RequestRefused
+from preheat.core.errors import ArgumentError, PreheatError, RequestRefused
 from preheat.history import service
 
 log = logging.getLogger(__name__)
@@ -37,10 +37,6 @@ class BadTaskArguments(PreheatError):
     """A task message whose arguments do not fit the task's schema; nothing was done."""
 
     exit_code = 2
-
-
-class ArgumentError(ValueError):
-    """What a schema that is not a pydantic model raises: the argument and what is wrong."""
 
 
 _IN_FLIGHT: dict[str, threading.Event] = {}  # task id -> set when its first run ends
@@ -80,11 +76,10 @@ class PreheatTask(Task):
                 if answered is not None:
                     return answered
                 try:
-                    parsed = self.parse(kwargs, args)
-                except BadTaskArguments as exc:
+                    return super().__call__(self.parse(kwargs, args))
+                except (BadTaskArguments, RequestRefused) as exc:  # a client's: one line, no traceback
                     log.warning("%s[%s] refused: %s", self.name, self.request.id, exc)
                     raise
-                return super().__call__(parsed)
         finally:
             log.info("%s[%s] took %.0f ms", self.name, self.request.id, (time.perf_counter() - started) * 1000)
 
@@ -95,20 +90,9 @@ class PreheatTask(Task):
 
     def parse(self, kwargs: dict, args: tuple = ()):
         """The call's arguments, parsed by `arguments`; BadTaskArguments with the first problem."""
-        from pydantic import ValidationError
-
         if args:
             raise BadTaskArguments(f"{self.name}: takes keyword arguments only ({len(args)} positional given)")
-        try:
-            return self.arguments.model_validate(dict(kwargs))
-        except ArgumentError as exc:
-            raise BadTaskArguments(f"{self.name}: {exc}") from None
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            first["msg"] = first["msg"].removeprefix("Value error, ")
-            # A whole-request check (the chat form's, as the HTTP route words it) names its field itself.
-            raise BadTaskArguments(f"{self.name}: {where + ': ' if where else ''}{first['msg']}") from None
+        return parse_arguments(self.name, self.arguments, kwargs)
 
     @contextlib.contextmanager
     def alone(self):
@@ -170,3 +154,21 @@ class PreheatTask(Task):
             service.report_task_failure(task_id, f"{type(exc).__name__}: {exc}")
         except OperationalError:
             log.exception("could not record the failure of %s[%s] in history", self.name, task_id)
+
+
+def parse_arguments(task: str, schema, kwargs: dict):
+    """`kwargs` parsed by `schema` (a task's arguments: tasks/arguments.py, preheat/api/infer.py);
+    BadTaskArguments naming the first argument that is wrong. Whoever sends a task may call it
+    first (the router does), so a sender's mistake is refused before anything is sent."""
+    from pydantic import ValidationError
+
+    try:
+        return schema.model_validate(dict(kwargs))
+    except ArgumentError as exc:
+        raise BadTaskArguments(f"{task}: {exc}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        # A whole-request check (the chat form's, as the HTTP route words it) names its field itself.
+        raise BadTaskArguments(f"{task}: {where + ': ' if where else ''}{message}") from None

@@ -10,6 +10,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from preheat.core.errors import ConfigError, PreheatError
 
@@ -124,6 +125,12 @@ def _click_exceptions():
     return exceptions
 
 
+def fail_line(message: str) -> None:
+    """The one error line. The message quotes user and catalog text (a `[endpoints.x.sleep]`
+    hint, a server's reply): escaped, so Rich prints it as written, never as markup."""
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     clicks = _click_exceptions()
     try:
@@ -140,24 +147,24 @@ def main() -> None:
         # An option out of range, a choice not offered, a missing argument, an unknown
         # command: one line naming the option and what it takes.
         message = " ".join(exc.format_message().split())
-        err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True, markup=True)
+        fail_line(message)
         sys.exit(2)
     except typer.Abort:
         err.print("aborted")
         sys.exit(130)
     except PreheatError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        fail_line(str(exc))
         sys.exit(exc.exit_code)
     except OSError as exc:
         # A path preheat cannot use (an unwritable PREHEAT_HOME, a folder where a file
         # belongs): the path and why, on one line.
         if exc.filename is None:
             raise
-        err.print(f"[bold red]error:[/] cannot use {exc.filename}: {exc.strerror}", highlight=False, soft_wrap=True)
+        fail_line(f"cannot use {exc.filename}: {exc.strerror}")
         sys.exit(2)
     except Exception as exc:
         message = service_error(exc)
         if message is None:
             raise
-        err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+        fail_line(message)
         sys.exit(EXIT_UNAVAILABLE)

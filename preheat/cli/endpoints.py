@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from preheat.cli import render
@@ -47,7 +48,7 @@ def endpoints(as_json: bool = typer.Option(False, "--json", help="Print JSON ins
         print(json.dumps(rows, indent=2))
         return
     if not rows:
-        console.print(f"catalog {get_settings().catalog} has no [endpoints.*]")
+        console.print(escape(f"catalog {get_settings().catalog} has no [endpoints.*]"))
         return
     table = Table(title="endpoints", title_justify="left")
     for header in (
@@ -78,6 +79,6 @@ def endpoints(as_json: bool = typer.Option(False, "--json", help="Print JSON ins
             str(row["pings_failed"]),
             str(row["skipped_inactive"]),
             "-" if row["last_ttft_ms"] is None else f"{row['last_ttft_ms']:,.1f}",
-            row["last_error"] or "-",
+            escape(row["last_error"] or "-"),
         )
     console.print(table)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import typer
+from rich.markup import escape
 
 from preheat.cli import render
 from preheat.cli.warm import EXIT_TIMEOUT
@@ -77,7 +78,7 @@ def _stop_waiting(app, pending) -> None:
         if consumer is not None:
             consumer.stop()
     except Exception as exc:  # the broker may be away: the command's outcome stands
-        console.print(f"[dim]could not unsubscribe from the result: {exc}[/]")
+        console.print(f"[dim]{escape(f'could not unsubscribe from the result: {exc}')}[/]")
     pending.backend = None  # nothing left for the finalizer to do
 
 

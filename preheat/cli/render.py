@@ -6,6 +6,7 @@ import datetime as dt
 from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 
 from preheat.core.states import WHOLE_MODEL, JobStatus
@@ -133,11 +134,12 @@ def print_reasons(out: Console, run: WarmupRun) -> None:
     for job in run.jobs:
         if job.error:
             style = "red" if job.status in (JobStatus.failed, JobStatus.lost) else "yellow"
-            out.print(f"[{style}]{job.target} · {job.template} · {job.status}: {job.error}[/]", highlight=False)
+            line = escape(f"{job.target} · {job.template} · {job.status}: {job.error}")
+            out.print(f"[{style}]{line}[/]", highlight=False)
         for earlier in job.superseded or []:  # what it was before its final word arrived
             out.print(
                 f"[dim]{job.target} · {job.template} · was {earlier['status']} at {earlier.get('at') or '?'}"
-                f"{': ' + earlier['error'] if earlier.get('error') else ''}[/]",
+                f"{escape(': ' + earlier['error']) if earlier.get('error') else ''}[/]",
                 highlight=False,
             )
     for change in run.status_changes or []:
@@ -170,8 +172,8 @@ def runs_table(runs: list[WarmupRun]) -> Table:
             when(run.created_at),
             str(run.action),
             str(run.trigger),
-            detail,
-            run.requested_by,
+            escape(detail),
+            escape(run.requested_by),
             str(run.status),
             f"{done}/{len(run.jobs)}",
             when(run.finished_at),
@@ -296,7 +298,7 @@ def workers_table(records: list[tuple[WorkerRecord, bool]]) -> Table:
             f"{100 * cache.get('hits', 0) / lookups:.0f}%" if lookups else "-",
             *([templates_cell(state.get("templates"))] if spread else []),
             outbox_cell(state.get("outbox")),
-            "; ".join(state.get("reasons", [])) or "-",
+            escape("; ".join(state.get("reasons", [])) or "-"),
         )
     return table
 

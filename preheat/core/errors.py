@@ -56,3 +56,7 @@ class RequestRefused(PreheatError):
 
     def __str__(self) -> str:
         return f"{self.status} {self.code or 'error'}: {self.message}"
+
+
+class ArgumentError(ValueError):
+    """What a schema that is not a pydantic model raises: the argument and what is wrong."""

@@ -51,7 +51,7 @@ def _asleep(name: str, spec: EndpointSpec) -> bool:
         return False
     try:
         with build_client(name, spec) as client:
-            return is_sleeping(client, spec)
+            return is_sleeping(client, name, spec)
     except (httpx.HTTPError, EndpointError, ConfigError, ValueError, KeyError):
         return False  # the prompt that follows says what is wrong
 

@@ -34,19 +34,36 @@ class EndpointSleep:
 DEV_MODE_OFF = (
     "the server has no sleep mode (404 on {path}): start vLLM with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode"
 )
+# The paths only vLLM's dev mode serves: a 404 on one of them means the mode is off.
+SLEEP_MODE_PATHS = ("/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache")
+# A wake polled from every 50 ms up to every 2 s: quick wakes are seen at once, a slow one
+# (a level-2 reload) costs tens of requests over the timeout, not thousands.
+POLL_FIRST_S, POLL_MOST_S = 0.05, 2.0
 
 
-def _call(client: httpx.Client, spec: EndpointSpec, method: str, path: str, **how) -> httpx.Response:
+def _call(client: httpx.Client, name: str, spec: EndpointSpec, method: str, path: str, **how) -> httpx.Response:
+    """One request to the server's root; an error names the endpoint, the method and path."""
     response = client.request(method, root_url(spec, path), **how)
-    if response.status_code == 404:
-        raise EndpointError(DEV_MODE_OFF.format(path=path))
+    if response.status_code == 404 and path in SLEEP_MODE_PATHS:
+        raise EndpointError(f"endpoint {name!r}: " + DEV_MODE_OFF.format(path=path))
     if response.status_code >= 400:
-        raise EndpointError(f"{method} {path} answered {response.status_code}: {response.text[:200]}")
+        raise EndpointError(
+            f"endpoint {name!r}: {method} {path} answered {response.status_code}: {response.text[:200]}"
+        )
     return response
 
 
-def is_sleeping(client: httpx.Client, spec: EndpointSpec) -> bool:
-    return bool(_call(client, spec, "GET", "/is_sleeping").json()["is_sleeping"])
+def is_sleeping(client: httpx.Client, name: str, spec: EndpointSpec) -> bool:
+    response = _call(client, name, spec, "GET", "/is_sleeping")
+    try:
+        answer = response.json()["is_sleeping"]
+    except (ValueError, KeyError, TypeError):
+        raise EndpointError(
+            f"endpoint {name!r}: GET /is_sleeping answered no JSON with is_sleeping: {response.text[:100]!r}"
+        ) from None
+    if not isinstance(answer, bool):
+        raise EndpointError(f"endpoint {name!r}: GET /is_sleeping answered is_sleeping={answer!r}, not a boolean")
+    return answer
 
 
 def sleep_endpoint(name: str, spec: EndpointSpec, level: int | None = None) -> EndpointSleep:
@@ -57,13 +74,14 @@ def sleep_endpoint(name: str, spec: EndpointSpec, level: int | None = None) -> E
     result = EndpointSleep(sleep_level=level or spec.sleep.level)
     try:
         with build_client(name, spec) as client:
-            if is_sleeping(client, spec):
+            if is_sleeping(client, name, spec):
                 result.status, result.error = "skipped", "asleep already"
                 return result
             started = time.perf_counter()
-            _call(client, spec, "POST", "/sleep", params={"level": result.sleep_level, "mode": spec.sleep.mode})
-            if not is_sleeping(client, spec):
-                raise EndpointError("POST /sleep answered 200, but /is_sleeping says it is awake")
+            sleep = {"level": result.sleep_level, "mode": spec.sleep.mode}
+            _call(client, name, spec, "POST", "/sleep", params=sleep)
+            if not is_sleeping(client, name, spec):
+                raise EndpointError(f"endpoint {name!r}: POST /sleep answered 200, but /is_sleeping says it is awake")
             result.sleep_ms = (time.perf_counter() - started) * 1000
     except (httpx.HTTPError, EndpointError, ConfigError, ValueError, KeyError) as exc:
         result.error = reason(exc)
@@ -73,11 +91,16 @@ def sleep_endpoint(name: str, spec: EndpointSpec, level: int | None = None) -> E
     return result
 
 
-def sleep_level_of(client: httpx.Client, spec: EndpointSpec) -> int | None:
-    """The level the server sleeps at, from `vllm:engine_sleep_state` on /metrics (None when
-    it does not say)."""
+def sleep_level_of(client: httpx.Client, name: str, spec: EndpointSpec) -> int | None:
+    """The level the server sleeps at, from `vllm:engine_sleep_state` on /metrics; None when
+    it does not say (no such metric, /metrics missing or unreadable): the caller falls back
+    to the declared level, as a wake must not fail on a metrics page."""
     levels = {"weights_offloaded": 1, "discard_all": 2}
-    for sample in metric_samples(_call(client, spec, "GET", "/metrics").text):
+    try:
+        samples = metric_samples(_call(client, name, spec, "GET", "/metrics").text)
+    except (httpx.HTTPError, EndpointError, ValueError):
+        return None
+    for sample in samples:
         if (
             sample.name == "vllm:engine_sleep_state"
             and sample.value == 1
@@ -96,23 +119,27 @@ def wake_endpoint(name: str, spec: EndpointSpec) -> EndpointSleep:
     result = EndpointSleep()
     try:
         with build_client(name, spec) as client:
-            if not is_sleeping(client, spec):
+            if not is_sleeping(client, name, spec):
                 result.status, result.error = "skipped", "awake already"
                 return result
-            result.sleep_level = sleep_level_of(client, spec) or spec.sleep.level
+            result.sleep_level = sleep_level_of(client, name, spec) or spec.sleep.level
             started = time.perf_counter()
             if result.sleep_level == 2:
-                _call(client, spec, "POST", "/wake_up", params={"tags": "weights"})
-                _call(client, spec, "POST", "/collective_rpc", json={"method": "reload_weights"})
-                _call(client, spec, "POST", "/wake_up", params={"tags": "kv_cache"})
-                _call(client, spec, "POST", "/reset_prefix_cache")
+                _call(client, name, spec, "POST", "/wake_up", params={"tags": "weights"})
+                _call(client, name, spec, "POST", "/collective_rpc", json={"method": "reload_weights"})
+                _call(client, name, spec, "POST", "/wake_up", params={"tags": "kv_cache"})
+                _call(client, name, spec, "POST", "/reset_prefix_cache")
             else:
-                _call(client, spec, "POST", "/wake_up")
-            deadline = started + spec.sleep.wake_timeout_s
-            while is_sleeping(client, spec):
-                if time.perf_counter() >= deadline:
-                    raise EndpointError(f"still asleep {spec.sleep.wake_timeout_s:g} s after POST /wake_up")
-                time.sleep(0.05)
+                _call(client, name, spec, "POST", "/wake_up")
+            deadline, pause = started + spec.sleep.wake_timeout_s, POLL_FIRST_S
+            while is_sleeping(client, name, spec):
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise EndpointError(
+                        f"endpoint {name!r}: still asleep {spec.sleep.wake_timeout_s:g} s after POST /wake_up"
+                    )
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, POLL_MOST_S)
             result.wake_ms = (time.perf_counter() - started) * 1000
     except (httpx.HTTPError, EndpointError, ConfigError, ValueError, KeyError) as exc:
         result.error = reason(exc)

@@ -34,6 +34,8 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import os
+import stat
 import threading
 import time
 import uuid
@@ -63,48 +65,56 @@ class Route:
 # Conversation keys ---------------------------------------------------------------------
 
 
-def _text(content) -> str:
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return content if isinstance(content, str) else ""
-
-
-def _normal(message: dict) -> dict:
-    """A message as the chat template reads it (preheat.workers.protocol keeps role, text, name)."""
-    turn = {"role": message.get("role"), "content": _text(message.get("content"))}
-    if message.get("name"):
-        turn["name"] = message["name"]
-    return turn
-
-
-def _key(model: str, template: str | None, messages: list[dict]) -> str:
-    text = json.dumps([model, template, messages], sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def conversation_keys(model: str, template: str | None, messages: list[dict]) -> list[str]:
-    """The keys of every prefix of `messages` a worker may hold, longest first: each that
-    ends with an assistant turn (a remembered answer), and a lone leading system prompt."""
-    turns = [_normal(m) for m in messages if isinstance(m, dict)]
-    keys = [
-        _key(model, template, turns[:end]) for end in range(len(turns), 0, -1) if turns[end - 1]["role"] == "assistant"
-    ]
-    if template is None and len(turns) > 1 and turns[0]["role"] == "system":
-        keys.append(_key(model, None, turns[:1]))
+def conversation_keys(model: str, template: str | None, messages: tuple[dict, ...] | list[dict]) -> list[str]:
+    """The keys of every prefix of `messages` (as preheat.api.requests.parse_chat gives them:
+    role, text, name) a worker may hold, longest first: each that ends with an assistant turn
+    (a remembered answer), and a lone leading system prompt. Linear in the conversation: one
+    running digest, copied at each assistant turn."""
+    ends = [end for end in range(len(messages), 0, -1) if messages[end - 1]["role"] == "assistant"]
+    keys = _keys_at(model, template, messages, ends)
+    if template is None and len(messages) > 1 and messages[0]["role"] == "system":
+        keys += _keys_at(model, None, messages, [1])
     return keys
 
 
-def answered_keys(model: str, template: str | None, messages: list[dict], answer: str) -> list[str]:
+def answered_keys(model: str, template: str | None, messages, answer: str) -> list[str]:
     """The keys the worker that gave `answer` holds now: the conversation with the answer
     (it remembered it), and an ad hoc system prompt it cached."""
-    turns = [*(_normal(m) for m in messages), {"role": "assistant", "content": answer}]
-    keys = [_key(model, template, turns)]
+    turns = [*messages, {"role": "assistant", "content": answer}]
+    keys = _keys_at(model, template, turns, [len(turns)])
     if template is None and turns[0]["role"] == "system":
-        keys.append(_key(model, None, turns[:1]))
+        keys += _keys_at(model, None, turns, [1])
     return keys
+
+
+def _keys_at(model: str, template: str | None, turns, ends: list[int]) -> list[str]:
+    """The key of `turns[:end]` for each end (any order), from one pass over the turns."""
+    digest = hashlib.sha256(json.dumps([model, template], ensure_ascii=False).encode())
+    wanted, found = set(ends), {}
+    for index, turn in enumerate(turns[: max(ends, default=0)], start=1):
+        digest.update(json.dumps(turn, sort_keys=True, ensure_ascii=False).encode() + b"\x1e")
+        if index in wanted:
+            found[index] = digest.hexdigest()
+    return [found[end] for end in ends]
 
 
 # The held index ------------------------------------------------------------------------
+
+
+# What a held-index entry may be: a worker's nodename, short text. Anything else (a value
+# someone planted, bytes that are no text, a FIFO in the embedded index's folder) is skipped,
+# and the lookup goes on to the conversation's shorter keys.
+MAX_HELD_VALUE = 255
+
+
+def _worker_of(raw: bytes | None) -> str | None:
+    if not raw or len(raw) > MAX_HELD_VALUE:
+        return None
+    try:
+        worker = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return worker if worker.isprintable() and not any(c.isspace() for c in worker) else None
 
 
 class RedisHeld:
@@ -115,12 +125,16 @@ class RedisHeld:
         self.ttl_s = max(1, int(ttl_s))
 
     def find(self, keys: list[str]) -> tuple[str, str] | None:
-        """(key, worker) of the first key held, or None."""
+        """(key, worker) of the first key held by a valid entry, or None."""
         if not keys:
             return None
-        for key, worker in zip(keys, self.client.mget([HELD_PREFIX + k for k in keys]), strict=True):
-            if worker:
-                return key, worker.decode()
+        with self.client.pipeline(transaction=False) as pipe:
+            for key in keys:  # at most MAX_HELD_VALUE + 1 bytes of each, whatever is stored
+                pipe.getrange(HELD_PREFIX + key, 0, MAX_HELD_VALUE)
+            values = pipe.execute(raise_on_error=False)
+        for key, raw in zip(keys, values, strict=True):
+            if isinstance(raw, bytes) and (worker := _worker_of(raw)) is not None:
+                return key, worker
         return None
 
     def put(self, keys: list[str], worker: str) -> None:
@@ -139,13 +153,25 @@ class FileHeld:
     def find(self, keys: list[str]) -> tuple[str, str] | None:
         now = time.time()
         for key in keys:
-            path = self.folder / key
-            try:
-                if now - path.stat().st_mtime <= self.ttl_s:
-                    return key, path.read_text()
-            except OSError:
-                continue
+            if (worker := self._read(self.folder / key, now)) is not None:
+                return key, worker
         return None
+
+    def _read(self, path: Path, now: float) -> str | None:
+        """The entry's worker: a regular file (never waited on: O_NONBLOCK), fresh, short, text."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return None
+        try:
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode) or now - status.st_mtime > self.ttl_s:
+                return None
+            return _worker_of(os.read(fd, MAX_HELD_VALUE + 1))
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     def put(self, keys: list[str], worker: str) -> None:
         for key in keys:
@@ -209,14 +235,27 @@ class Router:
 
     # Choosing -------------------------------------------------------------------------
 
-    def route(self, kwargs: dict) -> Route:
+    def parse(self, kwargs: dict):
+        """The request parsed by the task's own schema (the route's): a field that is wrong is
+        refused here by name (BadTaskArguments), before anything is hashed or sent. Returns the
+        chat form's messages as the worker reads them, or None for the template form."""
+        from preheat.api.infer import InferArguments
+        from preheat.celery.task import parse_arguments
+
+        call = parse_arguments("preheat.infer", InferArguments, kwargs)
+        if (ask := getattr(call, "ask", None)) is not None and call.template is not None:
+            check_template_form(ask, call.template, model_of_request(kwargs))
+        return ask.messages if ask is not None else None
+
+    def route(self, kwargs: dict, messages: tuple[dict, ...] | None = None) -> Route:
+        """Where the request goes (see the module doc); `messages`: as `parse` gives them."""
         model = model_of_request(kwargs)
         shared = infer_queue(model)
         if not self.settings.routing:
             return Route(shared, SHARED, "routing off (PREHEAT_ROUTING)")
         template, why = kwargs.get("template"), "no worker holds its prefix"
-        if "messages" in kwargs and self.held is not None:
-            worker = self._find_held(conversation_keys(model, template, kwargs["messages"]))
+        if messages is not None and self.held is not None:
+            worker = self._find_held(conversation_keys(model, template, messages))
             if worker is not None:
                 _, why = self.taking(worker, model, self.fleet().get(worker) or self._pulse(worker))
                 if why is None:
@@ -263,8 +302,9 @@ class Router:
     # Sending --------------------------------------------------------------------------
 
     def send(self, kwargs: dict, **options) -> RoutedCall:
-        route = self.route(kwargs)
-        return RoutedCall(self, kwargs, route, self._send(kwargs, route, options), options)
+        messages = self.parse(kwargs)
+        route = self.route(kwargs, messages)
+        return RoutedCall(self, kwargs, route, self._send(kwargs, route, options), options, messages)
 
     def _send(self, kwargs: dict, route: Route, options: dict):
         task_id = str(uuid.uuid4())
@@ -291,14 +331,13 @@ class Router:
                     del sent[task_id]
             return len(sent)
 
-    def remember(self, kwargs: dict, answer: dict) -> None:
+    def remember(self, kwargs: dict, messages: tuple[dict, ...] | None, answer: dict) -> None:
         """The worker that answered a chat request holds its turn now: the next turn finds it."""
-        if self.held is None or "messages" not in kwargs or not answer.get("worker"):
+        if self.held is None or messages is None or not answer.get("worker"):
             return
         try:
-            model = model_of_request(kwargs)
-            text = answer["choices"][0]["message"]["content"]
-            self.held.put(answered_keys(model, kwargs.get("template"), kwargs["messages"], text), answer["worker"])
+            model, text = model_of_request(kwargs), answer["choices"][0]["message"]["content"]
+            self.held.put(answered_keys(model, kwargs.get("template"), messages, text), answer["worker"])
         except Exception as exc:  # the index is an optimisation: the answer stands
             log.info("held index not written: %s", exc)
 
@@ -307,8 +346,9 @@ class RoutedCall:
     """A sent `preheat.infer` and its route; `get` waits for the answer, sending it again
     to the shared queue when the worker it was sent to does not take it in time."""
 
-    def __init__(self, router: Router, kwargs: dict, route: Route, result, options: dict) -> None:
+    def __init__(self, router: Router, kwargs: dict, route: Route, result, options: dict, messages=None) -> None:
         self.router, self.kwargs, self.route, self.result, self.options = router, kwargs, route, result, options
+        self.messages = messages  # the chat form's, as parsed
         self.routes = [route]  # every route it took: a re-send adds one
 
     @property
@@ -334,7 +374,7 @@ class RoutedCall:
                     self._resend_if_not_taken()
         finally:
             self.router.done(self.route.worker, self.result.id)
-        self.router.remember(self.kwargs, answer)
+        self.router.remember(self.kwargs, self.messages, answer)
         return answer
 
     def _resend_if_not_taken(self) -> None:
@@ -352,6 +392,18 @@ class RoutedCall:
         self.route = Route(infer_queue(model_of_request(self.kwargs)), SHARED, why)
         self.routes.append(self.route)
         self.result = self.router._send(self.kwargs, self.route, self.options)
+
+
+def check_template_form(ask, template: str, model: str) -> None:
+    """preheat's template rule on the caller (the worker applies it too): another model, or a
+    system message beside the template's, refused here by name, unsent."""
+    from preheat.api.requests import ApiError, with_template
+    from preheat.celery.task import BadTaskArguments
+
+    try:
+        with_template(ask, template, model, "")
+    except ApiError as exc:
+        raise BadTaskArguments(f"preheat.infer: {exc.message}") from None
 
 
 _ROUTERS: dict[int, Router] = {}

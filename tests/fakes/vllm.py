@@ -24,7 +24,9 @@ names; each behaviour says which vLLM release it follows:
   scheduler since #34528); the fake refuses it with 503, which is what preheat must never cause.
 
 Knobs for faults: `--wake-delay-s` (how long `/is_sleeping` stays true after a wake),
-`--wake-never` (it never wakes: a wake that times out).
+`--wake-never` (it never wakes: a wake that times out), `--metrics missing|garbage` (/metrics
+404 as behind a proxy that hides it, or text no Prometheus parser reads), `--is-sleeping-garbage`
+(`/is_sleeping` answers a body that is not JSON).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class State:
         self.weights_valid = True
         self.awake_at = 0.0  # monotonic time /is_sleeping turns false after a wake
         self.sleeps: list[dict] = []  # every /sleep call, as received
+        self.is_sleeping_calls = 0
 
     def is_sleeping(self) -> bool:
         if self.asleep_tags:
@@ -159,6 +162,11 @@ class WakeUp(Base):
 class IsSleeping(Base):
     def get(self) -> None:
         if self.dev_only():
+            self.state.is_sleeping_calls += 1
+            if self.state.args.is_sleeping_garbage:
+                self.set_status(200)
+                self.finish("<html>upstream hiccup</html>")
+                return
             self.send_json(200, {"is_sleeping": self.state.is_sleeping()})
 
 
@@ -189,6 +197,12 @@ class Health(Base):
 class Metrics(Base):
     def get(self) -> None:
         state, labels = self.state, f'engine="0",model_name="{MODEL}"'
+        if state.args.metrics == "missing":
+            self.send_json(404, {"detail": "Not Found"})
+            return
+        if state.args.metrics == "garbage":
+            self.finish("vllm:engine_sleep_state{{{ not prometheus\n")
+            return
         lines = [
             "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.",
             "# TYPE vllm:prefix_cache_queries_total counter",
@@ -214,7 +228,7 @@ class Calls(Base):
     """Not vLLM's: what the tests read back (every /sleep call, as received)."""
 
     def get(self) -> None:
-        self.send_json(200, {"sleeps": self.state.sleeps})
+        self.send_json(200, {"sleeps": self.state.sleeps, "is_sleeping_calls": self.state.is_sleeping_calls})
 
 
 def make_app(args) -> tornado.web.Application:
@@ -242,6 +256,8 @@ def parse(argv: list[str]):
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--wake-delay-s", type=float, default=0.0)
     parser.add_argument("--wake-never", action="store_true")
+    parser.add_argument("--metrics", choices=("ok", "missing", "garbage"), default="ok")
+    parser.add_argument("--is-sleeping-garbage", action="store_true")
     return parser.parse_args(argv)
 
 

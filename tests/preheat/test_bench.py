@@ -134,7 +134,7 @@ def test_load_runs_every_mode_on_the_same_users_and_reports_side_by_side(embedde
     out = tmp_path / "load.json"
     done = bench(
         embedded_stack,
-        *("load", "--shape", "tiny", "--users", "1,3", "--requests-per-user", "2", "--max-tokens", "4"),
+        *("load", "--model", "tiny", "--users", "1,3", "--requests-per-user", "2", "--max-tokens", "4"),
         *("--arrivals", "3", "--rate", "20", "--modes", "batch,one-at-a-time,celery,transformers"),
         *("--transformers-python", str(tmp_path / "no-such-python"), "--json", str(out)),
         timeout=400,

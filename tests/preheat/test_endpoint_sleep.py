@@ -14,7 +14,7 @@ from preheat.core import processes
 from preheat.core.catalog import EndpointSpec, load_catalog
 from preheat.endpoints.keepalive import keep_alive
 from preheat.endpoints.pools import POOLS
-from preheat.endpoints.sleep import sleep_endpoint, wake_and_prime
+from preheat.endpoints.sleep import sleep_endpoint, wake_and_prime, wake_endpoint
 from preheat.endpoints.warmup import prefix_cache_counters
 from tests.conftest import write_catalog
 
@@ -91,8 +91,8 @@ def test_a_server_without_dev_mode_is_one_line_and_a_wake_that_never_comes_fails
     refused = sleep_endpoint("vllm", catalog.endpoint("vllm"))
     assert refused.status == "failed"
     assert refused.error == (
-        "the server has no sleep mode (404 on /is_sleeping): start vLLM with VLLM_SERVER_DEV_MODE=1 "
-        "and --enable-sleep-mode"
+        "endpoint 'vllm': the server has no sleep mode (404 on /is_sleeping): start vLLM with "
+        "VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode"
     )
 
     url = fake_vllm("--dev-mode", "--wake-never")
@@ -100,8 +100,29 @@ def test_a_server_without_dev_mode_is_one_line_and_a_wake_that_never_comes_fails
     spec = catalog.endpoint("vllm")
     assert sleep_endpoint("vllm", spec).status == "asleep"
     woken, [support] = wake_and_prime("vllm", spec, catalog, ["support"])
-    assert woken.status == "failed" and woken.error == "still asleep 0.5 s after POST /wake_up"
+    assert woken.status == "failed" and woken.error == "endpoint 'vllm': still asleep 0.5 s after POST /wake_up"
     assert support.status == "failed" and "the wake failed" in support.error
+    # Polled with backoff: 50, 100, 200 ms ... not every 50 ms (10 polls in 0.5 s).
+    polls = httpx.get(f"{url.removesuffix('/v1')}/fake/calls").json()["is_sleeping_calls"]
+    assert polls <= 8, polls
+
+
+@pytest.mark.parametrize("metrics", ["missing", "garbage"])
+def test_a_wake_falls_back_to_the_declared_level_when_metrics_are_unusable(fake_vllm, tmp_path, tiny_model, metrics):
+    url = fake_vllm("--dev-mode", "--metrics", metrics)
+    catalog = _catalog(tmp_path, tiny_model, url, "level = 2")
+    spec = catalog.endpoint("vllm")
+    assert sleep_endpoint("vllm", spec).status == "asleep"
+    woken = wake_endpoint("vllm", spec)
+    assert woken.status == "awake" and woken.sleep_level == 2, woken.error
+
+
+def test_a_malformed_is_sleeping_names_the_endpoint_and_path(fake_vllm, tmp_path, tiny_model):
+    url = fake_vllm("--dev-mode", "--is-sleeping-garbage")
+    catalog = _catalog(tmp_path, tiny_model, url)
+    for result in (sleep_endpoint("vllm", catalog.endpoint("vllm")), wake_endpoint("vllm", catalog.endpoint("vllm"))):
+        assert result.status == "failed"
+        assert result.error.startswith("endpoint 'vllm': GET /is_sleeping answered no JSON with is_sleeping"), result
 
 
 def test_sleep_is_declared_only_for_vllm():
@@ -217,5 +238,6 @@ def test_an_endpoint_without_sleep_is_refused_by_name_and_nothing_is_recorded(em
     ):
         refused = embedded_stack.cli_here(*args)
         assert refused.returncode == 2 and "endpoint 'plain' declares no sleep" in refused.stderr, refused.stderr
+        assert "add [endpoints.plain.sleep]" in refused.stderr  # the hint as written, not eaten as markup
     assert json.loads(embedded_stack.cli_here("history", "--json").stdout) == []
     assert json.loads(embedded_stack.cli_here("schedule", "list", "--json").stdout) == []

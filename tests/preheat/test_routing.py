@@ -26,21 +26,43 @@ COURIER = "You are the dispatch assistant of a courier. Answer in one short sent
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
 
+def _parsed(messages: list[dict]) -> tuple[dict, ...]:
+    """The messages as the route's schema reads them (what the router hashes)."""
+    from preheat.api.requests import parse_chat
+
+    return parse_chat({"model": "tiny", "messages": messages}).messages
+
+
 def test_a_turns_answer_makes_the_key_its_next_turn_looks_up():
     turn1 = [{"role": "system", "content": COURIER}, {"role": "user", "content": "Where is parcel 7?"}]
-    held = answered_keys("tiny", None, turn1, "At the north depot.")
+    held = answered_keys("tiny", None, _parsed(turn1), "At the north depot.")
     turn2 = [*turn1, {"role": "assistant", "content": "At the north depot."}, {"role": "user", "content": "When?"}]
-    looked_up = conversation_keys("tiny", None, turn2)
+    looked_up = conversation_keys("tiny", None, _parsed(turn2))
     assert looked_up[0] == held[0]  # the whole earlier turn, longest first
     assert looked_up[-1] == held[-1]  # and the ad hoc system prompt, last
     # Another answer, another model, or the template form: another conversation.
     other = [*turn1, {"role": "assistant", "content": "At the south depot."}, {"role": "user", "content": "When?"}]
-    assert conversation_keys("tiny", None, other)[0] not in held
-    assert conversation_keys("big", None, turn2)[0] not in held
-    assert conversation_keys("tiny", "support", turn2)[0] not in held
+    assert conversation_keys("tiny", None, _parsed(other))[0] not in held
+    assert conversation_keys("big", None, _parsed(turn2))[0] not in held
+    assert conversation_keys("tiny", "support", _parsed(turn2))[0] not in held
     # Content given as text parts is the same text.
     parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in turn2]
-    assert conversation_keys("tiny", None, parts) == looked_up
+    assert conversation_keys("tiny", None, _parsed(parts)) == looked_up
+
+
+def test_the_keys_of_a_long_conversation_cost_one_pass_over_it(monkeypatch):
+    """4,000 messages: every prefix ending with an answer keyed, each message serialized once
+    (the keys were hashed prefix by prefix: quadratic, 3 s before anything was sent)."""
+    from preheat.fleet import routing
+
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(3999)]
+    turns.append({"role": "user", "content": "last"})
+    dumped = []
+    real_dumps = routing.json.dumps
+    monkeypatch.setattr(routing.json, "dumps", lambda *a, **k: dumped.append(1) or real_dumps(*a, **k))
+    keys = conversation_keys("tiny", None, _parsed(turns))
+    assert len(keys) == 1999 and len(set(keys)) == 1999  # every answer a key, each its own
+    assert len(dumped) <= len(turns) + 2
 
 
 def _router(**overrides):
@@ -305,3 +327,55 @@ def test_templates_that_do_not_fit_one_worker_are_spread_routed_to_a_holder_and_
         assert (call.route.worker, call.route.reason) == (None, "every worker holds template code")
         answer = call.get(60)
         assert answer["worker"] == W1 and _cached(answer) > 0
+
+
+@pytest.mark.parametrize(
+    ("messages", "named"),
+    [
+        (None, "messages must be a non-empty list"),
+        (7, "messages must be a non-empty list"),
+        ([{"role": "user", "content": [{"type": "text", "text": 7}]}], r"messages\[0\]\.content\[0\]\.text: must be"),
+        ([{"role": "robot", "content": "x"}], r"messages\[0\]\.role must be one of"),
+    ],
+)
+def test_a_bad_chat_request_is_refused_by_the_router_naming_the_field_and_nothing_is_sent(
+    embedded_stack, messages, named
+):
+    from preheat.celery.task import BadTaskArguments
+
+    router = _router()
+    sent = []
+    router._send = lambda *args: sent.append(args)
+    with pytest.raises(BadTaskArguments, match=named):
+        router.send({"model": "tiny", "messages": messages})
+    assert sent == []
+    with pytest.raises(BadTaskArguments, match=r"messages\[0\]\.role: template 'support' gives the system prompt"):
+        beside = [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]
+        router.send({"template": "support", "messages": beside})
+
+
+def test_bad_held_index_entries_are_skipped_and_never_block_or_flood_a_lookup(embedded_stack, tmp_path):
+    """A FIFO planted as a key's file, bytes that are no text, an 8 MB value, a garbage
+    longest key in front of a valid shorter one: each skipped, the valid entry found."""
+    from preheat.fleet.routing import FileHeld
+
+    held = FileHeld(tmp_path / "held", ttl_s=60)
+    held.put(["good"], "w1@h")
+    (tmp_path / "held" / "fifo").parent.mkdir(exist_ok=True)
+    os.mkfifo(tmp_path / "held" / "fifo")
+    (tmp_path / "held" / "garbage").write_bytes(b"\xff\xfe\x00junk")
+    (tmp_path / "held" / "huge").write_bytes(b"w" * 8_000_000)
+    assert held.find(["fifo", "garbage", "huge", "good"]) == ("good", "w1@h")
+    assert held.find(["fifo", "garbage", "huge"]) is None
+
+
+@pytest.mark.slow
+def test_bad_held_index_entries_in_redis_are_skipped(services_stack, redis_client):
+    from preheat.fleet.routing import HELD_PREFIX, RedisHeld
+
+    held = RedisHeld(services_stack.env["PREHEAT_BROKER_URL"], 60)
+    held.put(["good"], "w1@h")
+    redis_client.set(HELD_PREFIX + "garbage", b"\xff\xfe\x00junk")
+    redis_client.set(HELD_PREFIX + "huge", b"w" * 8_000_000)
+    redis_client.rpush(HELD_PREFIX + "alist", "w2@h")  # another type: an error for GETRANGE
+    assert held.find(["garbage", "huge", "alist", "good"]) == ("good", "w1@h")

@@ -50,7 +50,10 @@ def test_a_routed_conversation_and_an_on_demand_wake_answer_as_transformers(
 
     turn_one = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
     first_call = send_infer(stack_app, {"model": "smollm2", "messages": turn_one, "max_tokens": 20, "temperature": 0})
-    first = first_call.get(timeout=120)
+    try:
+        first = first_call.get(timeout=120)
+    except Exception as exc:  # what the worker did, for a run where this is all one sees
+        raise AssertionError(f"{exc!r}; the worker's log:\n{real_worker.log()[-4000:]}") from exc
     text = first["choices"][0]["message"]["content"]
     assert text == transformers_answer(real_model, turn_one, 20)
     turn_two = [*turn_one, {"role": "assistant", "content": text}, {"role": "user", "content": "And of Italy?"}]

@@ -56,3 +56,50 @@ def test_unknown_paths_and_methods_are_refused_with_a_reason(served):
     assert missing.status_code == 404 and str(list(PATHS)) in missing.json()["error"]
     post = client.post("/health/ready")
     assert post.status_code == 405 and post.headers["allow"] == "GET"
+
+
+def test_fifteen_hundred_idle_connections_cost_no_thread_and_probes_still_answer(served):
+    """Anyone on the cluster network may open connections and send nothing: they cost a
+    socket each, not a thread, and the kubelet's probes are answered meanwhile; a slow
+    readiness (a warmup holding a lock) never holds up /health/live."""
+    import socket
+    import threading
+
+    runtime, client = served
+    port = client.base_url.port
+    threads_before = threading.active_count()
+    idle = []
+    try:
+        for _ in range(1500):
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+        half = idle[0]
+        half.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+        assert client.get("/health/live").status_code == 200
+        assert client.get("/health/ready").status_code == 503
+        assert threading.active_count() <= threads_before + 4  # the answer pool at most
+    finally:
+        for sock in idle:
+            sock.close()
+
+    slow, asked = threading.Event(), threading.Event()
+    runtime.readiness = lambda: asked.set() or (slow.wait(60) and [])
+    waiting = threading.Thread(target=lambda: client.get("/health/ready"))
+    waiting.start()
+    assert asked.wait(10)
+    with httpx.Client(base_url=str(client.base_url), timeout=10) as other:
+        assert other.get("/health/live").status_code == 200
+    assert waiting.is_alive()  # answered while the readiness still waits, not behind it
+    slow.set()
+    waiting.join(10)
+
+
+def test_a_client_that_never_finishes_its_headers_is_closed(served):
+    import socket
+
+    import preheat.workers.health as health
+
+    _, client = served
+    with socket.create_connection(("127.0.0.1", client.base_url.port)) as sock:
+        sock.sendall(b"GET /health/live HTTP/1.1\r\n")
+        sock.settimeout(health.HEADER_TIMEOUT_S + 10)
+        assert sock.recv(1024) == b""  # closed by the server after its header timeout

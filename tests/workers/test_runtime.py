@@ -3,6 +3,7 @@
 import shutil
 
 import pytest
+import torch
 
 from preheat.api.sampling import SamplingParams
 from preheat.core.catalog import load_catalog
@@ -323,3 +324,34 @@ def test_a_warmup_under_load_runs_between_decode_steps_and_never_stops_the_traff
     during = [t for t in arrivals if began <= t <= ended]
     assert during, "no token reached the request while the warmup ran"
     assert len(stream.completion.token_ids) == 400 or stream.completion.finish_reason == "stop"
+
+
+def test_a_prefix_whose_first_token_is_wrong_is_taken_out_of_service_until_proven_again(tmp_path, tiny_model):
+    """A cached prefix whose KV went bad (here: every key scaled in place, as a bad restore or
+    a memory fault would leave it) makes the probe's first token differ from full prefill's:
+    the job says degraded, the prefix leaves the cache and the prefix store, readiness says
+    why, and the next warmup computes it again and proves it."""
+    from preheat.workers.engine.kvtensors import kv_tensors
+    from preheat.workers.engine.prefixstore import PrefixStore
+
+    store = PrefixStore(tmp_path / "prefixes", 2**30)
+    runtime = make_runtime(tmp_path, tiny_model, SUMMARY, prefix_store=store)
+    assert runtime.preload() == []
+    store.flush()
+    resolved = runtime.templates.resolve("support")
+    stored = store.path_for(resolved.resident, resolved.prefix.ids.reshape(-1).numpy())
+    assert stored.is_file()
+    entry = runtime.cache.peek(resolved.prefix.key)
+    for _, _, tensor in kv_tensors(entry.payload.cache):
+        tensor.copy_(torch.randn_like(tensor) * 50)
+
+    judged = runtime.warm_template("support")
+    assert judged.status == "degraded" and "differs from full prefill's" in judged.error, judged.error
+    assert "out of service" in judged.error
+    assert runtime.cache.peek(resolved.prefix.key) is None and not stored.exists()  # never served from again
+    assert any(r.startswith("template support: out of service: cached-prefix first token") for r in runtime.readiness())
+
+    again = runtime.warm_template("support")
+    assert (again.status, again.prefix_source) == ("warm", "computed"), again.error
+    assert runtime.readiness() == []
+    runtime.close()

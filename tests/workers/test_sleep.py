@@ -79,18 +79,91 @@ def test_a_sleep_waits_for_running_requests_and_is_refused_past_its_bound(runtim
     assert len(completion.token_ids) == 40 and slept[0].status == "asleep"
 
 
-def test_level_one_wake_refuses_weights_that_changed_on_disk_and_reloads_them(runtime, tmp_path, monkeypatch):
-    """What is read back is proven by the content digest: a file that changed while the model
-    slept is not taken as the weights it slept with."""
-    import preheat.workers.sleep as sleep
+def _change_one_row(model_dir, scale: float = 3.0) -> bytes:
+    """One row of the embedding table changed in the safetensors file (a row the old strided
+    sample never read); returns the file as it was."""
+    from safetensors.torch import load_file, save_file
 
+    [file] = model_dir.glob("*.safetensors")
+    before = file.read_bytes()
+    tensors = load_file(str(file))
+    name = next(n for n in tensors if "embed_tokens" in n)
+    tensors[name][7] *= scale
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return before
+
+
+@pytest.fixture
+def own_model(tmp_path, tiny_model):
+    """A copy of the tiny model this test may change on disk."""
+    import shutil
+
+    return shutil.copytree(tiny_model, tmp_path / "own-tiny")
+
+
+def test_level_one_wake_of_changed_weights_reads_once_frees_them_and_refuses_requests_at_once(
+    tmp_path, own_model, monkeypatch
+):
+    """The content digest covers every byte: one changed row is caught. A failed wake reads
+    the files once, keeps nothing of what it rejected, says why in readiness, and a request
+    is refused with the reason at once (no second read); a later wake, once the files are
+    right again, serves as before."""
+    import preheat.workers.sleep as sleep
+    from preheat.core.errors import ModelLoadError
+
+    runtime = make_runtime(tmp_path, own_model, SUMMARY, prefix_store=PrefixStore(tmp_path / "prefixes", 2**30))
+    assert runtime.preload() == []
+    failed_models = []
+    runtime.gate.on_model_warm = failed_models.append
+    answer = runtime.infer("support", "Where is my parcel?", GREEDY)
     assert runtime.sleeps.sleep("tiny", 1).status == "asleep"
-    monkeypatch.setattr(sleep, "digest_contents", lambda model: "another model")
+    original = _change_one_row(own_model)
+    reads = []
+    real_read = sleep._read_by_name
+    monkeypatch.setattr(sleep, "_read_by_name", lambda *a: reads.append(1) or real_read(*a))
+    monkeypatch.setattr(sleep, "reload_into", lambda *a: reads.append("loader"))
+
     woken = runtime.sleeps.wake("tiny")
-    assert woken.status == "failed" and "changed while it slept" in woken.error
-    assert runtime.sleeps.level_of("tiny") == 1  # still asleep, honestly
+    assert woken.status == "failed" and "changed while it slept" in woken.error, woken
+    assert reads == [1]  # read once, not again through the loader
+    assert runtime.resident_models.get("tiny") is None  # the rejected weights are not held
+    assert runtime.sleeps.level_of("tiny") is None and "changed while it slept" in runtime.sleeps.failed["tiny"]
+    assert runtime.readiness() == [f"model tiny: could not wake: {woken.error}"]
+    assert runtime.describe()["failed"] == {"tiny": woken.error}
+    assert failed_models == ["tiny"]  # its requests are taken again, to be answered
+    with pytest.raises(ModelLoadError, match=r"could not wake: .*changed while it slept"):
+        runtime.infer("support", "Where is my parcel?", GREEDY)
+    assert runtime.warm_template("support").status == "failed" and reads == [1]  # no read for either
+
     monkeypatch.undo()
+    (next(own_model.glob("*.safetensors"))).write_bytes(original)
+    again = runtime.sleeps.wake("tiny")  # an admin's wake tries again: a load
+    assert again.status == "awake", again.error
+    assert runtime.sleeps.failed == {} and runtime.readiness() == []
+    assert runtime.infer("support", "Where is my parcel?", GREEDY).token_ids == answer.token_ids
+    runtime.close()
+
+
+def test_level_two_wake_of_changed_weights_serves_the_new_weights_never_the_old_prefixes(tmp_path, own_model):
+    """At level 2 a wake is a load: changed files are a new model, whose identity differs, so
+    no prefix stored under the old weights is restored; the answer is transformers' on the
+    new weights."""
+    from tests.conftest import reference_generate
+
+    runtime = make_runtime(tmp_path, own_model, SUMMARY, prefix_store=PrefixStore(tmp_path / "prefixes", 2**30))
+    assert runtime.preload() == []
+    old = runtime.resident_models.get("tiny").content_digest
+    assert runtime.sleeps.sleep("tiny", 2).status == "asleep"
+    _change_one_row(own_model, scale=40.0)
     assert runtime.sleeps.wake("tiny").status == "awake"
+    resident = runtime.resident_models.get("tiny")
+    assert resident.content_digest != old
+    assert runtime.metrics.restores.labels(model="tiny")._value.get() == 0  # computed again, not restored
+    assert runtime.warm_template("support").status == "warm"
+    completion = runtime.infer("support", "Where is my parcel?", GREEDY)
+    prompt = runtime.templates.resolve("support").prefix.prompt_ids(resident, "Where is my parcel?")
+    assert completion.token_ids == reference_generate(resident, prompt, 8)[: len(completion.token_ids)]
+    runtime.close()
 
 
 def test_level_one_releases_the_weights_from_the_resident_set(tmp_path, tiny_model):

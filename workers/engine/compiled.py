@@ -136,7 +136,7 @@ class CompiledSteps:
         self._replaced: list = []
         self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
         configure_dynamo()
-        self._graph = torch.compile(self._forward, fullgraph=True, dynamic=None)
+        self._graph = torch.compile(self._forward, fullgraph=True, dynamic=None, **_own_region())
 
     def _forward(self, input_ids, position_ids, logits_to_keep):
         out = self.model(
@@ -192,6 +192,18 @@ class CompiledSteps:
         self.ready = False
         unpack_linear_layers(self._replaced)
         self._replaced = []
+
+
+@functools.cache
+def _own_region() -> dict:
+    """Each model's graphs counted apart (torch 2.13's per-call limit): every model class is
+    one more specialization of `_forward`, and the process-wide limit is a setting that
+    anything in the process may patch and put back, so it is not relied on alone."""
+    import inspect
+
+    accepted = inspect.signature(torch.compile).parameters
+    own = {"recompile_limit": 64, "isolate_recompiles": True}
+    return {name: value for name, value in own.items() if name in accepted}
 
 
 @functools.cache

@@ -137,6 +137,18 @@ class Prefixes:
             kv.crop(use - entry.num_tokens)  # a truncatable entry (see KVCacheManager)
         return Start(kv, prompt_ids[:, use:], None, use, ms_since(started))
 
+    def withdraw(self, resident: ResidentModel, token_ids: torch.Tensor, key: CacheKey) -> None:
+        """A prefix proven wrong (a probe's first token from it is not full prefill's): out
+        of the cache and the prefix store, so nothing is served from it; its next use
+        computes it again."""
+        if self.cache.peek(key) is not None:
+            try:
+                self.cache.remove(key)
+            except CacheFullError:  # a request runs from it now: unpinned, it goes once released
+                self.cache.unpin(key)
+        if self.store is not None:
+            self.store.discard(resident, token_ids.reshape(-1).cpu().numpy())
+
     def remember(self, resident: ResidentModel, ids: list[int], prefix: Prefix) -> None:
         """Keep a finished request's KV for the next turn (what `Request.to_remember` says);
         best effort, never at a pinned prefix's expense."""

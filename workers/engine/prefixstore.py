@@ -80,7 +80,7 @@ class PrefixStore:
     def __init__(self, folder: Path, max_bytes: int) -> None:
         self.folder, self.max_bytes = Path(folder), max_bytes
         self._lock = threading.Lock()
-        self._identities: dict[str, dict[str, str]] = {}
+        self._identities: dict[tuple[str, str], dict[str, str]] = {}
         # Writes leave the request path: a prefix's tensors are never written once cached.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-store")
         self._pending: list[Future] = []
@@ -98,10 +98,12 @@ class PrefixStore:
     # Keys ---------------------------------------------------------------------------
 
     def _identity(self, resident: ResidentModel) -> dict[str, str]:
-        # Per process: the model files do not change under a resident model.
-        if resident.name not in self._identities:
-            self._identities[resident.name] = model_identity(resident)
-        return self._identities[resident.name]
+        # Per loaded model (its digest is taken once, at load): a level-2 wake or a reload of
+        # changed files is a new model under the same name, never the old one's prefixes.
+        key = (resident.name, resident.content_digest)
+        if key not in self._identities:
+            self._identities[key] = model_identity(resident)
+        return self._identities[key]
 
     def path_for(self, resident: ResidentModel, ids: np.ndarray) -> Path:
         identity = self._identity(resident)
@@ -110,6 +112,11 @@ class PrefixStore:
         return self.folder / f"{resident.name}-{digest.hexdigest()[:40]}{SUFFIX}"
 
     # Writing ------------------------------------------------------------------------
+
+    def discard(self, resident: ResidentModel, ids: np.ndarray) -> None:
+        """The stored prefix of `ids` removed (it was proven wrong): never restored again."""
+        with contextlib.suppress(OSError):
+            self.path_for(resident, ids).unlink(missing_ok=True)
 
     def save(self, resident: ResidentModel, ids: np.ndarray, prefix: Prefix) -> Path | None:
         """Store a computed prefix (best effort: a full disk or an unstorable layer type is

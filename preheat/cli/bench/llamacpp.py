@@ -30,8 +30,7 @@ class PeerUnavailable(RuntimeError):
 
 def source(folder: Path) -> Path:
     """llama.cpp's source as the sdist vendors it, fetched by pip once."""
-    tree = folder / f"{PROJECT}-{VERSION}" / "vendor" / "llama.cpp"
-    if (tree / "CMakeLists.txt").is_file():
+    if (tree := _vendored(folder)) is not None:
         return tree
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as work:
@@ -42,7 +41,18 @@ def source(folder: Path) -> Path:
         [archive] = Path(work).glob("*.tar.gz")
         with tarfile.open(archive) as sdist:
             sdist.extractall(folder, filter="data")
-    return tree
+    if (tree := _vendored(folder)) is not None:
+        return tree
+    raise PeerUnavailable(f"the {PROJECT} {VERSION} sdist holds no vendor/llama.cpp")
+
+
+def _vendored(folder: Path) -> Path | None:
+    # The sdist's folder is llama_cpp_python-VERSION (PEP 625 names); older ones used dashes.
+    for name in ("llama_cpp_python", PROJECT):
+        tree = folder / f"{name}-{VERSION}" / "vendor" / "llama.cpp"
+        if (tree / "CMakeLists.txt").is_file():
+            return tree
+    return None
 
 
 def server_binary(folder: Path) -> Path:

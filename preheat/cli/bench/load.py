@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rich.markup import escape
+
 from preheat.cli.bench import servers, tables
 from preheat.cli.bench.common import dev_model, host, prepare, worker_env, worker_name, write_report
 from preheat.core.errors import ConfigError
@@ -133,7 +135,7 @@ def main(
             server = servers.start(mode, setup, templates, catalog, folder, python, timeout)
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
             skipped[mode] = str(exc)
-            console.print(f"{mode}: not measured: {exc}", highlight=False)
+            console.print(escape(f"{mode}: not measured: {exc}"), highlight=False)
             continue
         try:
             model = server.model

@@ -13,6 +13,7 @@ import torch
 
 import preheat.workers.engine.request as request_module
 from preheat.api.sampling import SamplingParams
+from preheat.workers.engine.batch import Batch
 from preheat.workers.engine.chat import TemplatePrefix
 from preheat.workers.engine.device import DeviceOutOfMemory
 from preheat.workers.engine.lone import LoneRequests
@@ -227,12 +228,12 @@ def test_a_step_feeds_every_decoding_row_and_prompt_chunks_oldest_first_up_to_th
 
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
+    from preheat.workers.engine.batch import Row
     from preheat.workers.engine.raggedkv import RaggedKV, Segment
-    from preheat.workers.engine.scheduler import _Batch, _Row
 
     shell = DynamicCache()
     shell.layers = [DynamicLayer()]
-    batch = _Batch(RaggedKV(shell, torch.device("cpu")))
+    batch = Batch(RaggedKV(shell, torch.device("cpu")))
     rows = [  # (ids so far, feed left, admitted as)
         ([1, 2, 3, 40], [], 1),
         ([1, 2, 3, 4, 5, 6, 7], [5, 6, 7], 4),
@@ -243,9 +244,8 @@ def test_a_step_feeds_every_decoding_row_and_prompt_chunks_oldest_first_up_to_th
     for ids, feed, order in rows:
         batch.kv.lengths.append(len(ids) - max(1, len(feed)))
         batch.kv.offsets.append(0)
-        batch.rows.append(_Row(SimpleNamespace(ids=ids), feed, order))
-    scheduler = Scheduler(None, BatchLimits(prefill_tokens_per_step=8))
-    assert scheduler._segments(batch) == [
+        batch.rows.append(Row(SimpleNamespace(ids=ids), feed, order))
+    assert batch.plan(8, alone=False) == [
         Segment(0, 3, (40,)),
         Segment(3, 2, (41,)),
         Segment(2, 3, (4, 5, 6, 7, 8, 9)),  # the oldest pre-fill first, whole: 6 of the 8
@@ -315,15 +315,15 @@ def test_a_fault_of_the_schedulers_own_ends_its_running_requests_and_the_next_is
     known, _ = mixed_requests(resident, 1)
     scheduler = warm_scheduler(resident, known)
     prompt_ids = known[0].prompt_ids(resident, "Where is my parcel?")
-    real_step, broken = Scheduler._step, {"n": 0}
+    real_step, broken = Batch.step, {"n": 0}
 
-    def fails_once(self, model):
+    def fails_once(self, *args):
         if not broken["n"]:
             broken["n"] += 1
             raise RuntimeError("injected: a scheduler bug")
-        return real_step(self, model)
+        return real_step(self, *args)
 
-    monkeypatch.setattr(Scheduler, "_step", fails_once)
+    monkeypatch.setattr(Batch, "step", fails_once)
     with pytest.raises(RuntimeError, match="injected: a scheduler bug"):
         scheduler.submit(resident, prompt_ids, greedy(8)).collect()
     assert scheduler.load()["running"] == 0
