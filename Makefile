@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[dev,fast-load,real]'
+	$(BIN)/pip install --quiet -e '.[dev,fast-load,real,lora]'
 	touch $@
 
 install: $(STAMP)
@@ -69,5 +69,7 @@ $(BENCH_VENV)/.installed-stamp: pyproject.toml
 	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
 	$(BENCH_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
 	$(BENCH_VENV)/bin/pip install --quiet "transformers[serving]==$$($(BIN)/python -c 'import transformers; print(transformers.__version__)')"
+	# llama.cpp's GGUF converter (`bench load`'s llama-server peer) reads the vocabulary with it.
+	$(BENCH_VENV)/bin/pip install --quiet sentencepiece
 	touch $@
 

@@ -42,15 +42,18 @@ def _answer_chat(call: ChatInferArguments, request) -> dict:
         ask, template = call.ask, call.template
         if template is not None:
             resolved = runtime.templates.resolve(template)
-            ask = with_template(ask, template, resolved.spec.model, resolved.prefix.system_prompt)
-        _count_taken(request, runtime.catalog.model(ask.model) and ask.model)
+            # Its adapter's name is the request's model (vLLM's way), else the base's.
+            named = resolved.spec.adapter or resolved.spec.model
+            ask = with_template(ask, template, named, resolved.prefix.system_prompt)
+        base, adapter = runtime.catalog.base_and_adapter(ask.model)  # an adapter is named as its model
+        _count_taken(request, base)
         answered = answer(runtime, ask, f"chatcmpl-{uuid.uuid4().hex}")
     except Exception as exc:
         error = api_error(exc)
         if error is None:
             raise
         raise RequestRefused(error.message, int(error.status), error.code) from None
-    template = template or runtime.templates.named_by(ask.model, system_prompt_of(ask.messages))
+    template = template or runtime.templates.named_by(base, system_prompt_of(ask.messages), adapter)
     usage = answered["usage"]
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     TRAFFIC.count(ask.model, template, usage["prompt_tokens"], cached or None)

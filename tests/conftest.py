@@ -412,9 +412,17 @@ def _app_of_this_process():
 
 
 def _point_app(app, config: dict | None) -> None:
+    """The process's one app pointed at this test's stack: its broker pool, its result backend
+    (Celery keeps the backend it made first) and the router that sends with it
+    (preheat.fleet.routing keeps one per app, holding the settings it was made with)."""
+    from preheat.fleet import routing
+
     # Kombu keeps one pool per broker URL for the process (not closed here: it is shared).
     app._pool = None
     app.amqp._producer_pool = None
+    app._backend_cache = None
+    app._local.__dict__.pop("backend", None)
+    routing._ROUTERS.pop(id(app), None)
     if config is not None:
         app.conf.update(config)
 

@@ -46,5 +46,5 @@ def answer(runtime, ask: Ask, request_id: str) -> dict:
     """The whole answer to a parsed request, every choice, in the route's own shape
     (`chat.completion`, usage with cached_tokens): `preheat.infer`'s chat form."""
     completions = [runtime.open_choice(ask, index).collect() for index in range(ask.sampling.n)]
-    shapes = LogprobShapes(runtime.resident_models.get(ask.model).tokenizer)
+    shapes = LogprobShapes(runtime.resident_models.get(runtime.catalog.base_and_adapter(ask.model)[0]).tokenizer)
     return whole_answer(ask, request_id, completions, shapes)

@@ -22,6 +22,7 @@ from preheat.api.answers import LogprobShapes, whole_answer
 from preheat.api.requests import Ask
 from preheat.api.sampling import SamplingParams
 from preheat.core.catalog import Catalog, load_catalog
+from preheat.workers.adapters import AdapterCollector, Adapters
 from preheat.workers.engine.chat import Messages, render, system_prompt_of
 from preheat.workers.engine.compilestore import CompileStore
 from preheat.workers.engine.kvcache import CacheBudget, KVCacheManager
@@ -95,7 +96,8 @@ class WorkerRuntime:
         self.scheduler = Scheduler(Prefixes(self.cache, prefix_store), config.batch_limits)
         self.metrics = RuntimeMetrics(self.cache, self.resident_models, lambda: not self.readiness())
         self.metrics.collectors.register(EngineCollector(self.scheduler))
-        self.templates = Templates(catalog, self._resident, self.scheduler, self.metrics)
+        self.adapters = Adapters(catalog, self._resident)
+        self.templates = Templates(catalog, self._resident, self.scheduler, self.metrics, self.adapters)
         self.warmups = Warmups(
             self.templates,
             self.scheduler,
@@ -119,11 +121,12 @@ class WorkerRuntime:
             on_sleep=self.gate.sleeping,
             on_wake=self._announce_if_warm,
             on_failed=self.gate.failed,
-            forget_prefixes=self.templates.asleep,
+            forget_prefixes=self._asleep,
             restore_prefixes=self._ready_again,
             drain_s=config.sleep_drain_s,
         )
         self.metrics.collectors.register(SleepCollector(self.sleeps, lambda: list(catalog.models)))
+        self.metrics.collectors.register(AdapterCollector(self.adapters))
         self.metrics.start_series(list(catalog.models))
 
     @classmethod
@@ -278,9 +281,16 @@ class WorkerRuntime:
             report = self.scheduler.call(runner.compile, self.config.compile, self.compile_store, digest)
             self.warmups.compiled(model, report)
 
+    def _asleep(self, model: str) -> None:
+        """`model` went to sleep: its templates not ready (their KV freed), its adapters let go."""
+        self.templates.asleep(model)
+        self.adapters.asleep(model)
+
     def _ready_again(self, model: str) -> None:
-        """After a wake: its steps compiled again (restored), its templates restored and pinned."""
+        """After a wake: its steps compiled again (restored), the adapters that were resident
+        read again, its templates restored and pinned."""
         self._compile(model)
+        self.adapters.awake(model)
         self._prefill_templates(model)
 
     def _prefill_templates(self, model: str) -> None:
@@ -334,7 +344,7 @@ class WorkerRuntime:
         prompt_ids = resolved.prefix.prompt_ids(resolved.resident, user_input)
         if self.config.prefix_caching:
             self.templates.ensure_prefix(resolved)
-        return self._submit(resolved.resident, prompt_ids, sampling, arrived, template)
+        return self._submit(resolved.resident, prompt_ids, sampling, arrived, template, adapter=resolved.adapter)
 
     def infer(self, template: str, user_input: str, sampling: SamplingParams = SamplingParams()) -> Completion:
         return self.generate(template, user_input, sampling).collect()
@@ -347,23 +357,27 @@ class WorkerRuntime:
         any other unpinned (LRU), so the next conversation with it hits. With `remember`, the
         prompt and answer stay cached for the conversation's next turn."""
         arrived = time.perf_counter()
-        resident = self._resident(model)
+        base, adapter = self.catalog.base_and_adapter(model)  # `model` may name an adapter, as vLLM's
+        resident = self._resident(base)
+        weights = self.adapters.weights(adapter, count=True) if adapter is not None else None
         prompt_ids = render(resident, messages)
         system_prompt = system_prompt_of(messages)
-        template = self.templates.named_by(model, system_prompt)
+        template = self.templates.named_by(base, system_prompt, adapter)
         if self.config.prefix_caching and template is not None:
             self.templates.ensure_prefix(self.templates.resolve(template))
         elif self.config.prefix_caching and system_prompt:
-            self.templates.ensure_ad_hoc(resident, system_prompt)
-        return self._submit(resident, prompt_ids, sampling, arrived, template, remember=remember)
+            self.templates.ensure_ad_hoc(resident, system_prompt, weights)
+        return self._submit(resident, prompt_ids, sampling, arrived, template, remember=remember, adapter=weights)
 
     def generate_text(self, model: str, prompt: str, sampling: SamplingParams = SamplingParams()) -> TextStream:
         """A plain completion: the prompt's ids as the tokenizer gives them (no chat
         template), from the longest cached prefix."""
         arrived = time.perf_counter()
-        resident = self._resident(model)
+        base, adapter = self.catalog.base_and_adapter(model)
+        resident = self._resident(base)
+        weights = self.adapters.weights(adapter, count=True) if adapter is not None else None
         prompt_ids = encode(resident, prompt, with_bos=True)
-        return self._submit(resident, prompt_ids, sampling, arrived, None, remember=sampling.n > 1)
+        return self._submit(resident, prompt_ids, sampling, arrived, None, remember=sampling.n > 1, adapter=weights)
 
     def open_choice(self, ask: Ask, index: int = 0) -> TextStream:
         """Choice `index` of a parsed request (preheat.workers.protocol), chat or plain: what
@@ -378,17 +392,20 @@ class WorkerRuntime:
         """The whole answer to a parsed request, every choice, in the route's own shape
         (`chat.completion`, usage with cached_tokens): `preheat.infer`'s chat form."""
         completions = [self.open_choice(ask, index).collect() for index in range(ask.sampling.n)]
-        shapes = LogprobShapes(self.resident_models.get(ask.model).tokenizer)
+        shapes = LogprobShapes(self.resident_models.get(self.catalog.base_and_adapter(ask.model)[0]).tokenizer)
         return whole_answer(ask, request_id, completions, shapes)
 
-    def _submit(self, resident, prompt_ids, sampling, arrived: float, template: str | None, *, remember=False):
+    def _submit(self, resident, prompt_ids, sampling, arrived: float, template: str | None, **how):
+        """`how`: remember, adapter (the request's LoraWeights)."""
         try:
-            return self._submit_now(resident, prompt_ids, sampling, arrived, template, remember=remember)
+            return self._submit_now(resident, prompt_ids, sampling, arrived, template, **how)
         except ModelAsleepError:  # it went to sleep since the request looked: woken for it
             resident = self._resident(resident.name)
-            return self._submit_now(resident, prompt_ids, sampling, arrived, template, remember=remember)
+            if (adapter := how.get("adapter")) is not None:  # its adapter was let go with the model
+                how["adapter"] = self.adapters.weights(adapter.name)
+            return self._submit_now(resident, prompt_ids, sampling, arrived, template, **how)
 
-    def _submit_now(self, resident, prompt_ids, sampling, arrived: float, template: str | None, *, remember=False):
+    def _submit_now(self, resident, prompt_ids, sampling, arrived: float, template, *, remember=False, adapter=None):
         return self.scheduler.submit(
             resident,
             prompt_ids,
@@ -396,6 +413,7 @@ class WorkerRuntime:
             use_cache=self.config.prefix_caching,
             remember=remember and self.config.prefix_caching,
             arrived=arrived,
+            adapter=adapter,
             on_first_token=lambda request: self._observe(template, request),
         )
 
@@ -435,6 +453,7 @@ class WorkerRuntime:
             "unavailable": self.resident_models.unavailable,
             "asleep": {name: state.describe() for name, state in self.sleeps.asleep.items()},
             "failed": dict(self.sleeps.failed),  # a wake that failed, and why
+            "adapters": self.adapters.describe(),
             "engine": self.scheduler.load(),
             "serving": self.gate.serving(list(self.catalog.models)),
             # What the router sends template requests by (preheat.fleet.routing): the templates

@@ -40,6 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter
 from preheat.api.answers import LogprobShapes, stream_event, usage_chunk, whole_answer
 from preheat.api.requests import MAX_TOKENS_LIMIT, ApiError, Ask, int_field, parse_body, parse_chat, parse_completion
 from preheat.api.sampling import SamplingError, SamplingParams
+from preheat.core.errors import UnknownNameError
 from preheat.workers.engine.request import Completion, TextStream
 from preheat.workers.health import readiness_answer
 from preheat.workers.protocol import api_error
@@ -163,17 +164,25 @@ class ModelsHandler(BaseHandler):
             self.require_bearer(self.server.config.api_key, None)
         except ApiError as exc:
             return self.fail(exc)
-        resident = self.server.runtime.resident_models.resident
-        self.reply(
-            HTTPStatus.OK,
+        runtime = self.server.runtime
+        resident, catalog = runtime.resident_models.resident, runtime.catalog
+        models = [
+            {"id": name, "object": "model", "owned_by": "preheat", "ready": name in resident} for name in catalog.models
+        ]
+        # Its adapters as vLLM lists them: `parent` the base model, `root` the adapter's folder.
+        adapters = [
             {
-                "object": "list",
-                "data": [
-                    {"id": name, "object": "model", "owned_by": "preheat", "ready": name in resident}
-                    for name in self.server.runtime.catalog.models
-                ],
-            },
-        )
+                "id": adapter,
+                "object": "model",
+                "owned_by": "preheat",
+                "parent": model,
+                "root": catalog.adapter_path(adapter),
+                "ready": adapter in runtime.adapters.slots[model].resident,
+            }
+            for model, spec in catalog.models.items()
+            for adapter in spec.adapters
+        ]
+        self.reply(HTTPStatus.OK, {"object": "list", "data": models + adapters})
 
 
 class GenerateHandler(BaseHandler):
@@ -197,7 +206,8 @@ class GenerateHandler(BaseHandler):
         except ApiError as exc:
             return self.fail(exc)
         request_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        shapes = LogprobShapes(self.server.runtime.resident_models.get(ask.model).tokenizer)
+        base, _ = self.server.runtime.catalog.base_and_adapter(ask.model)
+        shapes = LogprobShapes(self.server.runtime.resident_models.get(base).tokenizer)
         if ask.stream:
             await self._stream(ask, request_id, first, shapes)
             return
@@ -210,13 +220,15 @@ class GenerateHandler(BaseHandler):
 
     def _check_model_ready(self, model: str) -> None:
         runtime = self.server.runtime
-        if model not in runtime.catalog.models:
+        try:
+            base, _ = runtime.catalog.base_and_adapter(model)  # a model, or one of its adapters
+        except UnknownNameError:
             raise ApiError(
                 HTTPStatus.NOT_FOUND,
                 f"model {model!r} does not exist here (catalog has: {', '.join(runtime.catalog.models)})",
                 "model_not_found",
-            )
-        reasons = self.server.model_readiness(model)
+            ) from None
+        reasons = self.server.model_readiness(base)
         if reasons:
             raise ApiError(
                 HTTPStatus.SERVICE_UNAVAILABLE,

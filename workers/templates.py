@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 from preheat.core.catalog import Catalog, TemplateSpec
 from preheat.core.errors import PreheatError
+from preheat.workers.adapters import Adapters
 from preheat.workers.engine.chat import TemplatePrefix
 from preheat.workers.engine.kvcache import CacheBudgetError, CacheFullError
+from preheat.workers.engine.lora import LoraWeights, namespace
 from preheat.workers.engine.prefixes import Prefilled
 from preheat.workers.engine.resident import ResidentModel
 from preheat.workers.engine.scheduler import Scheduler
@@ -42,6 +44,7 @@ class ResolvedTemplate:
     spec: TemplateSpec
     resident: ResidentModel
     prefix: TemplatePrefix
+    adapter: LoraWeights | None = None  # the template's adapter, resident (pinned while in the plan)
 
 
 class Templates:
@@ -51,8 +54,9 @@ class Templates:
         resident_for: Callable[[str], ResidentModel],
         scheduler: Scheduler,
         metrics: RuntimeMetrics,
+        adapters: Adapters | None = None,
     ) -> None:
-        self.catalog = catalog
+        self.catalog, self._adapters = catalog, adapters
         self._resident_for, self._scheduler, self._metrics = resident_for, scheduler, metrics
         self._prefixes: dict[str, TemplatePrefix] = {}
         self._not_ready: dict[str, str | None] = dict.fromkeys(catalog.templates, "not pre-filled yet")
@@ -69,12 +73,17 @@ class Templates:
         its prefix ids and key. The prompt file is read once, and again with `reread`."""
         spec = self.catalog.template(name)
         resident = self._resident_for(spec.model)
+        adapter = None
+        if spec.adapter is not None and self._adapters is not None:
+            # Pinned by a pre-fill of a template in the plan (a warmup's), never by a request.
+            adapter = self._adapters.weights(spec.adapter, pin=reread and self.in_plan(name))
+        space = namespace(resident.name, spec.adapter)
         known = self._prefixes.get(name)
-        if known is None or reread or known.model != resident.name:
+        if known is None or reread or known.key.model != space:
             text = self.catalog.system_prompt(name)
-            if known is None or known.system_prompt != text or known.model != resident.name:
-                self._replace(name, TemplatePrefix.of(resident, text))
-        return ResolvedTemplate(name, spec, resident, self._prefixes[name])
+            if known is None or known.system_prompt != text or known.key.model != space:
+                self._replace(name, TemplatePrefix.of(resident, text, space))
+        return ResolvedTemplate(name, spec, resident, self._prefixes[name], adapter)
 
     def _replace(self, name: str, prefix: TemplatePrefix) -> None:
         """A template's prompt changed: its old prefix is no longer pinned (an LRU entry
@@ -100,7 +109,7 @@ class Templates:
         prefix, model = resolved.prefix, resolved.resident.name
         try:
             prefilled = self._scheduler.prefill(
-                resolved.resident, prefix.ids, key=prefix.key, label=resolved.name, pin=True
+                resolved.resident, prefix.ids, key=prefix.key, label=resolved.name, pin=True, adapter=resolved.adapter
             )
         except TEMPLATE_ERRORS as exc:
             self._note(resolved.name, str(exc))
@@ -145,26 +154,31 @@ class Templates:
         except (CacheBudgetError, CacheFullError) as exc:
             log.warning("answering %s without the cache: %s", resolved.name, exc)
 
-    def ensure_ad_hoc(self, resident: ResidentModel, system_prompt: str) -> None:
+    def ensure_ad_hoc(self, resident: ResidentModel, system_prompt: str, adapter: LoraWeights | None = None) -> None:
         """A system prompt that is no template: its prefix cached unpinned (LRU), so the
-        next conversation with it starts from it."""
-        key = (resident.name, system_prompt)
-        prefix = self._ad_hoc.pop(key, None) or TemplatePrefix.of(resident, system_prompt)
+        next conversation with it starts from it (under its adapter, in its namespace)."""
+        space = namespace(resident.name, adapter and adapter.name)
+        key = (space, system_prompt)
+        prefix = self._ad_hoc.pop(key, None) or TemplatePrefix.of(resident, system_prompt, space)
         self._ad_hoc[key] = prefix  # most recent last
         while len(self._ad_hoc) > AD_HOC_PREFIXES:
             self._ad_hoc.popitem(last=False)
         if prefix.key not in self._scheduler.prefixes.cache:
             try:
-                self._scheduler.prefill(resident, prefix.ids, key=prefix.key, label="ad hoc system prompt")
+                self._scheduler.prefill(
+                    resident, prefix.ids, key=prefix.key, label="ad hoc system prompt", adapter=adapter
+                )
             except (CacheBudgetError, CacheFullError) as exc:
                 log.info("ad hoc system prompt not cached: %s", exc)
 
-    def named_by(self, model: str, system_prompt: str | None) -> str | None:
-        """The template of `model` whose system prompt this is, if any (a prompt read
-        before is not read again)."""
+    def named_by(self, model: str, system_prompt: str | None, adapter: str | None = None) -> str | None:
+        """The template of `model` (under `adapter`) whose system prompt this is, if any (a
+        prompt read before is not read again)."""
         if not system_prompt:
             return None
         for name in self.catalog.templates_of(model):
+            if self.catalog.template(name).adapter != adapter:
+                continue
             known = self._prefixes.get(name)
             if (known.system_prompt if known else self.catalog.system_prompt(name)) == system_prompt:
                 return name

@@ -73,11 +73,11 @@ class FirstToken:
 
 
 def first_token(
-    scheduler: Scheduler, resident: ResidentModel, prompt_ids: torch.Tensor, *, use_cache: bool = True
+    scheduler: Scheduler, resident: ResidentModel, prompt_ids: torch.Tensor, *, use_cache: bool = True, adapter=None
 ) -> FirstToken:
     """Time to the first greedy token of `prompt_ids`, through the scheduler as a request:
-    from the longest cached prefix, or (use_cache=False) cold."""
-    done = scheduler.submit(resident, prompt_ids, PROBE, use_cache=use_cache, record=False).collect()
+    from the longest cached prefix, or (use_cache=False) cold; under `adapter` if given."""
+    done = scheduler.submit(resident, prompt_ids, PROBE, use_cache=use_cache, record=False, adapter=adapter).collect()
     return FirstToken(done.token_ids[0], done.ttft_ms, done.cached_tokens, done.reuse_ms)
 
 
@@ -125,14 +125,15 @@ def probe(
     prompt_ids: torch.Tensor,
     bare_ids: torch.Tensor,
     repeats: int,
+    adapter=None,
 ) -> Probe:
-    """Median TTFT of the three ways to answer, measured side by side; probes are not
-    counted as cache traffic."""
+    """Median TTFT of the three ways to answer, measured side by side (all three under the
+    template's adapter, if it has one); probes are not counted as cache traffic."""
     runs = side_by_side(
         {
-            "bare": lambda: first_token(scheduler, resident, bare_ids, use_cache=False),
-            "cold": lambda: first_token(scheduler, resident, prompt_ids, use_cache=False),
-            "warm": lambda: first_token(scheduler, resident, prompt_ids),
+            "bare": lambda: first_token(scheduler, resident, bare_ids, use_cache=False, adapter=adapter),
+            "cold": lambda: first_token(scheduler, resident, prompt_ids, use_cache=False, adapter=adapter),
+            "warm": lambda: first_token(scheduler, resident, prompt_ids, adapter=adapter),
         },
         repeats,
     )
@@ -280,6 +281,9 @@ class Warmups:
         resolved, prefilled = self._templates.prefill(template)
         resident, prefix = resolved.resident, resolved.prefix
         result.load_ms = self._unreported_load_ms(resident)
+        if (adapter := resolved.adapter) is not None and ("adapter", id(adapter)) not in self._load_reported:
+            self._load_reported.add(("adapter", id(adapter)))  # its read, reported once per load
+            result.load_ms += adapter.load_ms
         if (report := self._unreported_compile.pop(resident.name, None)) is not None:
             result.compile_source, result.compile_ms = report.source, report.ms
         result.device = resident.placement.describe()
@@ -291,14 +295,14 @@ class Warmups:
         result.restore_ms = prefilled.restore_ms if prefilled.source == "restored" else None
         probe_text = resolved.spec.probe
         prompt_ids, bare_ids = prefix.prompt_ids(resident, probe_text), render(resident, conversation(None, probe_text))
-        measured = probe(self._scheduler, resident, prompt_ids, bare_ids, self._probe_repeats)
+        measured = probe(self._scheduler, resident, prompt_ids, bare_ids, self._probe_repeats, resolved.adapter)
         recent = self._recent.setdefault(prefix.key, deque(maxlen=RECENT_PROBES))
         reference = Recent(*map(tuple, zip(*recent, strict=True))) if len(recent) >= MIN_RECENT_PROBES else None
         proves_cache = cache_error(measured, result.cached_tokens) is None
         if proves_cache and timing_error(measured, reference, warm_factor=self._warm_factor):
             # Confirmed before it is said: a burst beside one probe passes, a throttled
             # worker or a slow cache does not. The second probe's runs join the first's.
-            again = probe(self._scheduler, resident, prompt_ids, bare_ids, self._probe_repeats)
+            again = probe(self._scheduler, resident, prompt_ids, bare_ids, self._probe_repeats, resolved.adapter)
             measured = replace(
                 measured,
                 warm_fastest_ms=min(measured.warm_fastest_ms, again.warm_fastest_ms),

@@ -66,5 +66,4 @@ def model_of_request(kwargs: dict, args: tuple = ()) -> str:
     model = kwargs.get("model")
     if not isinstance(model, str):
         raise UnknownNameError("preheat.infer needs a template or a model")
-    catalog.model(model)
-    return model
+    return catalog.base_and_adapter(model)[0]  # an adapter's requests go to its base's queue

@@ -75,6 +75,26 @@ def build_missing_models(catalog, console) -> None:
     catalog.check_model_paths()
 
 
+@app.command("make-adapter")
+def make_adapter_command(
+    model: Path = typer.Argument(..., help="The model folder the adapter is for."),
+    folder: Path = typer.Argument(..., help="New folder to write the PEFT adapter into."),
+    rank: int = typer.Option(16, min=1, max=1024, help="LoRA rank (r)."),
+    alpha: int = typer.Option(32, min=1, help="lora_alpha."),
+    seed: int = typer.Option(0, help="Seed of the random LoRA weights."),
+) -> None:
+    """Write a LoRA adapter of MODEL to FOLDER with PEFT: random weights of the given rank on
+    the attention projections and the MLP, as a fine-tune saves them (the `lora` extra)."""
+    from preheat.cli.devadapter import make_adapter
+
+    if not (model / "config.json").is_file():
+        raise ConfigError(f"{model} is not a model folder (no config.json)")
+    if folder.exists() and any(folder.iterdir()):
+        raise ConfigError(f"{folder} is not empty; make-adapter writes a new folder")
+    make_adapter(model, folder, rank=rank, alpha=alpha, seed=seed)
+    print(f"wrote a rank-{rank} LoRA adapter of {model} to {folder}")
+
+
 @app.command()
 def demo(timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for the warmup.")) -> None:
     """The main job end to end on this machine: build the small model if missing, migrate,

@@ -92,6 +92,9 @@ def warm(
     endpoint: list[str] = typer.Option(
         None, "--endpoint", "-e", help="Catalog endpoint to warm instead of workers (repeat)."
     ),
+    adapter: list[str] = typer.Option(
+        None, "--adapter", "-a", help="LoRA adapter to warm: its templates, under it (repeat)."
+    ),
     if_cold: bool = typer.Option(False, "--if-cold", help="Skip templates a worker already holds warm."),
     wait: bool = typer.Option(False, "--wait", help="Wait for every job and print what was measured."),
     timeout: float = typer.Option(600.0, "--timeout", min=1.0, help="Seconds --wait waits."),
@@ -106,6 +109,8 @@ def warm(
 
     if endpoint and worker:
         raise ConfigError("give --worker or --endpoint, not both: a run warms workers or endpoints")
+    if adapter:
+        template = _adapter_templates(adapter, template)
     if endpoint:
         dispatched = dispatch_endpoint_warmup(
             endpoint, templates=template or None, requested_by=_requester() if requested_by is None else requested_by
@@ -119,6 +124,25 @@ def warm(
         )
     what = f"{len(dispatched.templates)} template(s)"
     follow(dispatched, what, endpoints=bool(endpoint), wait=wait, timeout=timeout, as_json=as_json)
+
+
+def _adapter_templates(adapters: list[str], templates: list[str] | None) -> list[str]:
+    """The templates pre-filled under `adapters` (of those named with --template, if any):
+    warming them loads each adapter on every worker of its base, pins it, pre-fills, probes."""
+    from preheat.core.catalog import load_catalog
+    from preheat.core.settings import get_settings
+
+    catalog = load_catalog(get_settings().catalog)
+    chosen = []
+    for adapter in adapters:
+        catalog.adapter_base(adapter)  # an unknown adapter: one line naming those there are
+        names = [
+            n for n, spec in catalog.templates.items() if spec.adapter == adapter and (not templates or n in templates)
+        ]
+        if not names:
+            raise ConfigError(f"adapter {adapter!r} has no template to warm (a template with adapter = {adapter!r})")
+        chosen += names
+    return chosen
 
 
 def follow(dispatched, what: str, *, endpoints: bool, wait: bool, timeout: float, as_json: bool) -> None:

@@ -59,6 +59,12 @@ class ModelSpec(_Strict):
     # Replaces the model's own chat template (a Jinja text, inline or in a file).
     chat_template: str | None = Field(None, min_length=1)
     chat_template_file: str | None = Field(None, min_length=1)
+    # LoRA adapters of this model: name -> a PEFT adapter folder (relative to the catalog).
+    # A request names one as its `model`; up to `max_adapters` are resident at once
+    # (workers/adapters.py), each of rank at most `max_adapter_rank`.
+    adapters: dict[str, str] = Field(default_factory=dict)
+    max_adapters: int = Field(4, ge=1, le=64)
+    max_adapter_rank: int = Field(64, ge=1, le=1024)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -79,6 +85,8 @@ class TemplateSpec(_Strict):
     system_prompt: str | None = None
     system_prompt_file: str | None = None
     probe: str = Field("Hello! What can you help me with today?", min_length=1)
+    # Pre-filled (and answered) under this LoRA adapter of its model; None: the base.
+    adapter: str | None = None
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> TemplateSpec:
@@ -122,6 +130,9 @@ class EndpointSpec(_Strict):
     active_hours: str | None = Field(None, pattern=r"^([01]\d|2[0-3]):[0-5]\d-([01]\d|2[0-4]):[0-5]\d$")
     timezone: str = "UTC"
     sleep: EndpointSleepSpec | None = None  # kind vllm: it may be put to sleep and woken
+    # kind vllm: LoRA adapters a warmup loads (`POST /v1/load_lora_adapter`), name -> the
+    # adapter's path as the server sees it; a template under one is primed by its name.
+    adapters: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _consistent(self) -> EndpointSpec:
@@ -129,6 +140,8 @@ class EndpointSpec(_Strict):
             raise ValueError("min_connections exceeds max_connections")
         if self.sleep is not None and self.kind != "vllm":
             raise ValueError(f"sleep is vLLM's sleep mode; an endpoint of kind {self.kind!r} has none")
+        if self.adapters and self.kind != "vllm":
+            raise ValueError(f"adapters are loaded through vLLM's LoRA API; an endpoint of kind {self.kind!r} has none")
         if self.keepalive_interval_s is not None and self.keepalive_interval_s >= self.prompt_cache_ttl_s:
             raise ValueError(
                 f"keepalive_interval_s ({self.keepalive_interval_s:g}) must be below prompt_cache_ttl_s "
@@ -186,14 +199,38 @@ class Catalog(_Strict):
             for name in getattr(self, section):
                 if not re.match(NAME_PATTERN, name):
                     raise ValueError(f"{section}.{name}: names are letters, digits, '.', '_' or '-'")
+        adapters: dict[str, str] = {}
+        for model, spec in self.models.items():
+            for adapter, folder in spec.adapters.items():
+                if not re.match(NAME_PATTERN, adapter) or not folder.strip():
+                    raise ValueError(
+                        f"models.{model}.adapters.{adapter}: a name (letters, digits, '.', '_', '-') = a folder"
+                    )
+                if adapter in self.models or adapter in adapters:
+                    raise ValueError(
+                        f"models.{model}.adapters.{adapter}: the name is taken (requests name it as a model)"
+                    )
+                adapters[adapter] = model
         for name, template in self.templates.items():
             if template.model not in self.models:
                 raise ValueError(f"templates.{name}.model: unknown model {template.model!r}")
+            if template.adapter is not None and adapters.get(template.adapter) != template.model:
+                raise ValueError(
+                    f"templates.{name}.adapter: {template.adapter!r} is no adapter of model {template.model!r}"
+                )
         for section in ("endpoints", "schedules"):
             for name, spec in getattr(self, section).items():
                 for template in spec.templates:
                     if template not in self.templates:
                         raise ValueError(f"{section}.{name}.templates: unknown template {template!r}")
+        for name, spec in self.endpoints.items():
+            for template in spec.templates:
+                adapter = self.templates[template].adapter
+                if adapter is not None and adapter not in spec.adapters:
+                    raise ValueError(
+                        f"endpoints.{name}.templates: {template!r} is under adapter {adapter!r}, "
+                        f"which the endpoint does not declare (endpoints.{name}.adapters)"
+                    )
         return self
 
     # Lookups that give the caller one clear error -------------------------------
@@ -209,6 +246,28 @@ class Catalog(_Strict):
             return self.templates[name]
         except KeyError:
             raise UnknownNameError(f"unknown template {name!r} (catalog has: {_listing(self.templates)})") from None
+
+    def adapter_base(self, name: str) -> str:
+        """The model adapter `name` belongs to; UnknownNameError if it is no adapter."""
+        for model, spec in self.models.items():
+            if name in spec.adapters:
+                return model
+        every = sorted(a for spec in self.models.values() for a in spec.adapters)
+        raise UnknownNameError(f"unknown adapter {name!r} (catalog has: {', '.join(every) or 'nothing'})")
+
+    def adapter_path(self, name: str) -> str:
+        folder = self.models[self.adapter_base(name)].adapters[name]
+        return str((self.folder / Path(folder).expanduser()).resolve())
+
+    def base_and_adapter(self, name: str) -> tuple[str, str | None]:
+        """What a request's `model` names: a model (itself, no adapter) or an adapter (its base,
+        itself). UnknownNameError naming both lists when it is neither."""
+        if name in self.models:
+            return name, None
+        try:
+            return self.adapter_base(name), name
+        except UnknownNameError:
+            raise UnknownNameError(f"unknown model {name!r} (catalog has: {_listing(self.models)})") from None
 
     def templates_of(self, model: str) -> list[str]:
         """The names of the templates whose system prompts run on `model`."""

@@ -54,7 +54,9 @@ class EndpointWarmup:
 def warm_endpoint(name: str, spec: EndpointSpec, catalog: Catalog, templates: list[str]) -> list[EndpointWarmup]:
     """Open the pool (if not yet), then prime the server's prefix cache with every template's
     system prompt, concurrently; never raises for an unreachable or failing server."""
-    results = [EndpointWarmup(t, spec.model or catalog.template(t).model) for t in templates]
+    results = [
+        EndpointWarmup(t, catalog.template(t).adapter or spec.model or catalog.template(t).model) for t in templates
+    ]
     with ExitStack() as held:
         try:
             pool, opened = held.enter_context(POOLS.lease(name, spec, primer_for(spec, catalog)))
@@ -66,10 +68,65 @@ def warm_endpoint(name: str, spec: EndpointSpec, catalog: Catalog, templates: li
             result.connect_ms = pool.opened_ms if opened else 0.0  # reported by the warmup that paid it
         if spec.kind == "preheat":
             _warm_through_internal(pool, results)
-        else:
-            with ThreadPoolExecutor(max_workers=min(len(results), spec.max_connections) or 1) as prompts:
-                list(prompts.map(lambda r: _prime(pool, catalog, r), results))
+            return results
+        refused = load_adapters(pool, sorted({catalog.template(r.template).adapter for r in results} - {None}))
+        for result in results:
+            if (why := refused.get(catalog.template(result.template).adapter)) is not None:
+                result.error = why
+        primed = [result for result in results if result.error is None]
+        with ThreadPoolExecutor(max_workers=min(len(primed), spec.max_connections) or 1) as prompts:
+            list(prompts.map(lambda r: _prime(pool, catalog, r), primed))
     return results
+
+
+def load_adapters(pool: EndpointPool, adapters: list[str]) -> dict[str, str]:
+    """Each adapter loaded on the server ahead of its tenants (`POST /v1/load_lora_adapter`,
+    which also preloads it for the requests that follow), then seen in `GET /v1/models`
+    with its base as `parent`. Returns adapter -> why it is not usable (one line each);
+    an adapter the server had loaded already counts as loaded."""
+    refused, root = {}, httpx.URL(pool.spec.base_url)
+    for adapter in adapters:
+        body = {"lora_name": adapter, "lora_path": pool.spec.adapters[adapter]}
+        try:
+            answer = pool.client.post(str(root.copy_with(path=_api_path(root, "load_lora_adapter"))), json=body)
+        except httpx.HTTPError as exc:
+            refused[adapter] = f"adapter {adapter!r}: POST /v1/load_lora_adapter failed: {reason(exc)}"
+            continue
+        if answer.status_code == 404:
+            refused[adapter] = (
+                f"adapter {adapter!r}: POST /v1/load_lora_adapter is 404: start vLLM with --enable-lora and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+            )
+        elif answer.status_code >= 400 and "already been loaded" not in answer.text:
+            refused[adapter] = (
+                f"adapter {adapter!r}: POST /v1/load_lora_adapter answered {answer.status_code}: {_message(answer)}"
+            )
+    try:
+        listed = {
+            entry.get("id"): entry
+            for entry in pool.client.get(str(root.copy_with(path=_api_path(root, "models")))).json()["data"]
+        }
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        listed = {}
+        why = f"GET /v1/models failed: {reason(exc) if isinstance(exc, httpx.HTTPError) else exc!r}"
+    else:
+        why = "not in GET /v1/models after loading"
+    for adapter in adapters:
+        if adapter not in refused and adapter not in listed:
+            refused[adapter] = f"adapter {adapter!r}: {why}"
+    return refused
+
+
+def _api_path(root: httpx.URL, leaf: str) -> str:
+    """`leaf` under the API root's path (/v1/…), as vLLM serves its LoRA routes."""
+    return f"{root.path.rstrip('/')}/{leaf}"
+
+
+def _message(answer: httpx.Response) -> str:
+    try:
+        return str(answer.json().get("message", answer.text))[:200]
+    except ValueError:
+        return answer.text[:200]
 
 
 def _prime(pool: EndpointPool, catalog: Catalog, result: EndpointWarmup) -> None:

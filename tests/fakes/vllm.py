@@ -20,6 +20,16 @@ names; each behaviour says which vLLM release it follows:
   `POST /collective_rpc {"method": "reload_weights"}` before it answers sensibly (vLLM 0.11's
   recipe), and `POST /reset_prefix_cache`. Without dev mode these paths are 404 with FastAPI's
   body `{"detail": "Not Found"}`, as upstream.
+- LoRA at run time (vLLM 0.6+, `docs/features/lora.md`): with `--enable-lora` and
+  VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (here `--runtime-lora`), `POST /v1/load_lora_adapter`
+  `{"lora_name", "lora_path"}` answers 200 with the text `Success: LoRA adapter '<name>' added
+  successfully.`; a name already loaded, or a path with no adapter_config.json, is 400 with
+  vLLM's error body (`{"object": "error", "message", "type": "BadRequestError", "code": 400}`);
+  `POST /v1/unload_lora_adapter` `{"lora_name"}` likewise; without runtime updating both paths
+  are 404 (the routes are not registered). `GET /v1/models` lists the base and each adapter with
+  `parent` (the base) and `root` (its path); a chat naming an unknown model is 404
+  (`NotFoundError`), and the prefix cache keys blocks by the model (an adapter's never hit the
+  base's, as vLLM's block hashes include the LoRA).
 - A request while asleep: upstream has varied (a crash in 2025-03, #14311; held by the paused
   scheduler since #34528); the fake refuses it with 503, which is what preheat must never cause.
 
@@ -36,6 +46,7 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 
 import tornado.web
 
@@ -53,22 +64,24 @@ class State:
         self.awake_at = 0.0  # monotonic time /is_sleeping turns false after a wake
         self.sleeps: list[dict] = []  # every /sleep call, as received
         self.is_sleeping_calls = 0
+        self.adapters: dict[str, str] = {}  # LoRA adapters loaded: name -> path
 
     def is_sleeping(self) -> bool:
         if self.asleep_tags:
             return True
         return time.monotonic() < self.awake_at
 
-    def cached(self, tokens: list[str]) -> int:
+    def cached(self, tokens: list[str], model: str = MODEL) -> int:
+        """Blocks are keyed by the model too: an adapter's never match the base's."""
         size = self.args.block_size
         hit = 0
         for end in range(size, len(tokens) + 1, size):
-            if tuple(tokens[:end]) in self.blocks:
+            if (model, *tokens[:end]) in self.blocks:
                 hit = end
             else:
                 break
         for end in range(size, len(tokens) + 1, size):
-            self.blocks.add(tuple(tokens[:end]))
+            self.blocks.add((model, *tokens[:end]))
         return hit
 
 
@@ -99,8 +112,17 @@ class Chat(Base):
             self.send_json(500, {"error": {"message": "weights were discarded (level 2): reload_weights first"}})
             return
         body = json.loads(self.request.body)
+        if body.get("model") not in (MODEL, *state.adapters):
+            error = {
+                "object": "error",
+                "message": f"The model `{body.get('model')}` does not exist.",
+                "type": "NotFoundError",
+                "code": 404,
+            }
+            self.send_json(404, error)
+            return
         tokens = " ".join(f"{m['role']}: {m['content']}" for m in body["messages"]).split()
-        cached = state.cached(tokens)
+        cached = state.cached(tokens, body["model"])
         state.queries += len(tokens)
         state.hits += cached
         state.prompt_tokens += len(tokens)
@@ -224,6 +246,49 @@ class Metrics(Base):
         self.finish("\n".join(lines) + "\n")
 
 
+def _bad_request(handler: Base, message: str) -> None:
+    handler.send_json(400, {"object": "error", "message": message, "type": "BadRequestError", "code": 400})
+
+
+class LoadLora(Base):
+    def post(self) -> None:
+        if not self.state.args.runtime_lora:
+            self.send_json(404, {"detail": "Not Found"})
+            return
+        body = json.loads(self.request.body or b"{}")
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            _bad_request(self, "Both 'lora_name' and 'lora_path' must be provided.")
+        elif name in self.state.adapters:
+            _bad_request(self, f"The lora adapter '{name}' has already been loaded.")
+        elif not (Path(path) / "adapter_config.json").is_file():
+            _bad_request(self, f"Loading lora {name} failed: No adapter found for {path}")
+        else:
+            self.state.adapters[name] = path
+            self.finish(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+class UnloadLora(Base):
+    def post(self) -> None:
+        if not self.state.args.runtime_lora:
+            self.send_json(404, {"detail": "Not Found"})
+            return
+        name = json.loads(self.request.body or b"{}").get("lora_name")
+        if name not in self.state.adapters:
+            _bad_request(self, f"The lora adapter '{name}' cannot be found.")
+            return
+        del self.state.adapters[name]
+        self.finish(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+class Models(Base):
+    def get(self) -> None:
+        data = [{"id": MODEL, "object": "model", "owned_by": "vllm", "root": MODEL, "parent": None}]
+        for name, path in self.state.adapters.items():
+            data.append({"id": name, "object": "model", "owned_by": "vllm", "root": path, "parent": MODEL})
+        self.send_json(200, {"object": "list", "data": data})
+
+
 class Calls(Base):
     """Not vLLM's: what the tests read back (every /sleep call, as received)."""
 
@@ -235,6 +300,9 @@ def make_app(args) -> tornado.web.Application:
     return tornado.web.Application(
         [
             (r"/v1/chat/completions", Chat),
+            (r"/v1/models", Models),
+            (r"/v1/load_lora_adapter", LoadLora),
+            (r"/v1/unload_lora_adapter", UnloadLora),
             (r"/sleep", Sleep),
             (r"/wake_up", WakeUp),
             (r"/is_sleeping", IsSleeping),
@@ -258,6 +326,7 @@ def parse(argv: list[str]):
     parser.add_argument("--wake-never", action="store_true")
     parser.add_argument("--metrics", choices=("ok", "missing", "garbage"), default="ok")
     parser.add_argument("--is-sleeping-garbage", action="store_true")
+    parser.add_argument("--runtime-lora", action="store_true", help="--enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     return parser.parse_args(argv)
 
 

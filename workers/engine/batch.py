@@ -94,7 +94,7 @@ class Batch:
         runner, segments = self.rows[0].request.resident.runner, self.plan(prefill_budget, alone)
         before = self.kv.snapshot()
         try:
-            logits = runner.step(self.kv, segments)
+            logits = runner.step(self.kv, segments, [self.rows[s.slot].request.adapter for s in segments])
         except Exception as exc:
             # Undone for all; the newest row (the one that made the batch this large) leaves.
             self.kv.restore(before)

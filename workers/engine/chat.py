@@ -80,13 +80,14 @@ class TemplatePrefix:
     key: CacheKey
 
     @classmethod
-    def of(cls, resident: ResidentModel, system_prompt: str) -> TemplatePrefix:
+    def of(cls, resident: ResidentModel, system_prompt: str, space: str | None = None) -> TemplatePrefix:
+        """`space`: the cache namespace of its ids, the model's name unless an adapter's."""
         rendered = [render(resident, conversation(system_prompt, turn))[0].numpy() for turn in _PROBE_TURNS]
         shared = common_prefix(rendered)
         if len(shared) == 0:
             raise ChatTemplateError(f"the chat template of model {resident.name!r} shares no ids between requests")
         ids = torch.from_numpy(shared.copy()).unsqueeze(0)
-        return cls(resident.name, system_prompt, ids, CacheKey.of(resident.name, shared))
+        return cls(resident.name, system_prompt, ids, CacheKey.of(space or resident.name, shared))
 
     def prompt_ids(self, resident: ResidentModel, user_input: str) -> torch.Tensor:
         """The request's ids: the system prompt and the user's turn, rendered."""

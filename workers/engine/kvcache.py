@@ -333,7 +333,12 @@ class KVCacheManager:
         """Drop every entry of `model` not in use, pinned ones included (the model goes to
         sleep); returns the bytes freed."""
         with self._lock:
-            idle = [e for e in self._entries.values() if e.key.model == model and e.ref_count == 0]
+            # Its adapters' prefixes too (their namespaces are `model+adapter`, engine/lora.py).
+            idle = [
+                e
+                for e in self._entries.values()
+                if (e.key.model == model or e.key.model.startswith(f"{model}+")) and e.ref_count == 0
+            ]
             for entry in idle:
                 self._drop(entry, evicted=False)
             return sum(entry.nbytes for entry in idle)

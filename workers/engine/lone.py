@@ -92,7 +92,7 @@ class LoneRequests:
             if not done:
                 try:
                     token = torch.tensor([[request.ids[-1]]])
-                    logits, decoding.kv = request.resident.runner.forward(token, decoding.kv)
+                    logits, decoding.kv = request.resident.runner.forward(token, decoding.kv, request.adapter)
                     self._outcomes.decoded(1)
                 except Exception as exc:
                     self._decoding.remove(decoding)
@@ -113,7 +113,9 @@ class LoneRequests:
     def _advance(self, prefilling: _Prefilling, tokens: int) -> bool:
         """The next `tokens` ids of its prompt; True once its first token is chosen."""
         piece, prefilling.feed = prefilling.feed[:, :tokens], prefilling.feed[:, tokens:]
-        logits, prefilling.kv = prefilling.request.resident.runner.forward(piece, prefilling.kv)
+        logits, prefilling.kv = prefilling.request.resident.runner.forward(
+            piece, prefilling.kv, prefilling.request.adapter
+        )
         if prefilling.feed.shape[-1]:
             return False
         self._first_token(prefilling.request, logits, prefilling.kv)

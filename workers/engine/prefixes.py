@@ -24,6 +24,7 @@ import torch
 from preheat.workers.engine.device import synchronize
 from preheat.workers.engine.kvcache import CacheBudgetError, CacheEntry, CacheFullError, CacheKey, KVCacheManager, Match
 from preheat.workers.engine.kvtensors import Prefix, clone_for_request, settle, truncatable
+from preheat.workers.engine.lora import namespace
 from preheat.workers.engine.prefixstore import PrefixStore
 from preheat.workers.engine.request import ms_since
 from preheat.workers.engine.resident import ResidentModel, check_context
@@ -71,42 +72,52 @@ class Prefixes:
         key: CacheKey | None = None,
         label: str = "",
         pin: bool = False,
+        adapter=None,
     ) -> Prefilled:
         """Make the KV of `token_ids` cached (no decoding): already there, restored from the
         prefix store, or computed (and then stored). A caller that has the ids' key (a
-        template's prefix) passes it: the ids are then hashed by nobody."""
-        key = key or CacheKey.of(resident.name, token_ids[0].numpy())
+        template's prefix) passes it: the ids are then hashed by nobody. Under `adapter` (a
+        LoraWeights) the prefix is its adapter's: computed under it, cached in its namespace,
+        never the base's nor another adapter's, and not written to the prefix store."""
+        space = namespace(resident.name, adapter and adapter.name)
+        key = key or CacheKey.of(space, token_ids[0].numpy())
         if (existing := self.cache.peek(key)) is not None:
             entry = self.cache.insert(
-                resident.name, existing.token_ids, existing.payload, existing.nbytes, key=key, label=label, pin=pin
+                space, existing.token_ids, existing.payload, existing.nbytes, key=key, label=label, pin=pin
             )
             return Prefilled(entry, "cached")
         check_context(resident, token_ids.shape[-1], f"template {label!r}" if label else "prefix", new_tokens=1)
         ids = token_ids[0].numpy()
-        if self.store is not None and (restored := self.store.restore(resident, ids)) is not None:
+        store = self.store if adapter is None else None
+        if store is not None and (restored := store.restore(resident, ids)) is not None:
             settle(restored.prefix.cache)
-            entry = self._insert(resident, ids, restored.prefix, key=key, label=label, pin=pin)
+            entry = self._insert(space, ids, restored.prefix, key=key, label=label, pin=pin)
             return Prefilled(entry, "restored", restore_ms=restored.ms)
         synchronize(resident.placement.device)
         started = time.perf_counter()
-        logits, kv = resident.runner.forward(token_ids)
+        logits, kv = resident.runner.forward(token_ids, adapter=adapter)
         settle(kv)
         synchronize(resident.placement.device)
         prefill_ms = (time.perf_counter() - started) * 1000
-        entry = self._insert(resident, ids, Prefix(kv, logits), key=key, label=label, pin=pin)
-        if self.store is not None:
-            self.store.save_later(resident, ids, entry.payload)
+        entry = self._insert(space, ids, Prefix(kv, logits), key=key, label=label, pin=pin)
+        if store is not None:
+            store.save_later(resident, ids, entry.payload)
         return Prefilled(entry, "computed", prefill_ms=prefill_ms)
 
-    def _insert(self, resident: ResidentModel, ids, prefix: Prefix, **how) -> CacheEntry:
-        return self.cache.insert(
-            resident.name, ids, prefix, prefix.nbytes, truncatable=truncatable(prefix.cache), **how
-        )
+    def _insert(self, space: str, ids, prefix: Prefix, **how) -> CacheEntry:
+        """Cached under `space`: the model's name, or its adapter's namespace (lora.namespace)."""
+        return self.cache.insert(space, ids, prefix, prefix.nbytes, truncatable=truncatable(prefix.cache), **how)
 
     # Requests -----------------------------------------------------------------------
 
     def start(
-        self, resident: ResidentModel, prompt_ids: torch.Tensor, *, use_cache: bool = True, record: bool = True
+        self,
+        resident: ResidentModel,
+        prompt_ids: torch.Tensor,
+        *,
+        use_cache: bool = True,
+        record: bool = True,
+        adapter=None,
     ) -> Start:
         """The request's starting point: a clone of the cached entry sharing the most leading
         ids with its prompt. The entry is held (never evicted) while it is cloned; from then
@@ -115,7 +126,8 @@ class Prefixes:
         started = time.perf_counter()
         if not use_cache:
             return self._start_from(None, prompt_ids, started)
-        with self.cache.using(resident.name, prompt_ids[0].numpy(), record=record) as match:
+        space = namespace(resident.name, adapter and adapter.name)
+        with self.cache.using(space, prompt_ids[0].numpy(), record=record) as match:
             return self._start_from(match, prompt_ids, started)
 
     @staticmethod
@@ -149,13 +161,13 @@ class Prefixes:
         if self.store is not None:
             self.store.discard(resident, token_ids.reshape(-1).cpu().numpy())
 
-    def remember(self, resident: ResidentModel, ids: list[int], prefix: Prefix) -> None:
+    def remember(self, resident: ResidentModel, ids: list[int], prefix: Prefix, *, adapter=None) -> None:
         """Keep a finished request's KV for the next turn (what `Request.to_remember` says);
         best effort, never at a pinned prefix's expense."""
         if prefix.cache.get_seq_length() != len(ids):
             return
         settle(prefix.cache, trim_every_s=REMEMBER_TRIM_EVERY_S)
         try:
-            self._insert(resident, ids, prefix, label="conversation")
+            self._insert(namespace(resident.name, adapter and adapter.name), ids, prefix, label="conversation")
         except (CacheBudgetError, CacheFullError) as exc:
             log.debug("conversation not cached: %s", exc)

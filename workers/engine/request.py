@@ -166,6 +166,7 @@ class Request:
     remember: bool = False  # the prompt and answer stay cached for a follow-up
     arrived: float = field(default_factory=time.perf_counter)  # TTFT counts from here
     on_first_token: Callable[[Request], None] | None = None
+    adapter: object | None = None  # a LoraWeights: every token computed under it (engine/lora.py)
     status: RequestStatus = RequestStatus.WAITING
     ids: list[int] = field(init=False)  # the prompt's, then every token chosen: the one list
     prompt_tokens: int = field(init=False)

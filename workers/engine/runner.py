@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from preheat.workers.engine import attention
+from preheat.workers.engine import attention, lora
 from preheat.workers.engine.device import Placement, out_of_memory_as_error
 from preheat.workers.engine.raggedkv import RaggedKV, Segment, batchable
 
@@ -37,17 +37,20 @@ class ModelRunner:
 
     # Passes ---------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, cache=None):
+    def forward(self, input_ids: torch.Tensor, cache=None, adapter=None):
         """One forward pass extending `cache` (a new DynamicCache when None): a prefix's
-        pre-fill, a lone request's chunk or token. Returns (the last position's logits, cache)."""
+        pre-fill, a lone request's chunk or token, under `adapter` (a LoraWeights) if given.
+        Returns (the last position's logits, cache)."""
         from transformers import DynamicCache
 
         cache = cache if cache is not None else DynamicCache(config=self.model.config)
         device = self.placement.device
         doing = f"running {input_ids.shape[-1]} tokens through {self.name} (after {cache.get_seq_length()} cached)"
 
+        rows = lora.token_rows([input_ids.shape[-1]], [adapter], device) if adapter is not None else []
+
         def run():
-            with torch.inference_mode():
+            with torch.inference_mode(), lora.applied(self.model, rows):
                 return self.model(
                     input_ids=input_ids.to(device, non_blocking=True),
                     use_cache=True,
@@ -57,16 +60,21 @@ class ModelRunner:
 
         return out_of_memory_as_error(device, doing, run), cache
 
-    def step(self, kv: RaggedKV, segments: list[Segment]) -> torch.Tensor:
+    def step(self, kv: RaggedKV, segments: list[Segment], adapters: Sequence | None = None) -> torch.Tensor:
         """The step's one forward pass over the running rows: the logits after each segment's
-        last id, [segments, vocab]. Through a compiled graph where one covers the step."""
+        last id, [segments, vocab]. Each segment's tokens under its adapter (`adapters`, one
+        LoraWeights or None per segment): rows of several adapters and of the base in one
+        pass. Through a compiled graph where one covers the step (the base's rows alone)."""
         fed = sum(len(segment.ids) for segment in segments)
         doing = f"running {len(segments)} requests together on {self.name} ({fed} ids)"
-        if self.compiled is not None and (graph := self.compiled.for_step(kv, segments)) is not None:
+        adapted = adapters is not None and any(adapter is not None for adapter in adapters)
+        if not adapted and self.compiled is not None and (graph := self.compiled.for_step(kv, segments)) is not None:
             return out_of_memory_as_error(self.placement.device, doing, lambda: graph(kv, segments))
+        lengths = [len(segment.ids) for segment in segments]
+        rows = lora.token_rows(lengths, list(adapters), self.placement.device) if adapted else []
 
         def run():
-            with torch.inference_mode(), attention.running(kv):
+            with torch.inference_mode(), attention.running(kv), lora.applied(self.model, rows):
                 return self.model(**kv.step_inputs(segments), use_cache=False).logits[0]
 
         return out_of_memory_as_error(self.placement.device, doing, run)

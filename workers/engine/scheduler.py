@@ -255,7 +255,11 @@ class Scheduler:
                 continue
             try:
                 start = self.prefixes.start(
-                    request.resident, request.prompt_ids, use_cache=request.use_cache, record=request.record
+                    request.resident,
+                    request.prompt_ids,
+                    use_cache=request.use_cache,
+                    record=request.record,
+                    adapter=request.adapter,
                 )
                 request.started(start.cached_tokens, start.reuse_ms)
                 budget -= int(start.feed_ids.shape[-1])
@@ -308,7 +312,7 @@ class Scheduler:
         completion finds it), then the completion to the reader."""
         try:
             if (kept := request.to_remember(kv)) is not None:
-                self.prefixes.remember(request.resident, *kept)
+                self.prefixes.remember(request.resident, *kept, adapter=request.adapter)
         finally:
             completion = request.finish(status)
             self._request_s = 0.9 * self._request_s + 0.1 * completion.total_ms / 1000

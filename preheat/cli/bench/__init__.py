@@ -248,3 +248,33 @@ def memory_command(
     if shape not in ("tiny", "135m"):
         raise typer.BadParameter(f"unknown shape {shape!r}: tiny or 135m", param_hint="--shape")
     bench.main(shape=shape, templates=templates, tokens=tokens, json_path=json_path)
+
+
+@app.command("limit")
+def limit_command(
+    shape: str = typer.Option("real", "--model", help="real (SmolLM2-135M-Instruct), or a random 135m or tiny."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/limit/limit.json."),
+) -> None:
+    """A decode step against the hardware: the weight bytes over the measured memory bandwidth
+    (one row), the step's FLOPs over the measured matmul throughput (16 rows), and preheat's
+    step beside both (PREHEAT_DTYPE and PREHEAT_COMPILE as a worker takes them)."""
+    from preheat.cli.bench import limit as bench
+
+    bench.main(shape=shape, json_path=json_path)
+
+
+@app.command("lora")
+def lora_command(
+    shape: str = typer.Option("real", "--model", help="real (SmolLM2-135M-Instruct), or a random 135m or tiny."),
+    rounds: int = typer.Option(3, min=1, max=20, help="First requests per way (fresh cold adapters each)."),
+    requests_per_user: int = typer.Option(2, min=1, max=100, help="Requests each of the 16 users sends."),
+    max_tokens: int = typer.Option(32, min=1, max=4096, help="max_tokens of every request."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/lora/lora.json."),
+) -> None:
+    """LoRA adapters: the first request to a cold adapter against one warmed ahead and the
+    base; one adapter's load; 16 users over 1, 4 and 16 adapters against 16 on the base."""
+    from preheat.cli.bench import lora as bench
+
+    bench.main(
+        shape=shape, adapters=16, rounds=rounds, per_user=requests_per_user, max_tokens=max_tokens, json_path=json_path
+    )

@@ -78,8 +78,10 @@ def server_binary(folder: Path) -> Path:
     return binary
 
 
-def gguf_of(folder: Path, model_dir: Path, dtype: str) -> Path:
-    """The model's safetensors as a GGUF at `dtype`, by llama.cpp's own converter (once)."""
+def gguf_of(folder: Path, model_dir: Path, dtype: str, python: Path | None = None) -> Path:
+    """The model's safetensors as a GGUF at `dtype`, by llama.cpp's own converter (once), run
+    by `python`: the bench's environment (`make bench-env`: torch, transformers, sentencepiece),
+    so the product's stays as it ships."""
     digest = hashlib.sha256(f"{model_dir.resolve()}:{(model_dir / 'config.json').stat().st_mtime_ns}".encode())
     out = folder / "gguf" / f"{model_dir.name}-{digest.hexdigest()[:12]}-{OUTTYPES[dtype]}.gguf"
     if out.is_file():
@@ -88,7 +90,8 @@ def gguf_of(folder: Path, model_dir: Path, dtype: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{tree / 'gguf-py'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     temporary = out.with_suffix(".tmp")
-    argv = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model_dir), "--outfile", str(temporary)]
+    python = python if python is not None and python.exists() else Path(sys.executable)
+    argv = [str(python), str(tree / "convert_hf_to_gguf.py"), str(model_dir), "--outfile", str(temporary)]
     done = subprocess.run([*argv, "--outtype", OUTTYPES[dtype]], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise PeerUnavailable(f"converting {model_dir} to GGUF failed: {done.stderr.strip()[-400:]}")
@@ -103,14 +106,22 @@ class LlamaServer:
     argv: list[str]
 
 
-def start(folder: Path, model_dir: Path, dtype: str, slots: int, timeout: float, slot_save: Path | None = None):
+def start(
+    folder: Path,
+    model_dir: Path,
+    dtype: str,
+    slots: int,
+    timeout: float,
+    slot_save: Path | None = None,
+    python: Path | None = None,
+):
     """A llama-server on a free port with the model at `dtype`, `slots` slots of 2,048
     positions each, its prompt cache on, as many threads as cores; ready when it answers."""
     import httpx
 
     from preheat.core import processes
 
-    binary, gguf = server_binary(folder), gguf_of(folder, model_dir, dtype)
+    binary, gguf = server_binary(folder), gguf_of(folder, model_dir, dtype, python)
     port, threads = processes.free_port(), str(os.cpu_count())
     argv = [
         str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),

@@ -41,7 +41,7 @@ def start(mode: str, setup: Setup, templates, catalog, folder: Path, python: Pat
     if mode == "llama-server":
         from preheat.cli.bench import llamacpp
 
-        peer = llamacpp.start(folder / "llama.cpp", setup.model_dir, setup.dtype, setup.rows, timeout)
+        peer = llamacpp.start(folder / "llama.cpp", setup.model_dir, setup.dtype, setup.rows, timeout, python=python)
         return Server(peer.url, setup.model_name, peer.stop)
     return start_preheat(mode, setup, templates, catalog, folder, timeout)
 

@@ -89,9 +89,9 @@ def record_steps(monkeypatch) -> list[list]:
     """The segments of every step the runner runs from now on (ModelRunner.step)."""
     steps, real_step = [], ModelRunner.step
 
-    def recorded(runner, kv, segments):
+    def recorded(runner, kv, segments, adapters=None):
         steps.append(list(segments))
-        return real_step(runner, kv, segments)
+        return real_step(runner, kv, segments, adapters)
 
     monkeypatch.setattr(ModelRunner, "step", recorded)
     return steps
@@ -171,11 +171,11 @@ def test_one_requests_failure_is_its_own(resident, monkeypatch):
     monkeypatch.setattr(request_module, "sampler_for", failing_for_seed_13)
     real_step, failed = ModelRunner.step, {"n": 0}
 
-    def out_of_memory_once_at_five(runner, kv, segments):
+    def out_of_memory_once_at_five(runner, kv, segments, adapters=None):
         if len(kv) == 5 and not failed["n"]:
             failed["n"] += 1
             raise DeviceOutOfMemory("injected: out of memory running 5 requests")
-        return real_step(runner, kv, segments)
+        return real_step(runner, kv, segments, adapters)
 
     monkeypatch.setattr(ModelRunner, "step", out_of_memory_once_at_five)
     bad = (requests[0][0], SamplingParams(max_tokens=5, temperature=0.7, seed=13))  # sampled: its own sampler runs

@@ -1,0 +1,149 @@
+"""`preheat bench limit`: what the hardware allows a decode step, measured, beside preheat's.
+
+- **Bandwidth limit (one row).** A decode step at one row reads every weight once: the
+  weight bytes over the memory bandwidth measured here (a sum over a buffer four times the
+  size of the last-level cache, best of several) is the step no engine can beat.
+- **Compute limit (16 rows).** At 16 rows the step's matrix products are 2 × parameters ×
+  16 FLOPs: over the matmul throughput measured here at the step's own shapes (16 rows
+  through the model's largest linear, in its dtype), the step no engine can beat.
+- **preheat's step.** The production runner (`ModelRunner.step`, compiled as the worker
+  would: PREHEAT_COMPILE, PREHEAT_DTYPE), on rows that each pre-filled 64 ids, then
+  decode steps timed one by one (median of 32).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.table import Table
+
+from preheat.cli.bench.common import dev_model, host, write_report
+
+ROWS = (1, 16)
+STEPS_TIMED = 32
+PROMPT_IDS = 64
+
+
+def _best_ms(work, repeats: int) -> float:
+    work()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        best = min(best, (time.perf_counter() - started) * 1000)
+    return best
+
+
+def bandwidth_gbs() -> float:
+    """Bytes a core set can read per second: a sum over a 1 GiB float32 buffer, best of 5."""
+    buffer = torch.ones(256 * 1024**2, dtype=torch.float32)
+    ms = _best_ms(lambda: buffer.sum(), 5)
+    return buffer.nbytes / (ms / 1000) / 1e9
+
+
+def matmul_flops(rows: int, inner: int, outer: int, dtype: torch.dtype) -> float:
+    """FLOP/s of `rows` × `inner` @ `inner` × `outer` in `dtype`, best of 20."""
+    x, w = torch.randn(rows, inner, dtype=dtype), torch.randn(outer, inner, dtype=dtype)
+    ms = _best_ms(lambda: torch.nn.functional.linear(x, w), 20)
+    return 2 * rows * inner * outer / (ms / 1000)
+
+
+def step_ms(runner, rows: int) -> float:
+    """Median ms of a decode step of `rows` rows, each after a 64-id pre-fill."""
+    from preheat.workers.engine.raggedkv import Segment
+
+    kv = runner.new_batch()
+    for _ in range(rows):
+        kv.add(None, PROMPT_IDS + STEPS_TIMED + 8)
+    runner.step(kv, [Segment(slot, 0, tuple(range(1, PROMPT_IDS + 1))) for slot in range(rows)])
+    kv.stepped()
+    times = []
+    for step in range(STEPS_TIMED + 2):
+        segments = [Segment(slot, kv.lengths[slot], (7 + step,)) for slot in range(rows)]
+        started = time.perf_counter()
+        runner.step(kv, segments)
+        if step >= 2:  # the first two settle the buffers
+            times.append((time.perf_counter() - started) * 1000)
+        kv.stepped()
+    return statistics.median(times)
+
+
+def main(*, shape: str, json_path: Path | None) -> None:
+    from preheat.cli import render
+    from preheat.core.settings import get_settings
+    from preheat.workers.engine.compilestore import CompileStore
+    from preheat.workers.engine.device import fast_dtype
+    from preheat.workers.engine.resident import ModelSource, ResidentModels
+    from preheat.workers.sleep import weight_bytes
+
+    console = render.console()
+    settings = get_settings()
+    folder = settings.home / "bench" / "limit"
+    model_dir = dev_model(folder / "models" / shape, shape, console)
+    fast = str(fast_dtype(torch.device("cpu"))).removeprefix("torch.")
+    dtype = fast if settings.dtype == "auto" else settings.dtype
+    resident, _ = ResidentModels("cpu", dtype_preference=dtype).ensure(ModelSource(shape, str(model_dir)))
+    report = resident.runner.compile(settings.compile, CompileStore(folder / "compiled"), resident.content_digest)
+    console.print(f"{shape} in {dtype}; steps {report.source}{f' ({report.reason})' if report.reason else ''}")
+    weights = weight_bytes(resident.model)
+    parameters = sum(p.numel() for p in resident.model.parameters())
+    bandwidth = bandwidth_gbs()
+    config = resident.model.config.get_text_config()
+    torch_dtype = next(resident.model.parameters()).dtype
+    rows_out = []
+    for rows in ROWS:
+        flops = matmul_flops(rows, config.hidden_size, config.intermediate_size, torch_dtype)
+        bound_bandwidth = weights / (bandwidth * 1e9) * 1000
+        bound_compute = 2 * parameters * rows / flops * 1000
+        measured = step_ms(resident.runner, rows)
+        limit = max(bound_bandwidth, bound_compute)
+        rows_out.append(
+            {
+                "rows": rows,
+                "bandwidth_limit_ms": round(bound_bandwidth, 2),
+                "compute_limit_ms": round(bound_compute, 2),
+                "limit_ms": round(limit, 2),
+                "preheat_step_ms": round(measured, 2),
+                "over_limit": round(measured / limit, 2),
+                "matmul_gflops": round(flops / 1e9, 1),
+            }
+        )
+    result = {
+        "host": host(),
+        "model": shape,
+        "dtype": dtype,
+        "steps": report.source,
+        "weight_bytes": weights,
+        "parameters": parameters,
+        "bandwidth_gbs": round(bandwidth, 1),
+        "rows": rows_out,
+        "verdicts": [
+            f"one row: preheat's step {rows_out[0]['preheat_step_ms']} ms = {rows_out[0]['over_limit']}× the "
+            f"bandwidth limit (target ≤ 1.5×: {'met' if rows_out[0]['over_limit'] <= 1.5 else 'NOT met'})"
+        ],
+    }
+    table = Table(title=f"a decode step against the hardware · {shape}, {dtype}, {weights / 2**20:,.0f} MiB of weights")
+    for header in (
+        "rows",
+        "bandwidth limit ms",
+        "compute limit ms",
+        "preheat step ms",
+        "× the limit",
+        "matmul GFLOP/s",
+    ):
+        table.add_column(header, justify="right")
+    for row in rows_out:
+        table.add_row(
+            str(row["rows"]),
+            f"{row['bandwidth_limit_ms']:.2f}",
+            f"{row['compute_limit_ms']:.2f}",
+            f"{row['preheat_step_ms']:.2f}",
+            f"{row['over_limit']:.2f}",
+            f"{row['matmul_gflops']:,.1f}",
+        )
+    console.print(table)
+    console.print(f"memory bandwidth {bandwidth:.1f} GB/s; " + "; ".join(result["verdicts"]))
+    write_report(result, json_path or folder / "limit.json", console)

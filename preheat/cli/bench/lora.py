@@ -1,0 +1,166 @@
+"""`preheat bench lora`: LoRA adapters warmed ahead against cold, and batched against the base.
+
+On one worker runtime (the production path, in this process), with adapters made here by
+PEFT (rank 16 on q/k/v/o and the MLP, random weights, as `preheat dev make-adapter` writes):
+
+- **First request.** The same chat request (a system prompt and a user turn) as the first to
+  the base (its template warm), to an adapter warmed ahead (its template pre-filled under it,
+  pinned), and to a cold adapter (never read: its first user pays the read, the pre-fill of
+  the whole prompt under it). TTFT of each, medians over fresh adapters.
+- **Load.** Reading and proving one adapter (`read_adapter`), median.
+- **Many users.** 16 closed-loop users, each sending `--requests-per-user` requests, all on the
+  base, then spread round-robin over 1, 4 and 16 adapters: tokens/s and TTFT p50 of each.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from rich.table import Table
+
+from preheat.cli.bench.common import dev_model, host, write_report
+
+SYSTEM = "You are a support agent for an online shop. Answer in one short sentence, politely."
+USERS = 16
+SPREADS = (1, 4, 16)
+TARGET_WARM_OVER_BASE = 1.2
+TARGET_TOKENS_OVER_BASE = 0.8
+
+
+def _catalog(folder: Path, model_dir: Path, adapters: dict[str, Path]) -> Path:
+    lines = [f'[models.m]\npath = "{model_dir}"\nmax_adapters = {len(adapters)}\n[models.m.adapters]\n']
+    lines += [f'{name} = "{path}"\n' for name, path in adapters.items()]
+    lines.append(f'\n[templates.base]\nmodel = "m"\nsystem_prompt = "{SYSTEM}"\n')
+    lines += [
+        f'\n[templates.{name}]\nmodel = "m"\nadapter = "{name}"\nsystem_prompt = "{SYSTEM}"\n' for name in adapters
+    ]
+    path = folder / "lora.toml"
+    path.write_text("".join(lines))
+    return path
+
+
+def _ttft(runtime, model: str, text: str, max_tokens: int = 1) -> float:
+    from preheat.api.sampling import SamplingParams
+    from preheat.workers.engine.chat import conversation
+
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return runtime.generate_chat(model, conversation(SYSTEM, text), sampling, remember=False).collect().ttft_ms
+
+
+def _many(runtime, models: list[str], per_user: int, max_tokens: int) -> dict:
+    from preheat.api.sampling import SamplingParams
+    from preheat.workers.engine.chat import conversation
+
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    ttfts, tokens, errors = [], [0], []
+    lock = threading.Lock()
+
+    def user(index: int) -> None:
+        model = models[index % len(models)]
+        for turn in range(per_user):
+            try:
+                done = runtime.generate_chat(
+                    model, conversation(SYSTEM, f"Order {index}-{turn}: where is it?"), sampling, remember=False
+                ).collect()
+            except Exception as exc:  # counted, not fatal: the row says how many
+                errors.append(str(exc))
+                continue
+            with lock:
+                ttfts.append(done.ttft_ms)
+                tokens[0] += len(done.token_ids)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(USERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    return {
+        "tokens_per_s": round(tokens[0] / seconds, 1),
+        "ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
+        "requests": len(ttfts),
+        "errors": len(errors),
+    }
+
+
+def main(*, shape: str, adapters: int, rounds: int, per_user: int, max_tokens: int, json_path: Path | None) -> None:
+    from preheat.cli import render
+    from preheat.cli.devadapter import make_adapter
+    from preheat.core.catalog import load_catalog
+    from preheat.core.settings import get_settings
+    from preheat.workers.engine.lora import read_adapter
+    from preheat.workers.runtime import RuntimeConfig, WorkerRuntime
+
+    console = render.console()
+    settings = get_settings()
+    folder = (settings.home / "bench" / "lora").resolve()
+    model_dir = dev_model(folder / "models" / shape, shape, console)
+    count = max(adapters, max(SPREADS) + rounds)
+    console.print(f"{count} rank-16 adapters of the {shape} model (made once, by PEFT) …")
+    made = {f"t{i:02d}": make_adapter(model_dir, folder / "adapters" / f"t{i:02d}", seed=i) for i in range(count)}
+    catalog = load_catalog(_catalog(folder, model_dir, made))
+    runtime = WorkerRuntime(catalog, RuntimeConfig.from_settings(settings))
+    try:
+        runtime.load_models()
+        for template in ("base", "t00"):
+            runtime.templates.prefill(template)  # the base's template, and one adapter's, warm
+        resident = runtime.resident_models.get("m")
+        loads = [read_adapter(n, "m", made[n], resident.model, max_rank=64).load_ms for n in list(made)[:rounds]]
+        _ttft(runtime, "m", "warming the process up")
+        first = {"base": [], "warmed ahead": [], "cold": []}
+        cold_names = list(made)[-rounds:]
+        for round_ in range(rounds):
+            text = f"Hello, where is my parcel? (round {round_})"
+            first["base"].append(_ttft(runtime, "m", text))
+            first["warmed ahead"].append(_ttft(runtime, "t00", text))
+            first["cold"].append(_ttft(runtime, cold_names[round_], text))
+        first_ms = {way: round(statistics.median(ms), 1) for way, ms in first.items()}
+        many = {"base": _many(runtime, ["m"], per_user, max_tokens)}
+        for spread in SPREADS:
+            names = list(made)[:spread]
+            for name in names:
+                runtime.adapters.weights(name)  # resident: the spread measures batching, not reads
+            many[f"{spread} adapter(s)"] = _many(runtime, names, per_user, max_tokens)
+    finally:
+        runtime.close()
+    steps = {
+        name: m.runner.compile_report.source if m.runner.compile_report else "eager" for name, m in [("m", resident)]
+    }
+    warm_ratio = first_ms["warmed ahead"] / first_ms["base"]
+    four = many["4 adapter(s)"]["tokens_per_s"] / many["base"]["tokens_per_s"]
+    warm_met = "met" if warm_ratio <= TARGET_WARM_OVER_BASE else "NOT met"
+    verdicts = [
+        f"first request to an adapter warmed ahead: {first_ms['warmed ahead']} ms = {warm_ratio:.2f}× the base's "
+        f"{first_ms['base']} ms (target ≤ {TARGET_WARM_OVER_BASE}×: {warm_met}); "
+        f"a cold adapter's: {first_ms['cold']} ms",
+        f"16 users over 4 adapters: {four:.2f}× the tokens/s of 16 users on the base "
+        f"(target ≥ {TARGET_TOKENS_OVER_BASE}×: {'met' if four >= TARGET_TOKENS_OVER_BASE else 'NOT met'})",
+    ]
+    report = {
+        "host": host(),
+        "model": shape,
+        "steps": steps["m"],
+        "adapter_load_ms": round(statistics.median(loads), 1),
+        "first_request_ttft_ms": first_ms,
+        "many_users": many,
+        "verdicts": verdicts,
+    }
+    table = Table(title=f"LoRA adapters · {shape}, {USERS} users, max_tokens {max_tokens}, steps {steps['m']}")
+    for header in ("serving", "tokens/s", "TTFT p50 ms", "requests", "errors"):
+        table.add_column(header, justify="left" if header == "serving" else "right")
+    for name, row in many.items():
+        table.add_row(
+            name, f"{row['tokens_per_s']:,.1f}", f"{row['ttft_p50_ms']:,.1f}", str(row["requests"]), str(row["errors"])
+        )
+    console.print(table)
+    console.print(
+        f"first request TTFT: base {first_ms['base']} ms · adapter warmed ahead {first_ms['warmed ahead']} ms · "
+        f"cold adapter {first_ms['cold']} ms; one adapter read and proven in {report['adapter_load_ms']} ms"
+    )
+    for line in verdicts:
+        console.print(line, highlight=False)
+    write_report(report, json_path or folder / "lora.json", console)
