@@ -119,12 +119,12 @@ def test_sleep_measures_both_levels_against_the_cold_start_from_the_records_and_
     for row in report["summary"]:
         assert row["wake_over_cold"] == pytest.approx(row["wake_ready_s"] / report["cold_start_s"])
     refused = embedded_stack.cli_here("bench", "sleep", "--shape", "7b")
-    assert refused.returncode == 2 and "--shape must be one of tiny, 135m" in refused.stderr
+    assert refused.returncode == 2 and "--shape must be one of real, 135m, tiny" in refused.stderr
 
 
 def test_start_refuses_an_unknown_shape(embedded_stack):
     refused = embedded_stack.cli_here("bench", "start", "--shapes", "tiny,7b")
-    assert refused.returncode == 2 and "--shapes: expected a comma-separated list of tiny, 135m" in refused.stderr
+    assert refused.returncode == 2 and "--shapes: expected a comma-separated list of real, 135m, tiny" in refused.stderr
 
 
 @pytest.mark.slow

@@ -46,7 +46,9 @@ def first_request_command(
 
 @app.command("start")
 def start_command(
-    shapes: str = typer.Option("tiny,135m", help="Dev model shapes to start, comma-separated: tiny, 135m."),
+    shapes: str = typer.Option(
+        "real", help="Models to start, comma-separated: real (SmolLM2-135M-Instruct), 135m, tiny."
+    ),
     rounds: int = typer.Option(3, min=1, max=20, help="Launches per shape and store; figures are medians."),
     timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for any one stage."),
     json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/start.json."),
@@ -60,7 +62,7 @@ def start_command(
 
 @app.command("sleep")
 def sleep_command(
-    shape: str = typer.Option("135m", help="Dev model shape: tiny or 135m."),
+    shape: str = typer.Option("real", help="real (SmolLM2-135M-Instruct), or a random 135m or tiny."),
     rounds: int = typer.Option(3, min=1, max=20, help="Sleep and wake rounds per level; figures are medians."),
     timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for any one stage."),
     json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/sleep.json."),
@@ -142,7 +144,7 @@ def route_command(
     pinned: int = typer.Option(2, min=1, max=64, help="Templates one worker can pin."),
     factor: int = typer.Option(3, min=1, max=32, help="The catalog holds factor x pinned templates."),
     requests: int = typer.Option(48, min=1, max=10_000, help="Template requests per mode."),
-    shape: str = typer.Option("135m", help="Dev model shape: tiny or 135m."),
+    shape: str = typer.Option("real", help="real (SmolLM2-135M-Instruct), or a random 135m or tiny."),
     words: int = typer.Option(240, min=20, max=4000, help="Words of each system prompt."),
     max_tokens: int = typer.Option(8, min=1, max=256, help="Tokens per answer."),
     rows: int = typer.Option(4, min=1, max=64, help="PREHEAT_MAX_RUNNING_REQUESTS of each worker."),
@@ -153,8 +155,8 @@ def route_command(
     (cache share, TTFT) and a catalog spread across workers (from a pinned prefix, queues)."""
     from preheat.cli.bench import route as bench
 
-    if shape not in ("tiny", "135m"):
-        raise typer.BadParameter(f"--shape must be tiny or 135m, not {shape!r}")
+    if shape not in ("real", "135m", "tiny"):
+        raise typer.BadParameter(f"--shape must be real, 135m or tiny, not {shape!r}")
     bench.main(workers, users, turns, pinned, factor, requests, shape, words, max_tokens, rows, timeout, json_path)
 
 

@@ -78,6 +78,7 @@ class Row:
     client_over_worker_p50_ms: float | None = None
     # Cores the calling process spent while its users waited (the result backend's wait).
     caller_cores: float | None = None
+    first_error: str | None = None  # what the first failed request said
 
 
 def main(
@@ -326,6 +327,7 @@ def _row(mode: str, load: str, users: int, answers: list[Answer], wall_s: float)
     good = [a for a in answers if a.error is None and a.ttft_s is not None]
     ttfts = [a.ttft_s * 1000 for a in good]
     gaps = [g * 1000 for a in good for g in a.gaps_s]
+    failed = next((a.error for a in answers if a.error is not None), None)
     return Row(
         mode,
         load,
@@ -339,6 +341,7 @@ def _row(mode: str, load: str, users: int, answers: list[Answer], wall_s: float)
         _pct(gaps, 99),
         sum(a.tokens for a in good) / wall_s if wall_s else 0.0,
         len(good) / wall_s if wall_s else 0.0,
+        first_error=failed,
     )
 
 

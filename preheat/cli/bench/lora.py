@@ -101,7 +101,9 @@ def main(*, shape: str, adapters: int, rounds: int, per_user: int, max_tokens: i
     model_dir = dev_model(folder / "models" / shape, shape, console)
     count = max(adapters, max(SPREADS) + rounds)
     console.print(f"{count} rank-16 adapters of the {shape} model (made once, by PEFT) …")
-    made = {f"t{i:02d}": make_adapter(model_dir, folder / "adapters" / f"t{i:02d}", seed=i) for i in range(count)}
+    made = {  # per model: an adapter is proven against its base, and refused by another
+        f"t{i:02d}": make_adapter(model_dir, folder / "adapters" / shape / f"t{i:02d}", seed=i) for i in range(count)
+    }
     catalog = load_catalog(_catalog(folder, model_dir, made))
     runtime = WorkerRuntime(catalog, RuntimeConfig.from_settings(settings))
     try:

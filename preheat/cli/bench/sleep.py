@@ -24,7 +24,7 @@ from preheat.cli.bench.common import dev_model, host, prepare, worker_env, worke
 from preheat.cli.bench.start import _catalog, as_installed
 from preheat.core.errors import ConfigError
 
-SHAPES = ("tiny", "135m")
+SHAPES = ("real", "135m", "tiny")
 WAKE_TARGET = 0.2  # wake -> ready, over launch -> ready
 FREED_TARGET = 0.9  # level 1: the process's resident set falls by this share of the weights
 FIRST_TARGET = 1.5  # the first request after a wake, over steady TTFT

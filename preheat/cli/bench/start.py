@@ -30,7 +30,7 @@ from preheat.core.errors import ConfigError
 
 START_TARGET = 1.3  # launch -> ready, against the limit
 STOP_TARGET_S = 1.0  # an idle worker, SIGTERM -> exit
-SHAPES = ("tiny", "135m")
+SHAPES = ("real", "135m", "tiny")
 STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): ")
 
 # In a process of its own: what a worker cannot start faster than.
