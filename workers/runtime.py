@@ -276,7 +276,7 @@ class WorkerRuntime:
         """Its steps compiled (or restored from the compile store) on the scheduler's thread,
         before the model takes requests; the first warmup after reports how."""
         resident = self.resident_models.get(model)
-        if resident is not None and resident.runner.compiled is None:
+        if resident is not None and (resident.runner.compiled is None or not resident.runner.compiled.ready):
             runner, digest = resident.runner, resident.content_digest
             report = self.scheduler.call(runner.compile, self.config.compile, self.compile_store, digest)
             self.warmups.compiled(model, report)

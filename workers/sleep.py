@@ -196,7 +196,7 @@ class WakeResult:
     sleep_level: int | None = None
     wake_ms: float | None = None
     load_ms: float | None = None  # level 2: the load through the weight loader
-    compile_source: str | None = None  # its steps: compiled | restored (from the compile store) | eager
+    compile_source: str | None = None  # its steps: compiled | restored (compile store) | kept (level 1) | eager
     compile_ms: float | None = None
     device: str | None = None
     error: str | None = None
@@ -305,11 +305,12 @@ class Sleeps:
             return result
 
     def _release(self, resident: ResidentModel, level: int) -> int:
-        resident.runner.release()  # its compiled steps and their packed weights; compiled again on wake
         if level == 1:
+            resident.runner.suspend()  # the packed weights go; the graphs stay, for the wake
             offloaded, freed = offload_weights(resident)
             self.asleep[resident.name] = Asleep(1, time.time(), offloaded)
             return freed
+        resident.runner.release()  # its compiled steps and packed weights: compiled again on wake
         freed = weight_bytes(resident.model)
         self._models.drop(resident.name)
         for _, parameter in unique_parameters(resident.model).values():  # whoever still holds the object

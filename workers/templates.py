@@ -54,7 +54,7 @@ class Templates:
         resident_for: Callable[[str], ResidentModel],
         scheduler: Scheduler,
         metrics: RuntimeMetrics,
-        adapters: Adapters | None = None,
+        adapters: Adapters,
     ) -> None:
         self.catalog, self._adapters = catalog, adapters
         self._resident_for, self._scheduler, self._metrics = resident_for, scheduler, metrics
@@ -74,7 +74,7 @@ class Templates:
         spec = self.catalog.template(name)
         resident = self._resident_for(spec.model)
         adapter = None
-        if spec.adapter is not None and self._adapters is not None:
+        if spec.adapter is not None:
             # Pinned by a pre-fill of a template in the plan (a warmup's), never by a request.
             adapter = self._adapters.weights(spec.adapter, pin=reread and self.in_plan(name))
         space = namespace(resident.name, spec.adapter)

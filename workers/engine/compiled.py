@@ -83,6 +83,10 @@ class _CompiledLinear(torch.nn.Module):
         self.weight_id = weight_id
         if weight_id in _PACKED:
             raise RuntimeError(f"packed weight {weight_id} is already in use (two models of one name?)")
+        self.repack()
+
+    def repack(self) -> None:
+        """The weight packed for oneDNN again (after a level-1 sleep gave the copy back)."""
         packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
         _PACKED[self.weight_id] = (packed, self.bias.detach() if self.bias is not None else None)
 
@@ -188,10 +192,26 @@ class CompiledSteps:
         return (time.perf_counter() - started) * 1000
 
     def release(self) -> None:
-        """The graphs no longer used and the packed weights freed (a sleep, a failed compile)."""
+        """The graphs no longer used and the packed weights freed (a level-2 sleep, a failed compile)."""
         self.ready = False
         unpack_linear_layers(self._replaced)
         self._replaced = []
+
+    def suspend(self) -> None:
+        """A level-1 sleep: the packed copies of the weights freed, the modules (and so the
+        graphs, whose guards name them) kept in this process for `resume`."""
+        self.ready = False
+        for parent, name, _ in self._replaced:
+            getattr(parent, name).release()
+
+    def resume(self) -> float:
+        """After a level-1 wake: the weights packed again, the same graphs run at once (no
+        compile, no restore); returns the milliseconds it took."""
+        started = time.perf_counter()
+        for parent, name, _ in self._replaced:
+            getattr(parent, name).repack()
+        self.ready = True
+        return (time.perf_counter() - started) * 1000
 
 
 @functools.cache

@@ -89,6 +89,13 @@ class ModelRunner:
         from preheat.workers.engine.compiled import CompiledSteps, CompileReport, why_not_compiled
 
         if self.compiled is not None:
+            if not self.compiled.ready:  # a level-1 sleep kept the graphs
+                self.compile_report = CompileReport("kept", self.compiled.resume())
+                log.info(
+                    "model %s: steps kept through the sleep, weights packed in %.0f ms",
+                    self.name,
+                    self.compile_report.ms,
+                )
             return self.compile_report
         reason = "PREHEAT_COMPILE=off" if mode == "off" else why_not_compiled(self.placement.device)
         scratch = self.new_batch()
@@ -118,8 +125,13 @@ class ModelRunner:
         log.info("model %s: steps %s in %.0f ms", self.name, self.compile_report.source, ms)
         return self.compile_report
 
+    def suspend(self) -> None:
+        """A level-1 sleep: the packed weights freed, the graphs kept (`compile` resumes them)."""
+        if self.compiled is not None:
+            self.compiled.suspend()
+
     def release(self) -> None:
-        """The compiled steps let go (their packed weights with them): a sleep."""
+        """The compiled steps let go (their packed weights with them): a level-2 sleep."""
         if self.compiled is not None:
             self.compiled.release()
         self.compiled = self.compile_report = None

@@ -97,6 +97,36 @@ def test_a_long_step_and_sampling_run_through_the_compiled_graphs(dev_model, sto
     scheduler.close()
 
 
+def test_a_level_one_sleep_keeps_the_graphs_and_the_wake_only_packs_the_weights(dev_model, store):
+    """A level-1 sleep frees the packed copies of the weights and keeps the graphs: the wake
+    packs the weights again and runs the same graphs, with no compile and no restore, and
+    gives the eager tokens."""
+    from torch._dynamo.utils import counters
+
+    from preheat.workers.engine import compiled
+    from preheat.workers.engine.resident import ModelSource, ResidentModels
+
+    # A name of its own: packed weights are keyed by the model's name, one model each.
+    resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(
+        ModelSource("llama-asleep", str(dev_model("llama")))
+    )
+    scheduler = new_scheduler()
+    request = (support_request(resident, "Where is my parcel?")[1], greedy(10))
+    eager = scheduler.submit(resident, *request).collect()
+    scheduler.call(resident.runner.compile, "auto", store, resident.content_digest)
+    ids = {layer.weight_id for layer in resident.model.modules() if isinstance(layer, compiled._CompiledLinear)}
+    assert ids and ids <= set(compiled._PACKED)
+    scheduler.call(resident.runner.suspend)
+    assert not ids & set(compiled._PACKED)  # the packed copies are given back while it sleeps
+    frames = counters["stats"]["unique_graphs"]
+    report = scheduler.call(resident.runner.compile, "auto", store, resident.content_digest)
+    assert report.source == "kept" and ids <= set(compiled._PACKED)
+    woken = scheduler.submit(resident, *request).collect()
+    assert counters["stats"]["unique_graphs"] == frames  # no graph compiled for the wake
+    assert woken.token_ids == eager.token_ids
+    scheduler.close()
+
+
 RESTART = textwrap.dedent(
     """
     import json, sys
