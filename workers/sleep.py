@@ -32,7 +32,7 @@ import torch
 from preheat.core.errors import ModelLoadError
 from preheat.workers.engine.device import synchronize
 from preheat.workers.engine.kvtensors import release_free_heap
-from preheat.workers.engine.resident import ModelSource, ResidentModel, ResidentModels, digest_contents
+from preheat.workers.engine.resident import LOADING, ModelSource, ResidentModel, ResidentModels, digest_contents
 from preheat.workers.engine.scheduler import SleepRefused
 from preheat.workers.engine.weights import load_weights
 
@@ -129,9 +129,10 @@ def _read_by_name(path: str, parameters: dict, offloaded: Offloaded) -> None:
 def reload_into(resident: ResidentModel, source: ModelSource, loader: str) -> None:
     """Level 1's fallback on the CPU: the weights through the weight loader (whatever names
     or conversions the checkpoint needs), taken into the sleeping model by name."""
-    fresh = load_weights(
-        source.path, resident.placement, loader, {}, {"revision": source.revision} if source.revision else {}
-    )
+    with LOADING:  # one model built at a time in a process (see resident.LOADING)
+        fresh = load_weights(
+            source.path, resident.placement, loader, {}, {"revision": source.revision} if source.revision else {}
+        )
     state = dict(fresh.named_parameters(remove_duplicate=False))
     for name, parameter in resident.model.named_parameters(remove_duplicate=False):
         parameter.data = state[name].data.to(resident.placement.device)

@@ -13,6 +13,7 @@ import torch
 
 from preheat.cli import realmodel
 from preheat.core.errors import ConfigError, ModelLoadError
+from preheat.workers.engine.resident import LOADING
 from tests.conftest import PREHEAT_CLI
 
 pytestmark = pytest.mark.slow
@@ -39,7 +40,8 @@ def test_it_answers_as_an_instruct_model(real_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(real_model)
-    model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32)
+    with LOADING:  # see resident.LOADING
+        model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.inference_mode():
@@ -106,7 +108,8 @@ def test_a_gguf_file_in_the_catalog_loads_through_transformers_and_answers_as_it
     scheduler = new_scheduler()
     got = scheduler.submit(resident, ids, greedy(10)).collect()
     scheduler.close()
-    reference = AutoModelForCausalLM.from_pretrained(**gguf_source(str(gguf)), dtype=torch.float32)
+    with LOADING:
+        reference = AutoModelForCausalLM.from_pretrained(**gguf_source(str(gguf)), dtype=torch.float32)
     with torch.inference_mode():
         want = reference.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[-1] :].tolist()
     assert got.token_ids == want[: len(got.token_ids)] and "Paris" in got.text

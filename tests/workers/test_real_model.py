@@ -25,7 +25,10 @@ def reference(real_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(real_model)
-    model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).eval()
+    from preheat.workers.engine.resident import LOADING
+
+    with LOADING:  # the server in this process may be loading its copy now (resident.LOADING)
+        model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).eval()
     return tokenizer, model
 
 

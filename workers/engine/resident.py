@@ -217,6 +217,12 @@ def digest_contents(model) -> str:
 # fail ("cannot import name 'AutoModelForCausalLM'"): a catalog of several models loads in
 # parallel (preload), so the first resolution is done by one thread at a time.
 _IMPORT_LOCK = threading.Lock()
+# transformers builds a model under process-wide switches (accelerate's empty-weights patch of
+# nn.Module, its no-init flag): two loads at once in one process can each see the other's,
+# and one comes back with its tied output head untied and random (seen: "lm_head.weight
+# MISSING", answers of noise) or on the meta device. So the weights are read one model at a
+# time; what loads at the same time as preheat (a reference in a test) takes this lock too.
+LOADING = threading.Lock()
 
 
 def _load(source: ModelSource, placement: Placement, loader: str) -> ResidentModel:
@@ -235,7 +241,8 @@ def _load(source: ModelSource, placement: Placement, loader: str) -> ResidentMod
         tokenizer.chat_template = source.chat_template
     elif not tokenizer.chat_template:
         tokenizer.chat_template, template_source = DEFAULT_CHAT_TEMPLATE, DEFAULT_CHAT_TEMPLATE_NAME
-    model = load_weights(source.path, placement, loader, _onto(placement), pinned)
+    with LOADING:
+        model = load_weights(source.path, placement, loader, _onto(placement), pinned)
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(attention.register())
     model.to(placement.device).eval()
