@@ -145,7 +145,11 @@ def test_a_full_queue_is_refused_with_when_to_come_back(resident):
     known, _ = mixed_requests(resident, 1)
     scheduler = warm_scheduler(resident, known, BatchLimits(max_running=1, max_queued=1))
     prompt_ids = known[0].prompt_ids(resident, "hello")
-    running = scheduler.submit(resident, prompt_ids, SamplingParams(max_tokens=3000, temperature=1.0, seed=1))
+    # It must still run when the third arrives: its end-of-turn ids are banned, so a sampled
+    # one cannot end it early and free the row (seen once in a full run).
+    banned = tuple((token, -100.0) for token in sorted(resident.stop_token_ids))
+    long_one = SamplingParams(max_tokens=3000, temperature=1.0, seed=1, logit_bias=banned)
+    running = scheduler.submit(resident, prompt_ids, long_one)
     next(iter(running))
     queued = scheduler.submit(resident, prompt_ids, greedy(2))
     with pytest.raises(QueueFullError, match="PREHEAT_MAX_QUEUED_REQUESTS") as refused:
