@@ -92,8 +92,20 @@ class Adapters:
             except AdapterError:
                 continue  # said once; its next request says it again
 
+    def requests_answered(self) -> dict[tuple[str, str], int]:
+        """(model, adapter) -> requests answered under the adapter so far."""
+        with self._lock:
+            return dict(self._requests)
+
     def describe(self) -> dict:
-        return {model: {**slots.describe(), "errors": dict(self._errors)} for model, slots in self.slots.items()}
+        errors = dict(self._errors)
+        return {
+            model: {
+                **slots.describe(),
+                "errors": {a: why for a, why in errors.items() if a in self.catalog.models[model].adapters},
+            }
+            for model, slots in self.slots.items()
+        }
 
 
 class AdapterCollector:
@@ -115,6 +127,6 @@ class AdapterCollector:
             capacity.add_metric([model], slots.capacity)
             loads.add_metric([model], slots.loads)
             evictions.add_metric([model], slots.evictions)
-        for (model, adapter), count in sorted(self._adapters._requests.items()):
+        for (model, adapter), count in sorted(self._adapters.requests_answered().items()):
             requests.add_metric([model, adapter], count)
         yield from (used, capacity, loads, evictions, requests)
