@@ -44,13 +44,17 @@ class LeadTime:
 
 @dataclass
 class Peak:
-    model: str
+    model: str  # what the traffic named: a model, or one of its LoRA adapters
     days: list[int]  # cron weekday numbers, 0 = Sunday
     start: str  # local HH:MM the rate first reaches the threshold
     end: str  # local HH:MM it falls below it again
     peak_rpm: float  # the highest bucket's requests per minute
     baseline_rpm: float  # the week's mean
     templates: list[str] = field(default_factory=list)
+    base: str = ""  # the model that sleeps and wakes: `model`, or the adapter's base
+
+    def __post_init__(self) -> None:
+        self.base = self.base or self.model
 
     @property
     def cron(self) -> str:
@@ -70,6 +74,7 @@ class Suggestion:
     def detail(self, weeks: int) -> dict:
         return {
             "model": self.peak.model,
+            **({"base": self.peak.base} if self.peak.base != self.peak.model else {}),
             "days": [DAY_NAMES[d] for d in self.peak.days],
             "starts": self.peak.start,
             "ends": self.peak.end,
@@ -87,7 +92,8 @@ class Suggestion:
 
 @dataclass
 class SleepWindow:
-    """Off-peak: the model asleep from a peak's end until the wake ahead of its next peak."""
+    """Off-peak: the model asleep from a peak's end until the wake ahead of its next peak (its
+    own, or one of its adapters')."""
 
     model: str
     days: list[int]  # cron weekday numbers of the peaks it follows
@@ -108,11 +114,12 @@ class SleepWindow:
 def sleep_windows(suggestions: list[Suggestion], *, min_sleep_s: int, level: int) -> list[SleepWindow]:
     """Between each peak's end and the next peak's wake (its start less its lead), a sleep,
     where that leaves at least `min_sleep_s` asleep: a short gap is not worth a wake. The
-    week is a circle: Saturday's last peak is followed by Sunday's first."""
+    week is a circle: Saturday's last peak is followed by Sunday's first. A model's adapters'
+    peaks are its own: it sleeps only when none of them is near."""
     windows: dict[tuple[str, str], SleepWindow] = {}
     by_model: dict[str, list[Suggestion]] = {}
     for suggestion in suggestions:
-        by_model.setdefault(suggestion.peak.model, []).append(suggestion)
+        by_model.setdefault(suggestion.peak.base, []).append(suggestion)
     for model, mine in by_model.items():
         onsets = sorted(
             (day * 1440 + _minutes(s.peak.start) - s.lead.seconds // 60, s.peak.name)
@@ -216,9 +223,11 @@ def _hhmm(minute_of_day: int) -> str:
 
 
 def peak_templates(rows, peak: Peak, zone: ZoneInfo, catalog: Catalog) -> list[str]:
-    """The model's templates requested during the peak (from its start to its end on the
-    peak's days); all of its templates if none are named."""
-    known = set(catalog.templates_of(peak.model))
+    """The templates requested during the peak (from its start to its end on the peak's days)
+    of what the traffic named: a model's own (not under an adapter), or those under the
+    adapter; all of them if none are named."""
+    adapter = peak.model if peak.model != peak.base else None
+    known = {name for name in catalog.templates_of(peak.base) if catalog.templates[name].adapter == adapter}
     seen = set()
     start_minute = int(peak.start[:2]) * 60 + int(peak.start[3:])
     span = (int(peak.end[:2]) * 60 + int(peak.end[3:]) - start_minute) % 1440 or 1440
@@ -285,13 +294,25 @@ def suggest(
         until = traffic.latest_minute(session, name)
         if until is None:
             continue
+        base = _base_of(catalog, name)
         since = until - dt.timedelta(weeks=weeks) + dt.timedelta(minutes=1)
         rows = traffic.counts(session, name, since, until)
-        lead = lead_time(session, name, margin_s, default_lead_s)
+        lead = lead_time(session, base, margin_s, default_lead_s)  # an adapter warms with its base
         for peak in find_peaks(name, weekly_rates(rows, timezone, bucket_min, since, until), bucket_min, factor):
+            peak.base = base
             peak.templates = peak_templates(rows, peak, zone, catalog)
+            if base != name and not peak.templates:
+                continue  # an adapter no template names: nothing to pre-fill ahead; read on demand
             suggestions.append(Suggestion(peak, timezone, lead))
     return suggestions
 
 
-# Template ranks --------------------------------------------------------------------------------
+def _base_of(catalog: Catalog, name: str) -> str:
+    """The model behind a traffic name: itself, or an adapter's base (a name the catalog no
+    longer has counts as a model of its own)."""
+    from preheat.core.errors import UnknownNameError
+
+    try:
+        return catalog.base_and_adapter(name)[0]
+    except UnknownNameError:
+        return name

@@ -26,11 +26,14 @@ def infer(self, call: ChatInferArguments | TemplateInferArguments) -> dict:
     if isinstance(call, ChatInferArguments):
         return {**_answer_chat(call, self.request), "worker": self.request.hostname}
     runtime = get_runtime()
-    _count_taken(self.request, runtime.catalog.template(call.template).model)
+    spec = runtime.catalog.template(call.template)
+    _count_taken(self.request, spec.model)
     completion = runtime.infer(call.template, call.user_input, call.sampling)
-    # Counted for the peak learner and `preheat templates rank`; written with the heartbeat.
-    TRAFFIC.count(completion.model, call.template, completion.prompt_tokens, completion.cached_tokens or None)
-    return {**completion.as_dict(), "worker": self.request.hostname}
+    # Counted for the peak learner and `preheat templates rank` (under its adapter, if any, as
+    # the chat form counts it); written with the heartbeat.
+    named = spec.adapter or spec.model
+    TRAFFIC.count(named, call.template, completion.prompt_tokens, completion.cached_tokens or None)
+    return {**completion.as_dict(), "model": named, "worker": self.request.hostname}
 
 
 def _answer_chat(call: ChatInferArguments, request) -> dict:

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from preheat.core import processes
-from tests.conftest import PREHEAT_CLI
+from tests.conftest import PREHEAT_CLI, write_catalog
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "deploy" / "prometheus" / "preheat-alerts.yml"
@@ -76,7 +76,8 @@ def exported_names(text: str) -> set[str]:
 
 
 @pytest.mark.slow
-def test_every_metric_the_dashboard_and_the_rules_query_is_exported(embedded_stack, tmp_path):
+def test_every_metric_the_dashboard_and_the_rules_query_is_exported(embedded_stack, embedded_app, tmp_path, tiny_model):
+    from preheat.fleet.routing import send_infer as routed_infer
     from preheat.history.db import session_scope, utcnow
     from preheat.history.models import Schedule, ScheduleSlot, SlotStatus
     from tests.tasks.test_worker import send_infer
@@ -96,10 +97,13 @@ def test_every_metric_the_dashboard_and_the_rules_query_is_exported(embedded_sta
                 claimed_at=now,
             )
         )
+    # A LoRA adapter of the model, so the adapter series exist too.
+    write_catalog(tmp_path, tiny_model, f'\n[models.tiny.adapters]\nacme = "{_adapter(tiny_model, tmp_path)}"\n')
     worker = processes.start_worker("w1@monitoring", embedded_stack.env, tmp_path / "logs", cwd=embedded_stack.home)
     exporter = None
     with processes.running(worker):
         send_infer().get(timeout=120)  # a request served: its histogram has samples
+        routed_infer(embedded_app, {"model": "acme", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
         done = embedded_stack.cli("warm", "--wait", "--json")
         assert done.returncode == 0, done.stderr
         worker_metrics = httpx.get(f"{processes.health_url(worker)}/metrics").text
@@ -122,6 +126,14 @@ NAME = re.compile(r"^preheat_[a-z][a-z0-9_]*$")
 # Labels of bounded cardinality: a fleet's workers, models, templates, schedules, and enums.
 LABELS = {"model", "cache", "template", "worker", "schedule", "status", "trigger", "action", "state", "sleep_state"}
 LABELS |= {"le", "path", "code", "queue"}  # queue: own | shared (preheat_requests_taken_total)
+LABELS |= {"adapter"}  # a catalog's LoRA adapters (preheat_adapter_requests_total)
+
+
+def _adapter(model_dir, tmp_path):
+    from preheat.cli.devadapter import make_adapter
+
+    folder = tmp_path / "adapters" / "acme"
+    return folder if folder.is_dir() else make_adapter(model_dir, folder, rank=4)
 
 
 def test_worker_and_fleet_metric_names_follow_the_conventions(embedded_stack, tmp_path, tiny_model):
@@ -136,9 +148,12 @@ def test_worker_and_fleet_metric_names_follow_the_conventions(embedded_stack, tm
     from preheat.fleet.exporter import FleetCollector
     from tests.workers.test_runtime import make_runtime
 
-    runtime = make_runtime(tmp_path, tiny_model)
+    runtime = make_runtime(
+        tmp_path, tiny_model, f'\n[models.tiny.adapters]\nacme = "{_adapter(tiny_model, tmp_path)}"\n'
+    )
     runtime.preload()
     runtime.infer("support", "Where is my parcel?", SamplingParams(max_tokens=2))
+    runtime.generate_chat("acme", [{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2)).collect()
     fleet = CollectorRegistry(auto_describe=False)
     fleet.register(FleetCollector(load_catalog(get_settings().catalog), get_settings(), queue_depth=lambda m: 0))
     for text in (runtime.render_metrics().decode(), generate_latest(fleet).decode()):

@@ -61,6 +61,15 @@ class Adapters:
                 self._requests[(model, adapter)] = self._requests.get((model, adapter), 0) + 1
         return weights
 
+    def for_request(self, adapter: str | None) -> tuple[LoraWeights | None, bool]:
+        """A request's adapter (None: the base's) and whether it was read for the request
+        (not resident: its first user pays the read, and the metrics say so)."""
+        if adapter is None:
+            return None, False
+        slots = self.slots.get(self.catalog.adapter_base(adapter))
+        read = slots is None or adapter not in slots.resident
+        return self.weights(adapter, count=True), read
+
     def _read(self, model: str, adapter: str) -> LoraWeights:
         spec = self.catalog.model(model)
         try:
@@ -76,6 +85,7 @@ class Adapters:
             log.warning("%s", exc)
             raise
         self._errors.pop(adapter, None)
+        self._resident_for(model).runner.adapter_resident(weights)
         return weights
 
     def asleep(self, model: str) -> None:

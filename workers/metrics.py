@@ -131,9 +131,18 @@ class RuntimeMetrics:
             ["model", "queue"],
             registry=self.collectors,
         )
+        # Requests under a LoRA adapter: their TTFT, by whether the adapter was resident or was
+        # read for them (what warming adapters ahead saves their first users).
+        self.adapter_ttft = Histogram(
+            "preheat_adapter_ttft_seconds",
+            "Time to first token of requests under a LoRA adapter, by whether it was resident or read for them.",
+            ["model", "state"],
+            buckets=TTFT_BUCKETS_S,
+            registry=self.collectors,
+        )
         self.collectors.register(_StateCollector(cache, models, is_ready))
 
-    def start_series(self, models: list[str]) -> None:
+    def start_series(self, models: list[str], with_adapters: list[str] = ()) -> None:
         """Every labelled series at 0 from the start: a rate over a series that appears only
         with its first event misses that event, and a dashboard shows nothing, not zero."""
         for model in models:
@@ -143,6 +152,9 @@ class RuntimeMetrics:
                 self.ttft.labels(model=model, cache=cache)
             for queue in ("own", "shared"):
                 self.requests_taken.labels(model=model, queue=queue)
+        for model in with_adapters:
+            for state in ("resident", "read"):
+                self.adapter_ttft.labels(model=model, state=state)
 
     def observe_ttft(self, model: str, cached_tokens: int, ttft_ms: float) -> None:
         self.ttft.labels(model=model, cache="hit" if cached_tokens else "miss").observe(ttft_ms / 1000)

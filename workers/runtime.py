@@ -127,7 +127,7 @@ class WorkerRuntime:
         )
         self.metrics.collectors.register(SleepCollector(self.sleeps, lambda: list(catalog.models)))
         self.metrics.collectors.register(AdapterCollector(self.adapters))
-        self.metrics.start_series(list(catalog.models))
+        self.metrics.start_series(list(catalog.models), list(self.adapters.slots))
 
     @classmethod
     def from_settings(cls, settings) -> WorkerRuntime:
@@ -157,7 +157,7 @@ class WorkerRuntime:
         with self.warmups.lock:
             self.load_models(max_parallel)
             for model in self.resident_models.resident:
-                self._compile(model)
+                self.compile_steps(model)
             if self.planner is not None:
                 self.templates.planned = self._planned_quietly()
             for template in self.catalog.templates:
@@ -272,13 +272,14 @@ class WorkerRuntime:
             resident, _ = self.resident_models.ensure(self.source(model))
         return resident
 
-    def _compile(self, model: str) -> None:
+    def compile_steps(self, model: str) -> None:
         """Its steps compiled (or restored from the compile store) on the scheduler's thread,
         before the model takes requests; the first warmup after reports how."""
         resident = self.resident_models.get(model)
         if resident is not None and (resident.runner.compiled is None or not resident.runner.compiled.ready):
             runner, digest = resident.runner, resident.content_digest
-            report = self.scheduler.call(runner.compile, self.config.compile, self.compile_store, digest)
+            adapters = model in self.adapters.slots  # its steps with adapter rows compiled too
+            report = self.scheduler.call(runner.compile, self.config.compile, self.compile_store, digest, adapters)
             self.warmups.compiled(model, report)
 
     def _asleep(self, model: str) -> None:
@@ -289,7 +290,7 @@ class WorkerRuntime:
     def _ready_again(self, model: str) -> None:
         """After a wake: its steps compiled again (restored), the adapters that were resident
         read again, its templates restored and pinned."""
-        self._compile(model)
+        self.compile_steps(model)
         self.adapters.awake(model)
         self._prefill_templates(model)
 
@@ -359,7 +360,7 @@ class WorkerRuntime:
         arrived = time.perf_counter()
         base, adapter = self.catalog.base_and_adapter(model)  # `model` may name an adapter, as vLLM's
         resident = self._resident(base)
-        weights = self.adapters.weights(adapter, count=True) if adapter is not None else None
+        weights, read = self.adapters.for_request(adapter)
         prompt_ids = render(resident, messages)
         system_prompt = system_prompt_of(messages)
         template = self.templates.named_by(base, system_prompt, adapter)
@@ -367,7 +368,9 @@ class WorkerRuntime:
             self.templates.ensure_prefix(self.templates.resolve(template))
         elif self.config.prefix_caching and system_prompt:
             self.templates.ensure_ad_hoc(resident, system_prompt, weights)
-        return self._submit(resident, prompt_ids, sampling, arrived, template, remember=remember, adapter=weights)
+        return self._submit(
+            resident, prompt_ids, sampling, arrived, template, remember=remember, adapter=weights, adapter_read=read
+        )
 
     def generate_text(self, model: str, prompt: str, sampling: SamplingParams = SamplingParams()) -> TextStream:
         """A plain completion: the prompt's ids as the tokenizer gives them (no chat
@@ -375,9 +378,11 @@ class WorkerRuntime:
         arrived = time.perf_counter()
         base, adapter = self.catalog.base_and_adapter(model)
         resident = self._resident(base)
-        weights = self.adapters.weights(adapter, count=True) if adapter is not None else None
+        weights, read = self.adapters.for_request(adapter)
         prompt_ids = encode(resident, prompt, with_bos=True)
-        return self._submit(resident, prompt_ids, sampling, arrived, None, remember=sampling.n > 1, adapter=weights)
+        return self._submit(
+            resident, prompt_ids, sampling, arrived, None, remember=sampling.n > 1, adapter=weights, adapter_read=read
+        )
 
     def open_choice(self, ask: Ask, index: int = 0) -> TextStream:
         """Choice `index` of a parsed request (preheat.workers.protocol), chat or plain: what
@@ -405,7 +410,18 @@ class WorkerRuntime:
                 how["adapter"] = self.adapters.weights(adapter.name)
             return self._submit_now(resident, prompt_ids, sampling, arrived, template, **how)
 
-    def _submit_now(self, resident, prompt_ids, sampling, arrived: float, template, *, remember=False, adapter=None):
+    def _submit_now(
+        self,
+        resident,
+        prompt_ids,
+        sampling,
+        arrived: float,
+        template,
+        *,
+        remember=False,
+        adapter=None,
+        adapter_read=False,
+    ):
         return self.scheduler.submit(
             resident,
             prompt_ids,
@@ -414,11 +430,14 @@ class WorkerRuntime:
             remember=remember and self.config.prefix_caching,
             arrived=arrived,
             adapter=adapter,
-            on_first_token=lambda request: self._observe(template, request),
+            on_first_token=lambda request: self._observe(template, request, adapter_read),
         )
 
-    def _observe(self, template: str | None, request: Request) -> None:
+    def _observe(self, template: str | None, request: Request, adapter_read: bool = False) -> None:
         self.metrics.observe_ttft(request.model, request.cached_tokens, request.ttft_ms)
+        if request.adapter is not None:
+            state = "read" if adapter_read else "resident"
+            self.metrics.adapter_ttft.labels(model=request.model, state=state).observe(request.ttft_ms / 1000)
         if template is not None and request.cached_tokens:
             self.warmups.observe(template, request.ttft_ms)
 

@@ -103,7 +103,7 @@ def suggest(
                 [
                     {
                         "name": s.peak.name,
-                        "action": at_peak if any(w.model == s.peak.model for w in windows) else "warm",
+                        "action": at_peak if any(w.model == s.peak.base for w in windows) else "warm",
                         "cron": s.peak.cron,
                         "timezone": s.timezone,
                         "lead_time_s": s.lead.seconds,
@@ -206,10 +206,11 @@ def _apply(session, found, weeks: int, windows, catalog) -> list[str]:
             cron=s.peak.cron,
             timezone=s.timezone,
             lead_time_s=s.lead.seconds,
-            targets={"models": [s.peak.model]} if s.peak.model in sleeping else {"templates": s.peak.templates},
+            # A wake of the base warms every template of it, its adapters' too.
+            targets={"models": [s.peak.base]} if s.peak.base in sleeping else {"templates": s.peak.templates},
             kind=ScheduleKind.peak,
             detail=s.detail(weeks),
-            action=RunAction.wake if s.peak.model in sleeping else RunAction.warm,
+            action=RunAction.wake if s.peak.base in sleeping else RunAction.warm,
             catalog=catalog,
         )
         written.append(s.peak.name)

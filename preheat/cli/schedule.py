@@ -28,6 +28,9 @@ def add(
     timezone: str = typer.Option(None, "--tz", "--timezone", help="IANA zone of the cron (default PREHEAT_TIMEZONE)."),
     lead: int = typer.Option(0, "--lead", help="Seconds ahead of the cron time to fire the warmup (0 to 86400)."),
     template: list[str] = typer.Option(None, "--template", "-t", help="Template to warm (repeat; default: all)."),
+    adapter: list[str] = typer.Option(
+        None, "--adapter", "-a", help="LoRA adapter to warm: its templates, under it (repeat)."
+    ),
     worker: list[str] = typer.Option(
         None, "--worker", "-w", help="Only these workers (repeat; default: every live one)."
     ),
@@ -41,10 +44,16 @@ def add(
 ) -> None:
     """Add a schedule; beat fires it from its next fire time on. A sleep and a warm (or a
     wake) of one model in the same minute are refused."""
+    from preheat.cli.warm import adapter_templates
+    from preheat.core.errors import ConfigError
     from preheat.schedules import store
 
     settings = get_settings()
     catalog = load_catalog(settings.catalog)
+    if adapter:
+        if action != RunAction.warm:
+            raise ConfigError("--adapter is for warm schedules; a sleep or a wake acts on whole models")
+        template = adapter_templates(adapter, template)
     targets = store.targets_of(
         catalog, templates=template, workers=worker, endpoints=endpoint, models=model, action=action
     )

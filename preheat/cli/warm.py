@@ -110,7 +110,7 @@ def warm(
     if endpoint and worker:
         raise ConfigError("give --worker or --endpoint, not both: a run warms workers or endpoints")
     if adapter:
-        template = _adapter_templates(adapter, template)
+        template = adapter_templates(adapter, template)
     if endpoint:
         dispatched = dispatch_endpoint_warmup(
             endpoint, templates=template or None, requested_by=_requester() if requested_by is None else requested_by
@@ -126,7 +126,7 @@ def warm(
     follow(dispatched, what, endpoints=bool(endpoint), wait=wait, timeout=timeout, as_json=as_json)
 
 
-def _adapter_templates(adapters: list[str], templates: list[str] | None) -> list[str]:
+def adapter_templates(adapters: list[str], templates: list[str] | None) -> list[str]:
     """The templates pre-filled under `adapters` (of those named with --template, if any):
     warming them loads each adapter on every worker of its base, pins it, pre-fills, probes."""
     from preheat.core.catalog import load_catalog
@@ -135,12 +135,9 @@ def _adapter_templates(adapters: list[str], templates: list[str] | None) -> list
     catalog = load_catalog(get_settings().catalog)
     chosen = []
     for adapter in adapters:
-        catalog.adapter_base(adapter)  # an unknown adapter: one line naming those there are
-        names = [
-            n for n, spec in catalog.templates.items() if spec.adapter == adapter and (not templates or n in templates)
-        ]
+        names = [name for name in catalog.templates_under(adapter) if not templates or name in templates]
         if not names:
-            raise ConfigError(f"adapter {adapter!r} has no template to warm (a template with adapter = {adapter!r})")
+            raise ConfigError(f"no template named with --template is under adapter {adapter!r}")
         chosen += names
     return chosen
 

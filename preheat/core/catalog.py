@@ -273,6 +273,15 @@ class Catalog(_Strict):
         """The names of the templates whose system prompts run on `model`."""
         return [name for name, spec in self.templates.items() if spec.model == model]
 
+    def templates_under(self, adapter: str) -> list[str]:
+        """The templates pre-filled under LoRA adapter `adapter`: what warming it warms.
+        UnknownNameError for no adapter; ConfigError for one no template names."""
+        self.adapter_base(adapter)
+        names = [name for name, spec in self.templates.items() if spec.adapter == adapter]
+        if not names:
+            raise ConfigError(f"adapter {adapter!r} has no template to warm (a template with adapter = {adapter!r})")
+        return names
+
     def models_targeted(self, targets: dict) -> set[str]:
         """The models a schedule's targets act on: those named, those of its templates, else all."""
         if targets.get("models"):

@@ -36,13 +36,15 @@ class Pulse:
     idle_since: dt.datetime | None  # None: busy with a task right now
     pending: int = 0  # history writes waiting in its outbox: its record is behind its work
     # What the router reads (preheat.fleet.routing): the models it takes requests for, the
-    # templates it holds pinned and warm, and its engine's rows running and waiting.
+    # templates it holds pinned and warm, its engine's rows running and waiting, and the
+    # LoRA adapters resident on it.
     node: str = ""
     serving: tuple[str, ...] = ()
     holds: tuple[str, ...] = ()
     running: int = 0
     waiting: int = 0
     max_running: int = 0
+    adapters: tuple[str, ...] = ()
 
     def fresh(self, now: dt.datetime, dead_after_s: float) -> bool:
         """Sent within `dead_after_s` of `now`: the worker is alive (the one rule the reaper
@@ -61,6 +63,7 @@ class Pulse:
                 "running": self.running,
                 "waiting": self.waiting,
                 "max_running": self.max_running,
+                "adapters": list(self.adapters),
             }
         )
 
@@ -78,6 +81,7 @@ class Pulse:
                 int(raw.get("running", 0)),
                 int(raw.get("waiting", 0)),
                 int(raw.get("max_running", 0)),
+                tuple(str(a) for a in raw.get("adapters") or ()),
             )
         except (ValueError, KeyError, TypeError):
             return None
@@ -90,6 +94,7 @@ class Pulse:
         state = state or {}
         pending = int((state.get("outbox") or {}).get("pending") or 0)
         engine = state.get("engine") or {}
+        adapters = state.get("adapters") or {}
         return cls(
             at,
             _parse(state.get("idle_since")),
@@ -100,6 +105,7 @@ class Pulse:
             int(engine.get("running") or 0),
             int(engine.get("waiting") or 0),
             int(engine.get("max_running") or 0),
+            tuple(sorted(a for slots in adapters.values() for a in (slots or {}).get("resident") or ())),
         )
 
 

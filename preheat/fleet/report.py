@@ -7,7 +7,8 @@ opens anywhere, offline, attached to a ticket. Plots, from the history:
 1. TTFT cold / warm / bare of each template's warmups over time (the probes' medians);
 2. verdicts per worker (warm, degraded, failed, lost, skipped, asleep, awake);
 3. schedule fires against the learned peaks and the traffic (requests per minute);
-4. the KV bytes each template's prefix held, as its warmups measured them.
+4. requests per minute by the name they asked for: each model and each LoRA adapter;
+5. the KV bytes each template's prefix held, as its warmups measured them.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class ReportData:
     ttft: dict[str, list[Series]] = field(default_factory=dict)  # template -> cold, warm, bare
     verdicts: dict[str, Counter] = field(default_factory=dict)  # worker -> status counts
     traffic: list[tuple[float, float]] = field(default_factory=list)  # requests per minute
+    by_name: list[Series] = field(default_factory=list)  # requests per minute per model or adapter
     fires: list[tuple[float, str, str]] = field(default_factory=list)  # (time, schedule, action)
     peaks: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, schedule)
     kv_bytes: list[Series] = field(default_factory=list)
@@ -98,9 +100,15 @@ def gather(session: Session, since: dt.datetime, until: dt.datetime) -> ReportDa
         Series(template, points, COLOURS[i % len(COLOURS)]) for i, (template, points) in enumerate(sorted(kv.items()))
     ]
     per_minute: Counter = Counter()
+    per_name: dict[str, Counter] = defaultdict(Counter)  # counted under a model's or an adapter's name
     for row in session.scalars(select(TrafficCount).where(TrafficCount.minute >= since, TrafficCount.minute <= until)):
         per_minute[aware(row.minute).timestamp()] += row.requests
+        per_name[row.model][aware(row.minute).timestamp()] += row.requests
     data.traffic = sorted(per_minute.items())
+    data.by_name = [
+        Series(name, sorted(counts.items()), COLOURS[i % len(COLOURS)])
+        for i, (name, counts) in enumerate(sorted(per_name.items()))
+    ]
     schedules = {s.id: s for s in session.scalars(select(Schedule))}
     for slot in session.scalars(
         select(ScheduleSlot).where(
@@ -296,6 +304,14 @@ def render(data: ReportData) -> str:
         + ttft_plots
         + verdict_plot("verdicts", data.verdicts)
         + schedule_plot("schedules", data, x0, x1)
+        + line_plot(
+            "by-name",
+            "Requests per minute by model and LoRA adapter (as requests named them)",
+            data.by_name,
+            x0,
+            x1,
+            "req/min",
+        )
         + line_plot(
             "kv-bytes", "KV bytes of each template's prefix, as its warmups measured", data.kv_bytes, x0, x1, "MiB"
         )

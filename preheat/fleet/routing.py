@@ -15,6 +15,9 @@ starts with and can take it soon:
   the turn is then answered from less of a cache, never wrongly.
 - **a template's pinned prefix**: the workers whose pulse says they hold it (preheat.fleet.placement
   spreads a catalog that does not fit one worker across the fleet).
+- **a LoRA adapter resident** (a request that names an adapter as its model): the workers
+  whose pulse lists it, so its user does not pay the adapter's read. A conversation under an
+  adapter is keyed by the adapter's name: a prefix never crosses adapters.
 
 A worker takes it when its pulse is fresh, it serves the model, and it has fewer than
 `PREHEAT_ROUTE_MAX_WAITING` requests waiting beyond its rows (its own queue's depth read
@@ -63,6 +66,13 @@ class Route:
 
 
 # Conversation keys ---------------------------------------------------------------------
+
+
+def requested_name(kwargs: dict) -> str:
+    """What the request names as its model: a model, or one of its LoRA adapters (whose
+    conversations are their own: a prefix never crosses adapters); a template's model."""
+    named = kwargs.get("model")
+    return named if isinstance(named, str) and kwargs.get("template") is None else model_of_request(kwargs)
 
 
 def conversation_keys(model: str, template: str | None, messages: tuple[dict, ...] | list[dict]) -> list[str]:
@@ -253,15 +263,17 @@ class Router:
         shared = infer_queue(model)
         if not self.settings.routing:
             return Route(shared, SHARED, "routing off (PREHEAT_ROUTING)")
-        template, why = kwargs.get("template"), "no worker holds its prefix"
+        template, named, why = kwargs.get("template"), requested_name(kwargs), "no worker holds its prefix"
         if messages is not None and self.held is not None:
-            worker = self._find_held(conversation_keys(model, template, messages))
+            worker = self._find_held(conversation_keys(named, template, messages))
             if worker is not None:
                 _, why = self.taking(worker, model, self.fleet().get(worker) or self._pulse(worker))
                 if why is None:
                     return Route(worker_queue(worker), worker, "holds the conversation")
         if template is not None:  # its holder still has the template's prefix, if not the turn
-            return self._route_template(model, template, shared)
+            return self._route_to_holder(model, shared, f"template {template}", lambda pulse: template in pulse.holds)
+        if named != model:  # an adapter: where it is resident, its user does not pay its read
+            return self._route_to_holder(model, shared, f"adapter {named}", lambda pulse: named in pulse.adapters)
         return Route(shared, SHARED, why)
 
     def _find_held(self, keys: list[str]) -> str | None:
@@ -278,16 +290,18 @@ class Router:
         except Exception:
             return None
 
-    def _route_template(self, model: str, template: str, shared: str) -> Route:
+    def _route_to_holder(self, model: str, shared: str, what: str, holds) -> Route:
+        """To the least loaded worker of `model` whose pulse `holds` (a template's prefix, an
+        adapter resident) and that can take it; to the shared queue when none, or all, do."""
         fleet, now = self.fleet(), utcnow()
         serving = [w for w, pulse in fleet.items() if self._fresh(pulse, now) and model in pulse.serving]
-        holders = sorted(worker for worker in serving if template in fleet[worker].holds)
+        holders = sorted(worker for worker in serving if holds(fleet[worker]))
         if not holders:
-            return Route(shared, SHARED, f"no worker holds template {template}")
+            return Route(shared, SHARED, f"no worker holds {what}")
         if len(holders) == len(serving):
             # Every worker holds it: the shared queue, which each pulls from when it has a free
             # thread, balances better than a push by loads a heartbeat old.
-            return Route(shared, SHARED, f"every worker holds template {template}")
+            return Route(shared, SHARED, f"every worker holds {what}")
         reasons, best = [], None
         for worker in holders:
             load, reason = self.taking(worker, model, fleet[worker])
@@ -297,7 +311,7 @@ class Router:
                 best = (load, worker)
         if best is None:
             return Route(shared, SHARED, "; ".join(reasons))
-        return Route(worker_queue(best[1]), best[1], f"holds template {template}")
+        return Route(worker_queue(best[1]), best[1], f"holds {what}")
 
     # Sending --------------------------------------------------------------------------
 
@@ -336,8 +350,10 @@ class Router:
         if self.held is None or messages is None or not answer.get("worker"):
             return
         try:
-            model, text = model_of_request(kwargs), answer["choices"][0]["message"]["content"]
-            self.held.put(answered_keys(model, kwargs.get("template"), messages, text), answer["worker"])
+            text = answer["choices"][0]["message"]["content"]
+            self.held.put(
+                answered_keys(requested_name(kwargs), kwargs.get("template"), messages, text), answer["worker"]
+            )
         except Exception as exc:  # the index is an optimisation: the answer stands
             log.info("held index not written: %s", exc)
 

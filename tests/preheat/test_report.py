@@ -23,6 +23,7 @@ def test_the_report_opens_in_a_browser_with_every_plot_drawn_and_nothing_fetched
         for minute in range(30):
             at = (now - dt.timedelta(minutes=minute)).replace(second=0, microsecond=0)
             session.add(TrafficCount(minute=at, model="tiny", template="support", requests=5 + minute % 7))
+            session.add(TrafficCount(minute=at, model="acme", template="", requests=2 + minute % 3))  # an adapter
         peak = Schedule(
             name="peak-tiny",
             kind=ScheduleKind.peak,
@@ -58,7 +59,8 @@ def test_the_report_opens_in_a_browser_with_every_plot_drawn_and_nothing_fetched
     try:
         browser.get(out.as_uri())
         figures = browser.find_elements(By.CSS_SELECTOR, "figure")
-        assert [f.get_attribute("id") for f in figures] == ["ttft-0", "verdicts", "schedules", "kv-bytes"]
+        assert [f.get_attribute("id") for f in figures] == ["ttft-0", "verdicts", "schedules", "by-name", "kv-bytes"]
+        assert "acme" in browser.find_element(By.ID, "by-name").text  # the adapter's own line
         for figure in figures:
             plot = figure.find_element(By.CSS_SELECTOR, "svg.plot")
             assert plot.size["width"] > 800 and plot.size["height"] > 200, figure.get_attribute("id")

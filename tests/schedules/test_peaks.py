@@ -241,3 +241,56 @@ def test_peak_finding_on_a_week_of_buckets():
     assert _days_field([1, 2, 3, 5]) == "1-3,5" and _days_field([0, 6], names=True) == "sun,sat"
     assert _days_field(list(range(7))) == "*"
     assert p95([10.0 + i for i in range(20)]) == 28.0 and p95([5.0]) == 5.0
+
+
+ADAPTER_CATALOG = (
+    '\n[models.tiny.adapters]\nacme = "adapters/acme"\nbare = "adapters/bare"\n'
+    '\n[templates.support-acme]\nmodel = "tiny"\nadapter = "acme"\nsystem_prompt = "You answer for Acme."\n'
+)
+
+
+def adapter_traffic(path):
+    """One week from Monday 2026-11-02, Berlin time, weekdays only: the base's support template
+    at 09:00-10:00, adapter acme's template at 14:00-15:00, adapter bare (no template) at
+    18:00-19:00; nothing else. The adapters' counts are under their names, as workers count them."""
+    with path.open("w", newline="") as handle:
+        out = csv.writer(handle)
+        out.writerow(["minute", "model", "template", "requests"])
+        for day in range(5):
+            for hour, model, template in ((9, "tiny", "support"), (14, "acme", "support-acme"), (18, "bare", "")):
+                for minute in range(60):
+                    at = (START + dt.timedelta(days=day, hours=hour, minutes=minute)).astimezone(dt.UTC)
+                    out.writerow([at.strftime("%Y-%m-%dT%H:%MZ"), model, template, 20])
+    return path
+
+
+def test_an_adapters_peak_warms_its_templates_and_its_base_sleeps_only_between_all_of_their_peaks(
+    services_stack, tmp_path, tiny_model
+):
+    stack = services_stack
+    write_catalog(tmp_path, tiny_model, ADAPTER_CATALOG)
+    assert stack.cli("traffic", "import", str(adapter_traffic(tmp_path / "traffic.csv"))).returncode == 0
+    args = ("peaks", "suggest", "--tz", "Europe/Berlin", "--weeks", "1", "--default-lead-s", "120")
+    warmed = {s["name"]: s for s in json.loads(stack.cli(*args, "--json").stdout)}
+    # acme's peak pre-fills the template under it; bare has none to pre-fill: no schedule.
+    assert sorted(warmed) == ["peak-acme-mon-fri-1400", "peak-tiny-mon-fri-0900"]
+    acme = warmed["peak-acme-mon-fri-1400"]
+    assert (acme["templates"], acme["base"], acme["action"]) == (["support-acme"], "tiny", "warm")
+    assert warmed["peak-tiny-mon-fri-0900"]["templates"] == ["support"]  # the base's own, not acme's
+
+    slept = stack.cli(*args, "--sleep-between", "--min-sleep-h", "1", "--json")
+    found = {s["name"]: s for s in json.loads(slept.stdout)}
+    # The base sleeps after its own peak until acme's wake, and after acme's until the next day.
+    assert sorted(found) == [
+        "peak-acme-mon-fri-1400",
+        "peak-tiny-mon-fri-0900",
+        "sleep-tiny-mon-fri-1000",
+        "sleep-tiny-mon-fri-1500",
+    ]
+    assert found["sleep-tiny-mon-fri-1000"]["until_wake_of"] == "peak-acme-mon-fri-1400"
+    assert found["peak-acme-mon-fri-1400"]["action"] == "wake"
+    assert stack.cli(*args, "--sleep-between", "--min-sleep-h", "1", "--apply").returncode == 0
+    with session_scope() as session:
+        schedules = {s.name: (str(s.action), s.targets) for s in session.scalars(select(Schedule))}
+    assert schedules["peak-acme-mon-fri-1400"] == ("wake", {"models": ["tiny"]})  # a wake warms acme's template
+    assert schedules["sleep-tiny-mon-fri-1500"] == ("sleep", {"models": ["tiny"]})

@@ -104,7 +104,7 @@ def test_a_bad_adapter_is_one_line_and_the_others_serve_on(runtime):
 def test_a_sleep_and_wake_take_the_adapters_along(runtime):
     assert runtime.preload() == []
     assert runtime.sleeps.sleep("tiny", 1).status == "asleep"
-    assert runtime.adapters.slots["tiny"].resident == []
+    assert runtime.adapters.slots["tiny"].resident == [] and runtime.adapters.slots["tiny"].pinned == set()
     assert runtime.sleeps.wake("tiny").status == "awake"
     slots = runtime.adapters.slots["tiny"]
     assert slots.resident == ["a"] and slots.pinned == {"a"} and runtime.readiness() == []

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from preheat.workers.engine import attention
+from preheat.workers.engine.lorastack import AdapterStack, Stacked, Targets, kind_and_layer, step_mask
 from preheat.workers.engine.raggedkv import RaggedKV, Segment
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,48 @@ def _(x, weight_id, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.custom_op("preheat::lora_delta", mutates_args=())
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A one-token step's adapters' delta to one linear layer's output, `((x @ A) * mask) @ B`
+    in float32 (preheat.workers.engine.lorastack), in the output's dtype. An opaque op: for one
+    row, inductor wrote these products of symbolic rank as loops 3x slower than the BLAS
+    (measured: the real model's one-row step with an adapter took 98 ms, against 41 so)."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    return (torch.mm(flat, a) * mask).mm(b).to(x.dtype).reshape(*x.shape[:-1], b.shape[1])
+
+
+@lora_delta.register_fake
+def _(x, a, b, mask):
+    return x.new_empty((*x.shape[:-1], b.shape[1]))
+
+
+class _StepAdapters:
+    """The LoRA adapters of the step running now, read by the graph as inputs (stacked:
+    preheat.workers.engine.lorastack). `on` is a constant of a graph: a step with adapters and
+    one without run different graphs, and the base's graph has no trace of LoRA."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        self.mask: torch.Tensor | None = None
+
+    def set(self, stack: Stacked, mask: torch.Tensor, tokens_dynamic: bool) -> None:
+        for kind in stack.a:  # the rank is symbolic: one graph for any set of adapters
+            torch._dynamo.maybe_mark_dynamic(stack.a[kind], 2)
+            torch._dynamo.maybe_mark_dynamic(stack.b[kind], 1)
+        torch._dynamo.maybe_mark_dynamic(mask, 1)
+        if tokens_dynamic:
+            torch._dynamo.maybe_mark_dynamic(mask, 0)
+        self.on, self.a, self.b, self.mask = True, stack.a, stack.b, mask
+
+    def clear(self) -> None:
+        self.on, self.a, self.b, self.mask = False, {}, {}, None
+
+
+STEP_ADAPTERS = _StepAdapters()  # only the scheduler's thread runs a step
+
+
 def why_not_compiled(device: torch.device) -> str | None:
     """Why this device cannot compile steps, or None when it can."""
     if device.type == "cuda":
@@ -74,10 +117,11 @@ def why_not_compiled(device: torch.device) -> str | None:
 class _CompiledLinear(torch.nn.Module):
     """nn.Linear's forward, eager as transformers runs it; compiled, the shape's fastest way."""
 
-    def __init__(self, linear: torch.nn.Linear, weight_id: int) -> None:
+    def __init__(self, linear: torch.nn.Linear, weight_id: int, path: str) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.out_features, self.in_features = linear.out_features, linear.in_features
+        self.lora_kind, self.lora_layer = kind_and_layer(path) or (None, 0)  # where a step's adapters apply
         # A graph holds the id as a constant: stable across processes (the model's name and
         # the layer's), so a restarted worker's graph is the one stored.
         self.weight_id = weight_id
@@ -95,8 +139,18 @@ class _CompiledLinear(torch.nn.Module):
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if x.shape[-2] == 1:  # one row: stream the weights (see the module's docstring)
             y = (x.unsqueeze(-2).float() * self.weight.float()).sum(-1)
-            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
-        return torch.ops.preheat.packed_linear(x, self.weight_id, self.out_features)
+            y = (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+        else:
+            y = torch.ops.preheat.packed_linear(x, self.weight_id, self.out_features)
+        if STEP_ADAPTERS.on and self.lora_kind is not None:
+            step = STEP_ADAPTERS
+            a, b = step.a[self.lora_kind][self.lora_layer], step.b[self.lora_kind][self.lora_layer]
+            if x.shape[-2] == 1:  # one token: the BLAS (inductor loops over a product of one row slowly)
+                y = y + torch.ops.preheat.lora_delta(x, a, b, step.mask)
+            else:  # many: in the graph, beside the layers around it
+                flat = x.reshape(-1, x.shape[-1]).float()
+                y = y + ((flat @ a) * step.mask).mm(b).to(y.dtype).reshape(y.shape)
+        return y
 
     def release(self) -> None:
         _PACKED.pop(self.weight_id, None)
@@ -110,7 +164,7 @@ def pack_linear_layers(model: torch.nn.Module, owner: str) -> list[tuple[torch.n
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
                 weight_id = zlib.crc32(f"{owner}/{path}.{name}".encode())
-                setattr(parent, name, _CompiledLinear(child, weight_id))
+                setattr(parent, name, _CompiledLinear(child, weight_id, f"{path}.{name}" if path else name))
                 replaced.append((parent, name, child))
     return replaced
 
@@ -134,9 +188,13 @@ class CompiledSteps:
     """One model's compiled steps. Built by the runner; `compile` runs at start (and after a
     wake) on the scheduler's thread, before the model takes requests."""
 
-    def __init__(self, name: str, model, device: torch.device) -> None:
+    def __init__(self, name: str, model, device: torch.device, *, adapters: bool = False) -> None:
         self.name, self.model, self.device = name, model, device
         self.ready = False
+        # With `adapters` (the model declares LoRA adapters), steps with adapter rows are
+        # compiled too, at start like the others; on the CPU only, where the linear layers are
+        # preheat's (_CompiledLinear), which apply them. Elsewhere such steps run eager.
+        self.stack = AdapterStack(Targets.of(model), device) if adapters and device.type == "cpu" else None
         self._replaced: list = []
         self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
         configure_dynamo()
@@ -153,11 +211,19 @@ class CompiledSteps:
         )
         return out.logits[0]
 
-    def for_step(self, kv: RaggedKV, segments: list[Segment]):
-        """The graph that runs this step, or None: it runs eager."""
-        return self._run if self.ready else None
+    def for_step(self, kv: RaggedKV, segments: list[Segment], adapters=None):
+        """The graph that runs this step (its segments' `adapters`: a LoraWeights or None
+        each), or None: it runs eager."""
+        if not self.ready:
+            return None
+        if adapters is None or all(adapter is None for adapter in adapters):
+            return self._run
+        present = tuple({id(a): a for a in adapters if a is not None}.values())
+        if self.stack is None or not all(self.stack.targets.covers(adapter) for adapter in present):
+            return None
+        return lambda kv, segments: self._run(kv, segments, adapters, self.stack.for_step(present))
 
-    def _run(self, kv: RaggedKV, segments: list[Segment]) -> torch.Tensor:
+    def _run(self, kv: RaggedKV, segments: list[Segment], adapters=None, stack: Stacked | None = None):
         inputs = kv.step_inputs(segments)
         ids, positions, keep = inputs["input_ids"], inputs["position_ids"], inputs["logits_to_keep"]
         single = ids.shape[-1] == 1
@@ -168,28 +234,59 @@ class CompiledSteps:
             torch._dynamo.maybe_mark_dynamic(ids, 1)
             torch._dynamo.maybe_mark_dynamic(positions, 1)
             torch._dynamo.maybe_mark_dynamic(keep, 0)
-        with torch.inference_mode(), attention.running(kv):
-            logits = self._graph(ids, positions, keep)
+        if stack is not None:
+            lengths = [len(segment.ids) for segment in segments]
+            mask = step_mask(lengths, adapters, stack.adapters, self.device)
+            STEP_ADAPTERS.set(stack, mask, not single)
+        try:
+            with torch.inference_mode(), attention.running(kv):
+                logits = self._graph(ids, positions, keep)
+        finally:
+            STEP_ADAPTERS.clear()
         return logits[: len(segments)]
 
     def compile(self, scratch: RaggedKV) -> float:
-        """Both graphs compiled (or restored from inductor's caches) by running each on
+        """Every graph compiled (or restored from inductor's caches) by running it on
         `scratch`, an empty batch of the model: one token; then a chunk of three beside a
-        row decoding; then a chunk alone. Returns the milliseconds it took."""
+        row decoding; then a chunk alone. With adapters, the same again under two stand-in
+        adapters (zeros, of the rank a step is least likely to meet alone). Returns the
+        milliseconds it took."""
         started = time.perf_counter()
         if self.device.type == "cpu" and not self._replaced:
             self._replaced = pack_linear_layers(self.model, self.name)
         self.ready = True
+        stand_ins = self._stand_in_adapters() if self.stack is not None else None
         try:
             for _ in range(3):
-                scratch.add(None, 8)
-            for step in ([(0, (1,))], [(0, (2,)), (1, (1, 2, 3))], [(2, (4, 5))]):
-                self._run(scratch, [Segment(slot, scratch.lengths[slot], ids) for slot, ids in step])
-                scratch.stepped()
+                scratch.add(None, 16)
+            for adapters in [None] + ([stand_ins] if stand_ins else []):
+                for step in ([(0, (1,))], [(0, (2,)), (1, (1, 2, 3))], [(2, (4, 5))]):
+                    segments = [Segment(slot, scratch.lengths[slot], ids) for slot, ids in step]
+                    rows = None if adapters is None else [adapters[i % 2] for i in range(len(segments))]
+                    self.for_step(scratch, segments, rows)(scratch, segments)
+                    scratch.stepped()
         except Exception:
             self.release()
             raise
+        if self.stack is not None:  # the stand-ins leave no columns behind
+            self.stack = AdapterStack(self.stack.targets, self.device)
         return (time.perf_counter() - started) * 1000
+
+    def _stand_in_adapters(self):
+        """Two adapters of zeros over every target (ranks 8 and 16): what the adapter graphs
+        are compiled with, before any tenant's adapter is read."""
+        from preheat.workers.engine.lora import LoraWeights
+
+        like = self.model.get_input_embeddings().weight
+        made = []
+        for name, rank in (("compile-stand-in-a", 8), ("compile-stand-in-b", 16)):
+            layers = {
+                kind.replace("*", str(layer)): (like.new_zeros((rank, i)), like.new_zeros((o, rank)))
+                for kind, (count, o, i) in self.stack.targets.kinds.items()
+                for layer in range(count)
+            }
+            made.append(LoraWeights(name, self.name, "", rank, 1.0, layers))
+        return made
 
     def release(self) -> None:
         """The graphs no longer used and the packed weights freed (a level-2 sleep, a failed compile)."""

@@ -212,10 +212,12 @@ class AdapterSlots:
             self._pinned.discard(name)
 
     def clear(self) -> list[LoraWeights]:
-        """Every adapter let go (the model went to sleep); returns them, to be read again on wake."""
+        """Every adapter let go, pins with them (the model went to sleep); returns them, to be
+        read (and pinned) again on wake by whoever kept which were pinned."""
         with self._lock:
             gone = list(self._resident.values())
             self._resident.clear()
+            self._pinned.clear()
             return gone
 
     @property

@@ -64,11 +64,12 @@ class ModelRunner:
         """The step's one forward pass over the running rows: the logits after each segment's
         last id, [segments, vocab]. Each segment's tokens under its adapter (`adapters`, one
         LoraWeights or None per segment): rows of several adapters and of the base in one
-        pass. Through a compiled graph where one covers the step (the base's rows alone)."""
+        pass. Through a compiled graph where one covers the step (with adapters too where the
+        model's adapter steps are compiled)."""
         fed = sum(len(segment.ids) for segment in segments)
         doing = f"running {len(segments)} requests together on {self.name} ({fed} ids)"
         adapted = adapters is not None and any(adapter is not None for adapter in adapters)
-        if not adapted and self.compiled is not None and (graph := self.compiled.for_step(kv, segments)) is not None:
+        if self.compiled is not None and (graph := self.compiled.for_step(kv, segments, adapters)) is not None:
             return out_of_memory_as_error(self.placement.device, doing, lambda: graph(kv, segments))
         lengths = [len(segment.ids) for segment in segments]
         rows = lora.token_rows(lengths, list(adapters), self.placement.device) if adapted else []
@@ -81,9 +82,10 @@ class ModelRunner:
 
     # Compiled steps -------------------------------------------------------------------
 
-    def compile(self, mode: str, store, model_digest: str):
+    def compile(self, mode: str, store, model_digest: str, adapters: bool = False):
         """Compile the steps (or restore them from `store`, a CompileStore, or None), before
-        the model takes requests. Never raises: what cannot be compiled runs eager, and the
+        the model takes requests; with `adapters` (the model declares LoRA adapters), its
+        steps with adapter rows too. Never raises: what cannot be compiled runs eager, and the
         report says why (logged once)."""
         from preheat.workers.engine import compilestore
         from preheat.workers.engine.compiled import CompiledSteps, CompileReport, why_not_compiled
@@ -107,10 +109,11 @@ class ModelRunner:
             self.compile_report = CompileReport("eager", reason=reason)
             return self.compile_report
         compilestore.process_folder()
-        key = compilestore.identity(self.placement.device, self.placement.dtype, model_digest, "one,many/1")
+        buckets = "one,many/1" + ("+lora" if adapters else "")
+        key = compilestore.identity(self.placement.device, self.placement.dtype, model_digest, buckets)
         restored = store is not None and store.restore(key)
         before = compilestore.snapshot()
-        steps = CompiledSteps(self.name, self.model, self.placement.device)
+        steps = CompiledSteps(self.name, self.model, self.placement.device, adapters=adapters)
         try:
             ms = steps.compile(scratch)
         except Exception as exc:
@@ -124,6 +127,12 @@ class ModelRunner:
         self.compile_report = CompileReport("restored" if restored else "compiled", ms)
         log.info("model %s: steps %s in %.0f ms", self.name, self.compile_report.source, ms)
         return self.compile_report
+
+    def adapter_resident(self, adapter) -> None:
+        """`adapter` (a LoraWeights) was read: stacked for the compiled steps now, so the first
+        step that needs it does not pay for it."""
+        if self.compiled is not None and self.compiled.stack is not None:
+            self.compiled.stack.admit(adapter)
 
     def suspend(self) -> None:
         """A level-1 sleep: the packed weights freed, the graphs kept (`compile` resumes them)."""

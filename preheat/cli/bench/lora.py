@@ -108,6 +108,7 @@ def main(*, shape: str, adapters: int, rounds: int, per_user: int, max_tokens: i
     runtime = WorkerRuntime(catalog, RuntimeConfig.from_settings(settings))
     try:
         runtime.load_models()
+        runtime.compile_steps("m")  # as a worker does at start: its steps, with adapters, compiled
         for template in ("base", "t00"):
             runtime.templates.prefill(template)  # the base's template, and one adapter's, warm
         resident = runtime.resident_models.get("m")

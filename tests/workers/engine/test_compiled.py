@@ -193,3 +193,61 @@ def test_compile_off_and_a_device_that_cannot_compile_run_eager_and_say_why(tiny
     monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
     missing = resident.runner.compile("auto", None, resident.content_digest)
     assert missing.source == "eager" and "no C++ compiler" in missing.reason
+
+
+def test_rows_of_the_base_and_three_adapters_run_through_the_compiled_graphs_and_answer_as_peft(tiny_model, tmp_path):
+    """A model that declares adapters compiles its adapter steps at start (stand-in adapters),
+    and then any set of adapters (other ranks, other modules) runs through those graphs, with
+    no compile on the request path: every answer equals transformers + PEFT."""
+    import threading
+
+    import torch
+
+    from preheat.cli.devadapter import make_adapter
+    from preheat.workers.engine.lora import read_adapter
+    from preheat.workers.engine.resident import ModelSource, ResidentModels
+    from tests.workers.engine.test_lora import peft_generate
+
+    folders = {
+        "a": make_adapter(tiny_model, tmp_path / "a", rank=8, seed=1),
+        "b": make_adapter(tiny_model, tmp_path / "b", rank=4, seed=2),
+        "c": make_adapter(tiny_model, tmp_path / "c", rank=16, seed=3),
+    }
+    resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(ModelSource("lora-tiny", str(tiny_model)))
+    weights = {n: read_adapter(n, "lora-tiny", f, resident.model, max_rank=64) for n, f in folders.items()}
+    scheduler = new_scheduler()
+    report = scheduler.call(resident.runner.compile, "auto", None, resident.content_digest, adapters=True)
+    assert report.source == "compiled", report
+    graphs, real_for_step = [], resident.runner.compiled.for_step
+
+    def counted(kv, segments, adapters=None):
+        graph = real_for_step(kv, segments, adapters)
+        graphs.append((graph is not None, len({id(a) for a in adapters or [] if a is not None})))
+        return graph
+
+    resident.runner.compiled.for_step = counted
+    plan = [(text, name) for text in INPUTS[:2] for name in (None, "a", "b", "c")]
+    prompts = {text: support_request(resident, text)[1] for text in INPUTS[:2]}
+    results: list = [None] * len(plan)
+    frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    def one(i: int) -> None:
+        text, name = plan[i]
+        results[i] = scheduler.submit(resident, prompts[text], greedy(8), adapter=weights.get(name)).collect()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(plan))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    scheduler.close()
+    assert frames_before > 0 and all(compiled for compiled, _ in graphs)  # never eager
+    assert max(n for _, n in graphs) == 3
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames_before  # nothing compiled since
+    for (text, name), completion in zip(plan, results, strict=True):
+        expected = (
+            reference_generate(resident, prompts[text], 8)
+            if name is None
+            else peft_generate(tiny_model, folders[name], prompts[text], 8)
+        )
+        assert completion.token_ids == expected[: len(completion.token_ids)], (text, name)

@@ -130,6 +130,9 @@ def test_slots_evict_the_least_recently_used_never_a_pinned_one():
     slots.get("d")
     assert slots.put(weights("e")) == ["a"]
     assert (slots.loads, slots.evictions) == (5, 3) and slots.resident == ["d", "e"]
+    slots.pin("e")
+    assert [w.name for w in slots.clear()] == ["d", "e"]  # a sleep: every slot let go, pins too
+    assert slots.resident == [] and slots.pinned == set() and slots.describe()["pinned"] == []
 
 
 def _corrupt(folder, tmp_path):
@@ -179,3 +182,37 @@ def test_a_bad_adapter_is_one_line(resident, adapters, other_base_adapter, tmp_p
     with pytest.raises(AdapterError) as refused:
         read_adapter("x", "tiny", make(adapters["a"], tmp_path, other), resident.model, max_rank=64)
     assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_compiled_steps_stacks_follow_the_mix_of_recent_steps_and_rebuild_only_for_a_new_one():
+    """Bookkeeping of the stacked adapters (no model): each adapter's A and B in its own
+    columns, zeros where it leaves a module alone; a step whose adapters a kept stack holds
+    takes the smallest such; a new one builds a stack of the recent steps' adapters, and one
+    that stopped coming is left out."""
+    from preheat.workers.engine.lorastack import AdapterStack, Targets, step_mask
+
+    targets = Targets({"model.layers.*.q": (2, 6, 4), "model.layers.*.up": (2, 8, 4)})
+
+    def adapter(name: str, rank: int, value: float, modules=("model.layers.0.q", "model.layers.1.up")):
+        layers = {
+            m: (torch.full((rank, 4), value), torch.full((6 if m.endswith("q") else 8, rank), value)) for m in modules
+        }
+        return LoraWeights(name, "m", "", rank, 2.0, layers)
+
+    a, b, c = adapter("a", 2, 1.0), adapter("b", 3, 2.0, ("model.layers.1.q",)), adapter("c", 1, 3.0)
+    stack = AdapterStack(targets, "cpu")
+    stack.admit(a)  # read ahead: its own stack, before any step
+    alone = stack.for_step((a,))
+    assert [s.name for s in alone.adapters] == ["a"]
+    both = stack.for_step((b,))  # a ran just before: stacked with b
+    assert [s.name for s in both.adapters] == ["a", "b"] and both.rank == 5
+    assert torch.equal(both.a["model.layers.*.q"][0, :, :2], torch.ones(4, 2))  # a's A (transposed), layer 0
+    assert both.a["model.layers.*.q"][0, :, 2:].abs().sum() == 0  # b leaves layer 0 alone
+    assert torch.equal(both.b["model.layers.*.q"][1, 2:], torch.full((3, 6), 2.0))
+    assert stack.for_step((a,)) is alone and stack.for_step((a, b)) is both  # kept: no rebuild
+    for _ in range(AdapterStack.RECENT_STEPS):
+        stack.for_step((b,))
+    third = stack.for_step((c,))  # a has not run for a while: left out
+    assert [s.name for s in third.adapters] == ["b", "c"]
+    mask = step_mask([2, 1, 1], [c, None, b], third.adapters, "cpu")
+    assert mask.tolist() == [[0, 0, 0, 2], [0, 0, 0, 2], [0, 0, 0, 0], [2, 2, 2, 0]]
