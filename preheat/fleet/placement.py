@@ -134,15 +134,19 @@ def rank(
 ) -> list[TemplateRank]:
     """Templates by the time pre-filling saves, over the `days` of traffic before `until`
     (default: the latest minute counted)."""
-    until = until or traffic.latest_minute(session, model)
-    rows = traffic.counts(session, model, until - dt.timedelta(days=days), until) if until else []
+    # A model's requests are counted under its name and under its adapters' (their templates').
+    named = None if model is None else [model, *(catalog.models[model].adapters if model in catalog.models else ())]
+    until = until or traffic.latest_minute(session, named)
+    rows = traffic.counts(session, named, until - dt.timedelta(days=days), until) if until else []
     hours = days * 24
     requests, prefix, models = defaultdict(int), {}, {}
     for row in rows:
         if row.template:
             requests[row.template] += row.requests
             prefix[row.template] = row.prefix_tokens or prefix.get(row.template)
-            models[row.template] = row.model
+            models[row.template] = (
+                catalog.templates[row.template].model if row.template in catalog.templates else row.model
+            )
     names = set(requests) | {t for t in catalog.templates if model is None or catalog.templates[t].model == model}
     measured = _measured(session)
     ranks = []

@@ -248,10 +248,15 @@ def _count(text: str | None, column: str, where: str) -> int:
 # Reading ---------------------------------------------------------------------------------
 
 
-def latest_minute(session: Session, model: str | None = None) -> dt.datetime | None:
+def _named(model: str | list[str]):
+    """Rows counted under `model`, or under any of a list of names (a model and its adapters)."""
+    return TrafficCount.model == model if isinstance(model, str) else TrafficCount.model.in_(model)
+
+
+def latest_minute(session: Session, model: str | list[str] | None = None) -> dt.datetime | None:
     query = select(func.max(TrafficCount.minute))
     if model is not None:
-        query = query.where(TrafficCount.model == model)
+        query = query.where(_named(model))
     found = session.scalar(query)
     return None if found is None else (found if found.tzinfo else found.replace(tzinfo=UTC))
 
@@ -260,8 +265,10 @@ def models(session: Session) -> list[str]:
     return list(session.scalars(select(TrafficCount.model).distinct().order_by(TrafficCount.model)))
 
 
-def counts(session: Session, model: str | None, since: dt.datetime, until: dt.datetime) -> list[TrafficCount]:
+def counts(
+    session: Session, model: str | list[str] | None, since: dt.datetime, until: dt.datetime
+) -> list[TrafficCount]:
     query = select(TrafficCount).where(TrafficCount.minute >= since, TrafficCount.minute <= until)
     if model is not None:
-        query = query.where(TrafficCount.model == model)
+        query = query.where(_named(model))
     return list(session.scalars(query.order_by(TrafficCount.minute)))

@@ -277,6 +277,10 @@ def test_an_adapters_peak_warms_its_templates_and_its_base_sleeps_only_between_a
     acme = warmed["peak-acme-mon-fri-1400"]
     assert (acme["templates"], acme["base"], acme["action"]) == (["support-acme"], "tiny", "warm")
     assert warmed["peak-tiny-mon-fri-0900"]["templates"] == ["support"]  # the base's own, not acme's
+    # The model's template ranks count its adapters' requests too (counted under their names).
+    ranked = json.loads(stack.cli("templates", "rank", "--days", "7", "--model", "tiny", "--json").stdout)
+    rates = {r["template"]: (r["model"], r["requests_per_hour"]) for r in ranked}
+    assert rates["support-acme"] == ("tiny", rates["support"][1]) and rates["support"][1] > 0
 
     slept = stack.cli(*args, "--sleep-between", "--min-sleep-h", "1", "--json")
     found = {s["name"]: s for s in json.loads(slept.stdout)}

@@ -79,11 +79,14 @@ def test_a_long_step_and_sampling_run_through_the_compiled_graphs(dev_model, sto
     sampled request: one graph for every number of tokens, nothing padded, nothing eager."""
     from preheat.workers.engine.resident import ModelSource, ResidentModels
 
+    # A name of its own: the arch test's "llama" may be resident in this process already, and
+    # two models of one name cannot both hold packed weights (the compile would fall back eager).
     resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(
-        ModelSource("llama", str(dev_model("llama")))
+        ModelSource("llama-long", str(dev_model("llama")))
     )
     scheduler = new_scheduler()
-    scheduler.call(resident.runner.compile, "auto", store, resident.content_digest)
+    report = scheduler.call(resident.runner.compile, "auto", store, resident.content_digest)
+    assert report.source in ("compiled", "restored"), report
     from preheat.workers.engine.chat import conversation, render
 
     long_ids = render(resident, conversation(" ".join(f"Rule {n}: be kind." for n in range(120)), "Hi"))
@@ -94,6 +97,7 @@ def test_a_long_step_and_sampling_run_through_the_compiled_graphs(dev_model, sto
     first = scheduler.submit(resident, long_ids, sampled).collect()
     again = scheduler.submit(resident, long_ids, sampled).collect()
     assert first.token_ids == again.token_ids and len(first.token_ids) > 0
+    assert resident.runner.compiled is not None and resident.runner.compiled.ready  # never fell back eager
     scheduler.close()
 
 
