@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import shutil
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -96,7 +97,11 @@ class _StepAdapters:
         self.on, self.a, self.b, self.mask = False, {}, {}, None
 
 
-STEP_ADAPTERS = _StepAdapters()  # only the scheduler's thread runs a step
+STEP_ADAPTERS = _StepAdapters()
+# One compiled step at a time in a process: every graph's guards read STEP_ADAPTERS, so a base
+# step beside another scheduler's adapter step (two runtimes in one process: tests, benches)
+# would pick the adapter graph. A worker has one scheduler thread: the lock is never contended.
+_STEP_LOCK = threading.Lock()
 
 
 def why_not_compiled(device: torch.device) -> str | None:
@@ -234,15 +239,18 @@ class CompiledSteps:
             torch._dynamo.maybe_mark_dynamic(ids, 1)
             torch._dynamo.maybe_mark_dynamic(positions, 1)
             torch._dynamo.maybe_mark_dynamic(keep, 0)
+        mask = None
         if stack is not None:
             lengths = [len(segment.ids) for segment in segments]
             mask = step_mask(lengths, adapters, stack.adapters, self.device)
-            STEP_ADAPTERS.set(stack, mask, not single)
-        try:
-            with torch.inference_mode(), attention.running(kv):
-                logits = self._graph(ids, positions, keep)
-        finally:
-            STEP_ADAPTERS.clear()
+        with _STEP_LOCK:
+            if stack is not None:
+                STEP_ADAPTERS.set(stack, mask, not single)
+            try:
+                with torch.inference_mode(), attention.running(kv):
+                    logits = self._graph(ids, positions, keep)
+            finally:
+                STEP_ADAPTERS.clear()
         return logits[: len(segments)]
 
     def compile(self, scratch: RaggedKV) -> float:

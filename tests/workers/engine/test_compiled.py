@@ -160,6 +160,7 @@ def _start(model, folder) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.timeout(600)  # five worker starts, three of them compiling: 266 s on a busy 2-core machine
 def test_a_restart_restores_the_graphs_and_a_damaged_or_foreign_artefact_is_compiled_again(tiny_model, tmp_path):
     folder = tmp_path / "compiled"
     cold = _start(tiny_model, folder)
