@@ -21,6 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from preheat.core.catalog import Catalog
+from preheat.core.errors import UnknownNameError
 from preheat.fleet import traffic
 from preheat.history.db import aware
 from preheat.history.models import RunAction, RunStatus, TargetKind, WarmupJob, WarmupRun
@@ -310,8 +311,6 @@ def suggest(
 def _base_of(catalog: Catalog, name: str) -> str:
     """The model behind a traffic name: itself, or an adapter's base (a name the catalog no
     longer has counts as a model of its own)."""
-    from preheat.core.errors import UnknownNameError
-
     try:
         return catalog.base_and_adapter(name)[0]
     except UnknownNameError:

@@ -66,8 +66,7 @@ class Adapters:
         (not resident: its first user pays the read, and the metrics say so)."""
         if adapter is None:
             return None, False
-        slots = self.slots.get(self.catalog.adapter_base(adapter))
-        read = slots is None or adapter not in slots.resident
+        read = adapter not in self.slots[self.catalog.adapter_base(adapter)].resident
         return self.weights(adapter, count=True), read
 
     def _read(self, model: str, adapter: str) -> LoraWeights:

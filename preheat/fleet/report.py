@@ -102,8 +102,9 @@ def gather(session: Session, since: dt.datetime, until: dt.datetime) -> ReportDa
     per_minute: Counter = Counter()
     per_name: dict[str, Counter] = defaultdict(Counter)  # counted under a model's or an adapter's name
     for row in session.scalars(select(TrafficCount).where(TrafficCount.minute >= since, TrafficCount.minute <= until)):
-        per_minute[aware(row.minute).timestamp()] += row.requests
-        per_name[row.model][aware(row.minute).timestamp()] += row.requests
+        at = aware(row.minute).timestamp()
+        per_minute[at] += row.requests
+        per_name[row.model][at] += row.requests
     data.traffic = sorted(per_minute.items())
     data.by_name = [
         Series(name, sorted(counts.items()), COLOURS[i % len(COLOURS)])

@@ -58,14 +58,19 @@ def _(x, weight_id, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-@torch.library.custom_op("preheat::lora_delta", mutates_args=())
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """A one-token step's adapters' delta to one linear layer's output, `((x @ A) * mask) @ B`
-    in float32 (preheat.workers.engine.lorastack), in the output's dtype. An opaque op: for one
-    row, inductor wrote these products of symbolic rank as loops 3x slower than the BLAS
-    (measured: the real model's one-row step with an adapter took 98 ms, against 41 so)."""
+def adapters_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A step's adapters' delta to one linear layer's output, `((x @ A) * mask) @ B` in float32
+    (preheat.workers.engine.lorastack), in `x`'s dtype and the output's shape."""
     flat = x.reshape(-1, x.shape[-1]).float()
     return (torch.mm(flat, a) * mask).mm(b).to(x.dtype).reshape(*x.shape[:-1], b.shape[1])
+
+
+@torch.library.custom_op("preheat::lora_delta", mutates_args=())
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`adapters_delta` of a one-token step, as an opaque op: for one row, inductor wrote these
+    products of symbolic rank as loops 3x slower than the BLAS (measured: the real model's
+    one-row step with an adapter took 98 ms, against 41 so)."""
+    return adapters_delta(x, a, b, mask)
 
 
 @lora_delta.register_fake
@@ -153,8 +158,7 @@ class _CompiledLinear(torch.nn.Module):
             if x.shape[-2] == 1:  # one token: the BLAS (inductor loops over a product of one row slowly)
                 y = y + torch.ops.preheat.lora_delta(x, a, b, step.mask)
             else:  # many: in the graph, beside the layers around it
-                flat = x.reshape(-1, x.shape[-1]).float()
-                y = y + ((flat @ a) * step.mask).mm(b).to(y.dtype).reshape(y.shape)
+                y = y + adapters_delta(x, a, b, step.mask)
         return y
 
     def release(self) -> None:
@@ -224,7 +228,7 @@ class CompiledSteps:
         if adapters is None or all(adapter is None for adapter in adapters):
             return self._run
         present = tuple({id(a): a for a in adapters if a is not None}.values())
-        if self.stack is None or not all(self.stack.targets.covers(adapter) for adapter in present):
+        if self.stack is None or not all(self.stack.covers(adapter) for adapter in present):
             return None
         return lambda kv, segments: self._run(kv, segments, adapters, self.stack.for_step(present))
 

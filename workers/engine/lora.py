@@ -10,8 +10,9 @@ the base's shapes, finite values. A bad adapter is one line (`AdapterError`); th
 its other adapters serve on.
 
 The delta is applied by forward hooks on the target modules for the length of one eager
-pass (`applied`): a compiled step's graph never sees them, and a base-only step runs as fast
-as before. `delta = (x @ A.T) @ B.T * scaling`, PEFT's own order, so answers match
+pass (`applied`): a compiled step's graph never sees them (its adapter steps stack the
+adapters instead: preheat.workers.engine.lorastack), and a base-only step runs as fast as
+before. `delta = (x @ A.T) @ B.T * scaling`, PEFT's own order, so answers match
 transformers + PEFT with that adapter on the same ids.
 """
 

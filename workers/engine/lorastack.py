@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,13 @@ class AdapterStack:
         self._stacks: list[Stacked] = []  # most recently used first
         self._steps = 0
         self._lock = threading.Lock()
+        self._covered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapter -> targets.covers
+
+    def covers(self, adapter: LoraWeights) -> bool:
+        """`targets.covers`, once per adapter: a step asks it of each of its adapters."""
+        if (known := self._covered.get(adapter)) is None:
+            known = self._covered[adapter] = self.targets.covers(adapter)
+        return known
 
     def for_step(self, present: tuple[LoraWeights, ...]) -> Stacked:
         with self._lock:
@@ -125,7 +133,7 @@ class AdapterStack:
     def admit(self, adapter: LoraWeights) -> None:
         """Its own stack built now, ahead of the first step that needs it (read ahead of its
         tenants): that step does not pay for it."""
-        if self.targets.covers(adapter):
+        if self.covers(adapter):
             with self._lock:
                 if not any(adapter in s.adapters for s in self._stacks):
                     made = Stacked.of((adapter,), self.targets, self._device)
