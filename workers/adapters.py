@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from preheat.core.catalog import Catalog
 from preheat.workers.engine.lora import AdapterError, AdapterSlots, LoraWeights, read_adapter
+from preheat.workers.engine.openmp import team_released
 from preheat.workers.engine.resident import ResidentModel
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Adapters:
         read = adapter not in self.slots[self.catalog.adapter_base(adapter)].resident
         return self.weights(adapter, count=True), read
 
+    @team_released()  # read and stacked on a task's or a request's thread, which lives on
     def _read(self, model: str, adapter: str) -> LoraWeights:
         spec = self.catalog.model(model)
         try:

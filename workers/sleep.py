@@ -32,6 +32,7 @@ import torch
 from preheat.core.errors import ModelLoadError
 from preheat.workers.engine.device import synchronize
 from preheat.workers.engine.kvtensors import release_free_heap
+from preheat.workers.engine.openmp import team_released
 from preheat.workers.engine.resident import LOADING, ModelSource, ResidentModel, ResidentModels, digest_contents
 from preheat.workers.engine.scheduler import SleepRefused
 from preheat.workers.engine.weights import load_weights
@@ -257,6 +258,7 @@ class Sleeps:
         state = self.asleep.get(model)
         return state.level if state else None
 
+    @team_released()  # weights copied on a task's or a request's thread, which lives on
     def sleep(self, model: str, level: int = 1) -> SleepResult:
         """Never raises for a model that cannot sleep: the failure is the record. Pinned
         prefixes are written to the prefix store first (those under way), so a wake restores
@@ -330,6 +332,7 @@ class Sleeps:
             self._forget_prefixes(model)
             log.info("model %s starts asleep: %s", model, why)
 
+    @team_released()
     def wake(self, model: str) -> WakeResult:
         """The weights back, the model unparked, and every template restored (or pre-filled)
         and pinned: the model takes requests again, as after start-up. The caller's warmups

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from preheat.workers.engine.kvtensors import Prefix
+from preheat.workers.engine.openmp import team_released
 from preheat.workers.engine.resident import ResidentModel
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ class PrefixStore:
         with contextlib.suppress(OSError):
             self.path_for(resident, ids).unlink(missing_ok=True)
 
+    @team_released()  # on the store's writer thread, which lives on
     def save(self, resident: ResidentModel, ids: np.ndarray, prefix: Prefix) -> Path | None:
         """Store a computed prefix (best effort: a full disk or an unstorable layer type is
         logged, never raised). Returns the file, or None."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from preheat.core.errors import ModelLoadError
 from preheat.workers.engine import attention
 from preheat.workers.engine.device import Placement, pick_placement
+from preheat.workers.engine.openmp import team_released
 from preheat.workers.engine.runner import ModelRunner
 from preheat.workers.engine.weights import gguf_source, is_gguf, load_weights, pick_loader
 
@@ -126,7 +127,8 @@ class ResidentModels:
             started = time.perf_counter()
             try:
                 placement = pick_placement(self.device_preference, source.dtype, self.dtype_preference)
-                resident = _load(source, placement, pick_loader(self.weight_loader, placement, source.path))
+                with team_released():  # a loader's thread (a bench's main thread) lives on
+                    resident = _load(source, placement, pick_loader(self.weight_loader, placement, source.path))
             except Exception as exc:
                 self._errors[source.name] = f"{type(exc).__name__}: {exc}"
                 raise ModelLoadError(
