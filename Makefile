@@ -32,9 +32,10 @@ demo: install
 # Three pytest processes: most of an end-to-end test is waiting (a worker starting, a slot
 # coming due, an outage lasting), so three share 2 cores well (measured on 2 cores: 7:24,
 # against 9:16 with two). Each has its own Redis db and Postgres database
-# (tests/conftest.py). TEST_WORKERS=0 runs them in this process.
+# (tests/conftest.py). Each takes the next test when it is done, the longest first
+# (conftest's LONGEST_FIRST). TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 3
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist worksteal)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist load --maxschedchunk 1)
 
 ## ruff: lint and format check (configured in pyproject.toml); a finding fails `make test`.
 lint: install

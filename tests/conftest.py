@@ -72,7 +72,21 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# The modules that hold the longest tests (1-4 minutes each on 2 cores: compiling, benches,
+# the real model), run first: the test processes take work as they finish (`--dist load`), so
+# a long test started last would keep one process busy after the others are done.
+LONGEST_FIRST = (
+    "tests/workers/engine/test_compiled.py",
+    "tests/preheat/test_bench.py",
+    "tests/preheat/test_realmodel.py",
+    "tests/preheat/test_fleetbench.py",
+    "tests/workers/test_real_model.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: else as collected
     if config.getoption("--skip-slow"):
         skip = pytest.mark.skip(reason="--skip-slow")
         for item in items:

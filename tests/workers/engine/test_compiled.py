@@ -160,7 +160,7 @@ def _start(model, folder) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.timeout(600)  # five worker starts, three of them compiling: 266 s on a busy 2-core machine
+@pytest.mark.timeout(600)  # four worker starts, two of them compiling: 258 s with five on a busy 2-core machine
 def test_a_restart_restores_the_graphs_and_a_damaged_or_foreign_artefact_is_compiled_again(tiny_model, tmp_path):
     folder = tmp_path / "compiled"
     cold = _start(tiny_model, folder)
@@ -179,12 +179,13 @@ def test_a_restart_restores_the_graphs_and_a_damaged_or_foreign_artefact_is_comp
     assert damaged["tokens"] == cold["tokens"]
     assert _start(tiny_model, folder)["source"] == "restored"  # and stored again, whole
 
+    # Another identity's graphs under this name: refused and removed before a file is copied;
+    # the start then compiles, as after the damage above (one start fewer: a compile is a minute).
     manifest = json.loads((entry / "manifest.json").read_text())
-    manifest["identity"]["dtype"] = "torch.bfloat16"  # another identity's graphs under this name
+    key = dict(manifest["identity"])
+    manifest["identity"]["dtype"] = "torch.bfloat16"
     (entry / "manifest.json").write_text(json.dumps(manifest))
-    foreign = _start(tiny_model, folder)
-    assert (foreign["source"], foreign["misses"]) == ("compiled", 2)
-    assert foreign["tokens"] == cold["tokens"]
+    assert CompileStore(folder).restore(key) is False and not entry.exists()
 
 
 def test_compile_off_and_a_device_that_cannot_compile_run_eager_and_say_why(tiny_model, monkeypatch):
