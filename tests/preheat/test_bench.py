@@ -79,11 +79,14 @@ def test_outbox_compares_direct_kept_and_replayed_writes_and_leaves_nothing_behi
 
 
 @pytest.mark.slow
-def test_start_times_each_stage_against_the_limit_and_a_warm_store_prefills_nothing(embedded_stack, tmp_path):
+@pytest.mark.timeout(600)  # five launches, one compiling
+def test_start_times_each_stage_against_the_limit_a_warm_store_prefills_and_a_warm_cache_compiles_nothing(
+    embedded_stack, tmp_path
+):
     out = tmp_path / "start.json"
-    done = bench(embedded_stack, "start", "--shapes", "tiny", "--rounds", "1", "--json", str(out), timeout=300)
+    done = bench(embedded_stack, "start", "--shapes", "tiny", "--rounds", "1", "--json", str(out), timeout=400)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "worker start-up, stage by stage" in done.stdout and "tiny, warm store: ready in" in done.stdout
+    assert "worker start-up, stage by stage" in done.stdout and "tiny, warm store, eager: ready in" in done.stdout
     report = json.loads(out.read_text())
     limit = report["limits"]["tiny"]
     assert limit["total_s"] == pytest.approx(
@@ -93,8 +96,14 @@ def test_start_times_each_stage_against_the_limit_and_a_warm_store_prefills_noth
     assert set(report["weight_loaders_s"]["tiny"]) == {"transformers", "runai-streamer"}  # both, side by side
     assert all(seconds > 0 for seconds in report["weight_loaders_s"]["tiny"].values())
     assert "tiny, weights to a resident model, page cache warm: transformers" in done.stdout
-    rows = {row["store"]: row for row in report["rows"]}
-    assert (rows["empty"]["prefills"], rows["warm"]["prefills"], rows["warm"]["restores"]) == (1, 0, 1)
+    rows = {(row["store"], row["steps"]): row for row in report["rows"]}
+    empty, warm = rows["empty", "eager"], rows["warm", "eager"]
+    assert (empty["prefills"], warm["prefills"], warm["restores"]) == (1, 0, 1)
+    # Compiled: a cold compile stores the graphs, the next start restores them.
+    cold, restored = rows["warm", "cold compile"], rows["warm", "warm compile cache"]
+    assert (empty["compiled"], cold["compiled"], restored["compiled"]) == ("eager", "compiled", "restored")
+    assert cold["compile_s"] > 0 and restored["compile_s"] > 0 and empty["compile_s"] == 0
+    assert "tiny, warm store, cold compile: ready in" in done.stdout and "(reported beside)" in done.stdout
     for row in rows.values():
         # The stages come in order (ready: seen by the client, the others: the worker's log).
         assert 0 < row["first_log_s"] <= row["resident_s"] <= row["prefixes_s"]
@@ -134,7 +143,9 @@ def test_load_runs_every_mode_on_the_same_users_and_reports_side_by_side(embedde
     out = tmp_path / "load.json"
     done = bench(
         embedded_stack,
-        *("load", "--model", "tiny", "--users", "1,3", "--requests-per-user", "2", "--max-tokens", "4"),
+        # Eager steps: compiling is tested where it is the subject (tests/workers/engine).
+        *("load", "--model", "tiny", "--compile", "off", "--users", "1,3", "--requests-per-user", "2"),
+        *("--max-tokens", "4"),
         *("--arrivals", "3", "--rate", "20", "--modes", "batch,one-at-a-time,celery,transformers"),
         *("--transformers-python", str(tmp_path / "no-such-python"), "--json", str(out)),
         timeout=400,

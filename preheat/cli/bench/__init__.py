@@ -52,12 +52,18 @@ def start_command(
     rounds: int = typer.Option(3, min=1, max=20, help="Launches per shape and store; figures are medians."),
     timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for any one stage."),
     json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/start.json."),
+    compile_mode: str = typer.Option(
+        "auto", "--compile", help="auto: eager starts, then a cold compile and a warm compile cache; off: eager only."
+    ),
 ) -> None:
     """Launch a worker and time each stage to its first answer (and SIGTERM to exit), with an
-    empty and a warm prefix store, against the start-up limit measured in the same run."""
+    empty and a warm prefix store, steps eager, compiled cold and restored from a warm
+    compile cache, against the start-up limit measured in the same run."""
     from preheat.cli.bench import start as bench
 
-    bench.main(shapes=shapes, rounds=rounds, timeout=timeout, json_path=json_path)
+    if compile_mode not in ("auto", "off"):
+        raise ConfigError(f"--compile must be auto or off, got {compile_mode!r}")
+    bench.main(shapes=shapes, rounds=rounds, timeout=timeout, json_path=json_path, compile_mode=compile_mode)
 
 
 @app.command("sleep")

@@ -103,20 +103,23 @@ def start_table(report: dict) -> Table:
         title_justify="left",
         caption=f"seconds from launch, median of {report['rounds']} launch(es) and limit(s), one of each per round; "
         "limit = interpreter, + a worker's "
-        "imports + reading the weight files (resident), + the pre-fill itself (prefixes); stop = SIGTERM to exit, idle",
+        "imports + reading the weight files (resident), + the pre-fill itself (prefixes); compile = the worker's own "
+        "figure for its steps compiled or restored (between resident and prefixes); stop = SIGTERM to exit, idle",
         caption_justify="left",
     )
-    headers = ("model", "prefix store", "first log", "resident", "prefixes", "ready", "answered", "stop")
-    for header in (*headers, "pre-fills", "ready/limit"):
-        table.add_column(header, justify="left" if header in headers[:2] else "right", no_wrap=True)
+    headers = ("model", "prefix store", "steps", "first log", "resident", "compile", "prefixes", "ready", "answered")
+    for header in (*headers, "stop", "pre-fills", "ready/limit"):
+        table.add_column(header, justify="left" if header in headers[:3] else "right", no_wrap=True)
     for shape, limit in report["limits"].items():
         # The limit of each stage: what must have happened by then, at the least.
         resident = limit["interpreter_s"] + limit["imports_s"] + limit["read_s"]
         table.add_row(
             shape,
             "limit",
+            "-",
             f"{limit['interpreter_s']:.2f}",
             f"{resident:.2f}",
+            "-",
             f"{resident + limit['prefill_s']:.2f}",
             f"{limit['total_s']:.2f}",
             "-",
@@ -128,7 +131,9 @@ def start_table(report: dict) -> Table:
             table.add_row(
                 shape,
                 row["store"],
-                *(f"{row[k]:.2f}" for k in ("first_log_s", "resident_s", "prefixes_s", "ready_s", "answered_s")),
+                row["steps"] if row["steps"] == "eager" else f"{row['steps']} ({row['compiled']})",
+                *(f"{row[k]:.2f}" for k in ("first_log_s", "resident_s", "compile_s", "prefixes_s", "ready_s")),
+                f"{row['answered_s']:.2f}",
                 f"{row['stop_s']:.2f}",
                 str(row["prefills"]),
                 f"{row['ready_over_limit']:.2f}",
