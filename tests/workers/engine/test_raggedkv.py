@@ -151,3 +151,28 @@ def test_only_caches_that_grow_by_concatenation_run_together():
     assert not batchable(cache)
     with pytest.raises(TypeError):
         RaggedKV(cache, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("length", "in_float32"), [(8, False), (300, True)])
+def test_one_row_decoding_in_bfloat16_attends_in_float32_past_a_short_context(length, in_float32):
+    """One query in bfloat16 on the CPU: torch's SDPA grows with the context (937 µs a layer at
+    1,200 columns); from ONE_ROW_FLOAT32_FROM (128) columns on it runs in float32 on the upcast
+    inputs, the answer in bfloat16. Either way, the row's own causal attention."""
+    torch.manual_seed(0)
+    k, v = (torch.randn(1, KV_HEADS, length + 1, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(1, HEADS, 1, HEAD_DIM, dtype=torch.bfloat16)
+    cache = shell()
+    for layer in cache.layers:
+        layer.update(k[:, :, :length], v[:, :, :length])
+    kv = RaggedKV(shell(), torch.device("cpu"))
+    kv.add(cache)
+    kv.step_inputs([Segment(0, length, (9,))])
+    with torch.inference_mode():
+        keys, vals = kv.update(k[:, :, length:], v[:, :, length:], 0)
+    got = attention(q, keys, vals, kv.layout, None)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, 1, HEADS, HEAD_DIM)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    upcast = sdpa(q.float(), k.float(), v.float(), enable_gqa=True).to(torch.bfloat16)[0].transpose(0, 1)
+    native = sdpa(q, k, v, enable_gqa=True)[0].transpose(0, 1)
+    assert not torch.equal(upcast, native)  # the two ways differ here: the answer tells which ran
+    torch.testing.assert_close(got[0], upcast if in_float32 else native, rtol=0, atol=0)
