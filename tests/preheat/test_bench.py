@@ -136,6 +136,13 @@ def test_start_refuses_an_unknown_shape(embedded_stack):
     assert refused.returncode == 2 and "--shapes: expected a comma-separated list of real, 135m, tiny" in refused.stderr
 
 
+@pytest.mark.parametrize("bench_name", ["start", "load"])
+def test_an_unknown_compile_mode_is_refused_before_anything_runs(embedded_stack, bench_name):
+    refused = embedded_stack.cli_here("bench", bench_name, "--compile", "max")
+    assert refused.returncode == 2 and "--compile must be auto or off, got 'max'" in refused.stderr
+    assert not (embedded_stack.home / "bench" / bench_name).exists()  # nothing measured, nothing written
+
+
 @pytest.mark.slow
 def test_load_runs_every_mode_on_the_same_users_and_reports_side_by_side(embedded_stack, tmp_path):
     """Batching, one at a time and through Celery, on the tiny model; transformers serve is

@@ -12,6 +12,15 @@ import typer
 
 from preheat.core.errors import ConfigError
 
+COMPILE_MODES = ("auto", "off")  # PREHEAT_COMPILE's values (preheat.core.settings)
+
+
+def _check_compile_mode(compile_mode: str) -> None:
+    """A bench's --compile, refused before anything runs unless it is one PREHEAT_COMPILE takes."""
+    if compile_mode not in COMPILE_MODES:
+        raise ConfigError(f"--compile must be auto or off, got {compile_mode!r}")
+
+
 app = typer.Typer(no_args_is_help=True, help="Benchmarks: side-by-side measurements, a table and a JSON file.")
 
 
@@ -61,8 +70,7 @@ def start_command(
     compile cache, against the start-up limit measured in the same run."""
     from preheat.cli.bench import start as bench
 
-    if compile_mode not in ("auto", "off"):
-        raise ConfigError(f"--compile must be auto or off, got {compile_mode!r}")
+    _check_compile_mode(compile_mode)
     bench.main(shapes=shapes, rounds=rounds, timeout=timeout, json_path=json_path, compile_mode=compile_mode)
 
 
@@ -109,8 +117,7 @@ def load_command(
 
     if dtype not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}")
-    if compile_mode not in ("auto", "off"):
-        raise ConfigError(f"--compile must be auto or off, got {compile_mode!r}")
+    _check_compile_mode(compile_mode)
     bench.main(
         shape=shape,
         dtype=dtype,

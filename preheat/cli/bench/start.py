@@ -149,7 +149,7 @@ def main(shapes: str, rounds: int, timeout: float, json_path: Path, compile_mode
         bench_catalog = _catalog(folder / f"{shape}.toml", model, model_dir, template, system_prompt, probe)
         kinds = EAGER + (COMPILED if compile_mode == "auto" else ())
         console.print(f"{shape}: {rounds} round(s) × the limit, {', '.join(f'{s} store {k}' for s, k in kinds)} …")
-        store, compiled = folder / "prefixes" / shape, folder / "compiled" / shape
+        stores = (folder / "prefixes" / shape, folder / "compiled" / shape)  # prefix store, compile cache
         measured = []
         for _ in range(rounds):
             # The limit in each round, next to the launches it is compared with: a busy
@@ -157,10 +157,9 @@ def main(shapes: str, rounds: int, timeout: float, json_path: Path, compile_mode
             measured.append(measure_limit(model_dir, system_prompt))
             for kind, steps in kinds:
                 if kind == "empty":
-                    _empty(store)
+                    _empty(stores[0])
                 if steps == "cold compile":
-                    shutil.rmtree(compiled, ignore_errors=True)
-                stores = (store, compiled)
+                    shutil.rmtree(stores[1], ignore_errors=True)
                 rows.append(
                     launch(
                         shape, (kind, steps), bench_catalog, stores, (model, template, probe), folder / "logs", timeout
