@@ -136,6 +136,23 @@ def test_start_refuses_an_unknown_shape(embedded_stack):
     assert refused.returncode == 2 and "--shapes: expected a comma-separated list of real, 135m, tiny" in refused.stderr
 
 
+def test_limit_puts_each_step_beside_its_bound_a_long_context_reading_its_kv_too(embedded_stack, tmp_path):
+    out = tmp_path / "limit.json"
+    done = bench(embedded_stack, "limit", "--model", "tiny", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "a decode step against the hardware" in done.stdout and "one row: preheat's step" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["steps"] == "eager"  # PREHEAT_COMPILE=off, as every stack here
+    rows = {(row["rows"], row["context"]): row for row in report["rows"]}
+    assert list(rows) == [(1, 64), (16, 64), (1, 1024)]
+    for row in rows.values():
+        assert row["preheat_step_ms"] > 0 and row["over_limit"] == pytest.approx(
+            row["preheat_step_ms"] / row["limit_ms"], rel=0.02
+        )
+    # The long context's bound reads its KV beside the weights: higher than the short one's.
+    assert rows[1, 1024]["bandwidth_limit_ms"] > rows[1, 64]["bandwidth_limit_ms"]
+
+
 @pytest.mark.parametrize("bench_name", ["start", "load"])
 def test_an_unknown_compile_mode_is_refused_before_anything_runs(embedded_stack, bench_name):
     refused = embedded_stack.cli_here("bench", bench_name, "--compile", "max")

@@ -6,8 +6,10 @@
 - **Compute limit (16 rows).** At 16 rows the step's matrix products are 2 × parameters ×
   16 FLOPs: over the matmul throughput measured here at the step's own shapes (16 rows
   through the model's largest linear, in its dtype), the step no engine can beat.
+- **A long context (one row).** The same step after 1,024 ids: it reads the row's keys and
+  values too, so its limit is the weights and that KV over the bandwidth.
 - **preheat's step.** The production runner (`ModelRunner.step`, compiled as the worker
-  would: PREHEAT_COMPILE, PREHEAT_DTYPE), on rows that each pre-filled 64 ids, then
+  would: PREHEAT_COMPILE, PREHEAT_DTYPE), on rows that each pre-filled their context, then
   decode steps timed one by one (median of 32).
 """
 
@@ -22,9 +24,9 @@ from rich.table import Table
 
 from preheat.cli.bench.common import dev_model, host, write_report
 
-ROWS = (1, 16)
+STEPS = ((1, 64), (16, 64), (1, 1024))  # (rows, ids each pre-filled)
 STEPS_TIMED = 32
-PROMPT_IDS = 64
+CHUNK = 128  # a long context is pre-filled in chunks, as the scheduler feeds a prompt
 
 
 def _best_ms(work, repeats: int) -> float:
@@ -51,15 +53,17 @@ def matmul_flops(rows: int, inner: int, outer: int, dtype: torch.dtype) -> float
     return 2 * rows * inner * outer / (ms / 1000)
 
 
-def step_ms(runner, rows: int) -> float:
-    """Median ms of a decode step of `rows` rows, each after a 64-id pre-fill."""
+def step_ms(runner, rows: int, context: int = 64) -> float:
+    """Median ms of a decode step of `rows` rows, each after a pre-fill of `context` ids."""
     from preheat.workers.engine.raggedkv import Segment
 
     kv = runner.new_batch()
     for _ in range(rows):
-        kv.add(None, PROMPT_IDS + STEPS_TIMED + 8)
-    runner.step(kv, [Segment(slot, 0, tuple(range(1, PROMPT_IDS + 1))) for slot in range(rows)])
-    kv.stepped()
+        kv.add(None, context + STEPS_TIMED + 8)
+    for start in range(0, context, CHUNK):
+        ids = tuple(range(start + 1, min(context, start + CHUNK) + 1))
+        runner.step(kv, [Segment(slot, kv.lengths[slot], ids) for slot in range(rows)])
+        kv.stepped()
     times = []
     for step in range(STEPS_TIMED + 2):
         segments = [Segment(slot, kv.lengths[slot], (7 + step,)) for slot in range(rows)]
@@ -94,16 +98,19 @@ def main(*, shape: str, json_path: Path | None) -> None:
     config = resident.model.config.get_text_config()
     torch_dtype = next(resident.model.parameters()).dtype
     rows_out = []
-    for rows in ROWS:
+    for rows, context in STEPS:
         flops = matmul_flops(rows, config.hidden_size, config.intermediate_size, torch_dtype)
-        bound_bandwidth = weights / (bandwidth * 1e9) * 1000
+        # Every weight once, and each row's keys and values of its context.
+        read = weights + rows * context * resident.kv_bytes_per_token
+        bound_bandwidth = read / (bandwidth * 1e9) * 1000
         bound_compute = 2 * parameters * rows / flops * 1000
-        measured = step_ms(resident.runner, rows)
+        measured = step_ms(resident.runner, rows, context)
         # One row reads every weight once: held to the bandwidth. Many rows: to the slower bound.
         limit = bound_bandwidth if rows == 1 else max(bound_bandwidth, bound_compute)
         rows_out.append(
             {
                 "rows": rows,
+                "context": context,
                 "bandwidth_limit_ms": round(bound_bandwidth, 2),
                 "compute_limit_ms": round(bound_compute, 2),
                 "limit_ms": round(limit, 2),
@@ -129,6 +136,7 @@ def main(*, shape: str, json_path: Path | None) -> None:
     table = Table(title=f"a decode step against the hardware · {shape}, {dtype}, {weights / 2**20:,.0f} MiB of weights")
     for header in (
         "rows",
+        "context",
         "bandwidth limit ms",
         "compute limit ms",
         "preheat step ms",
@@ -139,6 +147,7 @@ def main(*, shape: str, json_path: Path | None) -> None:
     for row in rows_out:
         table.add_row(
             str(row["rows"]),
+            f"{row['context']:,}",
             f"{row['bandwidth_limit_ms']:.2f}",
             f"{row['compute_limit_ms']:.2f}",
             f"{row['preheat_step_ms']:.2f}",
