@@ -171,7 +171,7 @@ def test_load_runs_every_mode_on_the_same_users_and_reports_side_by_side(embedde
         *("load", "--model", "tiny", "--compile", "off", "--users", "1,3", "--requests-per-user", "2"),
         *("--max-tokens", "4"),
         *("--arrivals", "3", "--rate", "20", "--modes", "batch,one-at-a-time,celery,transformers"),
-        *("--transformers-python", str(tmp_path / "no-such-python"), "--json", str(out)),
+        *("--transformers-python", str(tmp_path / "no-such-python"), "--json", str(out), "--restart"),
         timeout=400,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -201,11 +201,19 @@ def test_load_runs_every_mode_on_the_same_users_and_reports_side_by_side(embedde
     assert all(row["client_p50_ms"] >= row["worker_p50_ms"] > 0 for row in celery)
     assert "no-such-python not found" in report["not_measured"]["transformers"]
     assert any(line.startswith("preheat.infer, closed 3 users: the caller waits") for line in report["verdicts"])
+    # Restarted, preheat read its template's prefix back from its store before it was ready,
+    # and says so twice: its store's count, and the first request's cached prompt tokens.
+    [restarted] = report["restart"]
+    assert (restarted["server"], restarted["restore"], restarted["error"]) == ("batch", "prefix store", None)
+    assert restarted["restored"] >= 1 and restarted["ready_s"] > 0 and restarted["ttft_ms"] > 0
+    assert 0 < restarted["cached_tokens"] < restarted["prompt_tokens"]
 
 
 def test_load_refuses_an_unknown_mode(embedded_stack):
     refused = embedded_stack.cli_here("bench", "load", "--modes", "batch,vllm")
     assert refused.returncode == 2 and "--modes: expected a comma-separated list of batch" in refused.stderr
+    refused = embedded_stack.cli_here("bench", "load", "--modes", "one-at-a-time", "--restart")
+    assert refused.returncode == 2 and "--restart: measured for batch and llama-server" in refused.stderr
 
 
 def test_history_measures_each_command_before_and_after_the_indexes_on_a_scratch_database(
@@ -244,5 +252,8 @@ def test_memory_compares_the_layouts_in_fresh_processes_and_the_slab_returns_on_
     rows = {row["layout"]: row for row in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["heap", "heap + trim", "slab"]
     assert len({row["kv_bytes"] for row in rows.values()}) == 1  # the same pre-fills, counted alike
-    # Evicted, a slab is unmapped at once; heap pages stay with the allocator.
-    assert rows["slab"]["returned_on_eviction"] > rows["heap"]["returned_on_eviction"]
+    # Evicted, a slab is unmapped at once: its pages come back whole. (What the heap layouts
+    # give back is the allocator's choice, and a few MiB of a tiny model's entries are within
+    # what else the process frees meanwhile: reported, not compared.)
+    slab = rows["slab"]
+    assert slab["returned_on_eviction"] >= 0.9 * slab["kv_bytes"], slab

@@ -107,6 +107,9 @@ def load_command(
         None, help="Python with transformers' serving extras (default: .bench-venv/bin/python, `make bench-env`)."
     ),
     timeout: float = typer.Option(300.0, min=10.0, help="Seconds to wait for a server to be ready."),
+    restart: bool = typer.Option(
+        False, "--restart", help="Also restart batch and llama-server: ready, and the first request on a held prompt."
+    ),
     json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/load.json."),
 ) -> None:
     """Many chat users at once on one server: TTFT, inter-token latency, tokens/s and
@@ -130,6 +133,7 @@ def load_command(
         modes=modes,
         transformers_python=transformers_python,
         timeout=timeout,
+        restart=restart,
         json_path=json_path,
     )
 

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import socket
 import uuid
 from collections.abc import Iterator
@@ -137,9 +138,30 @@ def host() -> dict:
     settings = get_settings()
     return {
         "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        # The vector instructions decide the fast precision and kernels: figures from hosts
+        # that differ here do not compare (AVX2 only vs AVX-512 with bfloat16).
+        "cpu_flags": sorted(_cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"}),
         "cpus": os.cpu_count(),
         "stack": "embedded (filesystem broker, SQLite)" if settings.is_embedded else "broker + database from env",
     }
+
+
+def _cpuinfo(field: str) -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: the figure is left out, not guessed
+        return ""
+    found = re.search(rf"^{field}\s*:\s*(.*)$", text, re.M)
+    return found[1].strip() if found else ""
+
+
+def _cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor()
+
+
+def _cpu_flags() -> set[str]:
+    return set(_cpuinfo("flags").split())
 
 
 def token_counts(value: str) -> list[int]:

@@ -61,7 +61,11 @@ def bench_catalog(folder: Path, model_name: str, model_dir: Path, templates: lis
     return path
 
 
-def start_preheat(mode: str, setup: Setup, templates, catalog, folder: Path, timeout: float) -> Server:
+def start_preheat(
+    mode: str, setup: Setup, templates, catalog, folder: Path, timeout: float, prefix_store: Path | None = None
+) -> Server:
+    """`preheat serve` in `mode`, ready; with no prefix store unless given one (a restart's,
+    whose log is named for it)."""
     import httpx
 
     from preheat.core import processes
@@ -70,7 +74,7 @@ def start_preheat(mode: str, setup: Setup, templates, catalog, folder: Path, tim
         **os.environ,
         "PREHEAT_CATALOG": str(bench_catalog(folder, setup.model_name, setup.model_dir, templates, catalog)),
         "PREHEAT_HOME": str(folder / "home"),
-        "PREHEAT_PREFIX_STORE": "off",
+        "PREHEAT_PREFIX_STORE": "off" if prefix_store is None else str(prefix_store),
         "PREHEAT_DTYPE": setup.dtype,
         "PREHEAT_COMPILE": setup.compile,
         # Compiled graphs kept across runs of the bench (a restart restores them).
@@ -78,7 +82,8 @@ def start_preheat(mode: str, setup: Setup, templates, catalog, folder: Path, tim
         "PREHEAT_MAX_RUNNING_REQUESTS": str(setup.rows),
         **SERVER_ENV[mode],
     }
-    proc = processes.start_serve(env, folder / "logs", name=f"serve-{mode}")
+    name = f"serve-{mode}" if prefix_store is None else f"serve-{mode}-{prefix_store.parent.name}"
+    proc = processes.start_serve(env, folder / "logs", name=name)
     try:
         url = processes.serve_url(proc, timeout)
         processes.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, timeout, 0.05, "ready")

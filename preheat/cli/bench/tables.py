@@ -218,3 +218,26 @@ def turn_two_table(report: dict) -> Table:
         "system prompt only",
     )
     return table
+
+
+def restart_table(report: dict) -> Table:
+    """`preheat bench load --restart`: each server started again, and its first request."""
+    table = Table(
+        title="restarted: the first request on a system prompt held before the restart",
+        title_justify="left",
+        caption="ready = process start to ready (llama-server: and its slot restored); cached = prompt tokens the "
+        "server says came from its cache; restored = preheat: prefixes read from its store, llama-server: tokens",
+        caption_justify="left",
+    )
+    for header in ("server", "kept across", "ready s", "TTFT ms", "prompt", "cached", "restored", "error"):
+        table.add_column(header, justify="left" if header in ("server", "kept across", "error") else "right")
+    for row in report["restart"]:
+        table.add_row(
+            row["server"],
+            row["restore"],
+            f"{row['ready_s']:.2f}",
+            "-" if row["ttft_ms"] is None else f"{row['ttft_ms']:.1f}",
+            *("-" if row[k] is None else f"{row[k]:g}" for k in ("prompt_tokens", "cached_tokens", "restored")),
+            row["error"] or "",
+        )
+    return table
