@@ -134,6 +134,7 @@ def write_report(report: dict, path: Path, console) -> None:
 
 def host() -> dict:
     from preheat.core.settings import get_settings
+    from preheat.workers.engine.device import cpu_flags
 
     settings = get_settings()
     return {
@@ -141,27 +142,18 @@ def host() -> dict:
         "cpu": _cpu_model(),
         # The vector instructions decide the fast precision and kernels: figures from hosts
         # that differ here do not compare (AVX2 only vs AVX-512 with bfloat16).
-        "cpu_flags": sorted(_cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"}),
+        "cpu_flags": sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"}),
         "cpus": os.cpu_count(),
         "stack": "embedded (filesystem broker, SQLite)" if settings.is_embedded else "broker + database from env",
     }
 
 
-def _cpuinfo(field: str) -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: the figure is left out, not guessed
-        return ""
-    found = re.search(rf"^{field}\s*:\s*(.*)$", text, re.M)
-    return found[1].strip() if found else ""
-
-
 def _cpu_model() -> str:
-    return _cpuinfo("model name") or platform.processor()
-
-
-def _cpu_flags() -> set[str]:
-    return set(_cpuinfo("flags").split())
+    try:
+        found = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+    except OSError:  # not Linux
+        found = None
+    return found[1].strip() if found else platform.processor()
 
 
 def token_counts(value: str) -> list[int]:
