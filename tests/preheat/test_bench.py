@@ -209,6 +209,30 @@ def test_load_runs_every_mode_on_the_same_users_and_reports_side_by_side(embedde
     assert 0 < restarted["cached_tokens"] < restarted["prompt_tokens"]
 
 
+@pytest.mark.slow
+def test_lora_puts_adapters_beside_the_base_and_a_warmed_adapter_beside_a_cold_one(embedded_stack, tmp_path):
+    """On the tiny model, eager (the stack's PREHEAT_COMPILE=off: compiling is tested where it
+    is the subject): every spread's 16 users answered, the three first requests timed."""
+    out = tmp_path / "lora.json"
+    args = ("lora", "--model", "tiny", "--rounds", "1", "--requests-per-user", "1", "--max-tokens", "2")
+    done = bench(embedded_stack, *args, "--json", str(out), timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "LoRA adapters · tiny, 16 users" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["steps"] == "eager"
+    many = report["many_users"]
+    assert list(many) == ["base", "1 adapter(s)", "4 adapter(s)", "16 adapter(s)"]
+    for row in many.values():
+        assert (row["requests"], row["errors"]) == (16, 0) and row["tokens_per_s"] > 0, row
+    first = report["first_request_ttft_ms"]
+    assert list(first) == ["base", "warmed ahead", "cold"] and min(first.values()) > 0
+    assert report["adapter_load_ms"] > 0
+    assert [line.split(":")[0] for line in report["verdicts"]] == [
+        "first request to an adapter warmed ahead",
+        "16 users over 4 adapters",
+    ]
+
+
 def test_load_refuses_an_unknown_mode(embedded_stack):
     refused = embedded_stack.cli_here("bench", "load", "--modes", "batch,vllm")
     assert refused.returncode == 2 and "--modes: expected a comma-separated list of batch" in refused.stderr

@@ -17,6 +17,7 @@ of prefixes read from its store (`preheat_prefix_restores_total`).
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
@@ -63,10 +64,11 @@ def _preheat(setup, templates, catalog, folder: Path, system_prompt: str, timeou
     # prefix store of the restart's: the first start writes it, the second reads it.
     store = folder / "restart" / "prefixes"
     shutil.rmtree(store, ignore_errors=True)
-    first = servers.start_preheat("batch", setup, templates, catalog, folder, timeout, prefix_store=store)
+    start = functools.partial(servers.start_preheat, "batch", setup, templates, catalog, folder, timeout, store)
+    first = start(log_name="serve-batch-before-restart")
     first.stop()  # a stop lets the store's writer finish
     began = time.perf_counter()
-    server = servers.start_preheat("batch", setup, templates, catalog, folder, timeout, prefix_store=store)
+    server = start(log_name="serve-batch-restarted")
     ready_s = time.perf_counter() - began
     try:
         row = _first_request(server.url, server.model, system_prompt, max_tokens, "batch", "prefix store", ready_s)

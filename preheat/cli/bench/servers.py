@@ -62,10 +62,17 @@ def bench_catalog(folder: Path, model_name: str, model_dir: Path, templates: lis
 
 
 def start_preheat(
-    mode: str, setup: Setup, templates, catalog, folder: Path, timeout: float, prefix_store: Path | None = None
+    mode: str,
+    setup: Setup,
+    templates,
+    catalog,
+    folder: Path,
+    timeout: float,
+    prefix_store: Path | None = None,
+    log_name: str | None = None,
 ) -> Server:
-    """`preheat serve` in `mode`, ready; with no prefix store unless given one (a restart's,
-    whose log is named for it)."""
+    """`preheat serve` in `mode`, ready; with no prefix store unless given one (a restart's),
+    its log named for the mode unless named here."""
     import httpx
 
     from preheat.core import processes
@@ -82,8 +89,7 @@ def start_preheat(
         "PREHEAT_MAX_RUNNING_REQUESTS": str(setup.rows),
         **SERVER_ENV[mode],
     }
-    name = f"serve-{mode}" if prefix_store is None else f"serve-{mode}-{prefix_store.parent.name}"
-    proc = processes.start_serve(env, folder / "logs", name=name)
+    proc = processes.start_serve(env, folder / "logs", name=log_name or f"serve-{mode}")
     try:
         url = processes.serve_url(proc, timeout)
         processes.poll(lambda: httpx.get(f"{url}/health/ready", timeout=5).status_code == 200, timeout, 0.05, "ready")
