@@ -201,9 +201,12 @@ def test_a_real_prometheus_accepts_every_dashboard_query_and_the_snapshot_draws_
 
         def scraped():
             try:
-                answer = httpx.get(f"{url}/api/v1/query", params={"query": "preheat_fleet_workers"}).json()
+                response = httpx.get(f"{url}/api/v1/query", params={"query": "preheat_fleet_workers"})
             except httpx.HTTPError:
                 return False
+            if response.status_code == 503:  # "Service Unavailable" in plain text while it starts
+                return False
+            answer = response.json()
             return answer["status"] == "success" and answer["data"]["result"]
 
         processes.poll(scraped, 60, 0.5, "the exporter scraped")
