@@ -33,10 +33,10 @@ SLOT_FILE = "restart.bin"
 class RestartRow:
     server: str
     restore: str  # what the second start had of the first: prefix store | saved slot | nothing
-    ready_s: float
-    ttft_ms: float | None
-    prompt_tokens: int | None
-    cached_tokens: int | None
+    ready_s: float = 0.0
+    ttft_ms: float | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     restored: float | None = None  # preheat: prefixes read from the store; llama-server: tokens restored
     error: str | None = None
 
@@ -51,7 +51,7 @@ def rows(modes: list[str], setup, templates, catalog, folder: Path, python: Path
         try:
             measured += _llama_server(setup, folder, python, system_prompt, timeout, max_tokens)
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # not built or not started here
-            measured.append(RestartRow("llama-server", "saved slot", 0.0, None, None, None, error=str(exc)))
+            measured.append(RestartRow("llama-server", "saved slot", error=str(exc)))
     return measured
 
 
@@ -101,7 +101,7 @@ def _llama_server(setup, folder: Path, python: Path, system_prompt: str, timeout
     finally:
         first.stop()
     if primed.error is not None:
-        return [RestartRow("llama-server", "saved slot", 0.0, None, None, None, error=primed.error)]
+        return [RestartRow("llama-server", "saved slot", error=primed.error)]
     measured = []
     for restore in ("saved slot", "nothing"):
         began = time.perf_counter()
@@ -114,7 +114,7 @@ def _llama_server(setup, folder: Path, python: Path, system_prompt: str, timeout
                 )
                 if done.status_code != 200:
                     error = f"restoring slot 0 answered {done.status_code}: {done.text[:200]}"
-                    measured.append(RestartRow("llama-server", restore, 0.0, None, None, None, error=error))
+                    measured.append(RestartRow("llama-server", restore, error=error))
                     continue
                 tokens = done.json().get("n_restored")
             ready_s = time.perf_counter() - began
@@ -134,8 +134,7 @@ def _first_request(url, model, system_prompt, max_tokens, server, restore, ready
     with httpx.Client(timeout=600) as client:
         answer = chat(client, url, model, system_prompt, user_turn(1), max_tokens)
     ttft = None if answer.ttft_s is None else answer.ttft_s * 1000
-    row = RestartRow(server, restore, ready_s, ttft, answer.prompt_tokens, answer.cached_tokens, error=answer.error)
-    return row
+    return RestartRow(server, restore, ready_s, ttft, answer.prompt_tokens, answer.cached_tokens, error=answer.error)
 
 
 def _chat_in_slot(client, url: str, system_prompt: str, user_input: str, max_tokens: int):
