@@ -1,7 +1,7 @@
 """Compiled steps: the running rows' forward pass as torch.compile graphs (vLLM's compiled
-model runner, on the CPU as on a GPU), compiled at start before the worker is ready, and kept
-on disk (preheat.workers.engine.compilestore), since compilation is a cold start like loading
-weights.
+model runner, on the CPU as on a GPU), compiled ahead at start before the worker is ready, and
+saved on disk (preheat.workers.engine.compilestore), since compilation is a cold start like
+loading weights: a restarted worker loads its graphs without tracing the model again.
 
 **What is compiled.** transformers' own modeling code of the model, whole (`fullgraph`), with
 preheat's attention as one opaque op per layer (`preheat::ragged_attention`: what the step's
@@ -27,16 +27,18 @@ fails, runs eager and says why once (`CompiledSteps.eager_reason`, in `preheat w
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import shutil
 import threading
 import time
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from preheat.workers.engine import attention
+from preheat.workers.engine import attention, compilestore
 from preheat.workers.engine.lorastack import AdapterStack, Stacked, Targets, kind_and_layer, step_mask
 from preheat.workers.engine.raggedkv import RaggedKV, Segment
 
@@ -89,23 +91,27 @@ class _StepAdapters:
         self.b: dict[str, torch.Tensor] = {}
         self.mask: torch.Tensor | None = None
 
-    def set(self, stack: Stacked, mask: torch.Tensor, tokens_dynamic: bool) -> None:
-        for kind in stack.a:  # the rank is symbolic: one graph for any set of adapters
-            torch._dynamo.maybe_mark_dynamic(stack.a[kind], 2)
-            torch._dynamo.maybe_mark_dynamic(stack.b[kind], 1)
-        torch._dynamo.maybe_mark_dynamic(mask, 1)
-        if tokens_dynamic:
-            torch._dynamo.maybe_mark_dynamic(mask, 0)
+    def set(self, stack: Stacked, mask: torch.Tensor) -> None:
         self.on, self.a, self.b, self.mask = True, stack.a, stack.b, mask
+
+    def mark_dynamic(self, tokens: bool) -> None:
+        """Before a graph is compiled on these: the rank symbolic (one graph for any set of
+        adapters), and the number of tokens where the graph's is."""
+        for kind in self.a:
+            torch._dynamo.maybe_mark_dynamic(self.a[kind], 2)
+            torch._dynamo.maybe_mark_dynamic(self.b[kind], 1)
+        torch._dynamo.maybe_mark_dynamic(self.mask, 1)
+        if tokens:
+            torch._dynamo.maybe_mark_dynamic(self.mask, 0)
 
     def clear(self) -> None:
         self.on, self.a, self.b, self.mask = False, {}, {}, None
 
 
 STEP_ADAPTERS = _StepAdapters()
-# One compiled step at a time in a process: every graph's guards read STEP_ADAPTERS, so a base
-# step beside another scheduler's adapter step (two runtimes in one process: tests, benches)
-# would pick the adapter graph. A worker has one scheduler thread: the lock is never contended.
+# One compiled step at a time in a process: every adapter graph reads its adapters from
+# STEP_ADAPTERS, so two schedulers' adapter steps at once (two runtimes in one process: tests,
+# benches) would read each other's. A worker has one scheduler thread: never contended.
 _STEP_LOCK = threading.Lock()
 
 
@@ -193,37 +199,58 @@ class CompileReport:
     reason: str | None = None  # why eager
 
 
-class CompiledSteps:
-    """One model's compiled steps. Built by the runner; `compile` runs at start (and after a
-    wake) on the scheduler's thread, before the model takes requests."""
+class _Forward:
+    """What a graph traces: the model's pass over a step's packed rows. Its own object, holding
+    nothing but the model: a saved graph's guards keep what the traced object holds."""
 
-    def __init__(self, name: str, model, device: torch.device, *, adapters: bool = False) -> None:
-        self.name, self.model, self.device = name, model, device
-        self.ready = False
-        # With `adapters` (the model declares LoRA adapters), steps with adapter rows are
-        # compiled too, at start like the others; on the CPU only, where the linear layers are
-        # preheat's (_CompiledLinear), which apply them. Elsewhere such steps run eager.
-        self.stack = AdapterStack(Targets.of(model), device) if adapters and device.type == "cpu" else None
-        self._replaced: list = []
-        self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
-        configure_dynamo()
-        self._graph = torch.compile(self._forward, fullgraph=True, dynamic=None, **_own_region())
+    def __init__(self, model, device: torch.device) -> None:
+        self.model = model
+        self.mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
 
-    def _forward(self, input_ids, position_ids, logits_to_keep):
+    def __call__(self, input_ids, position_ids, logits_to_keep):
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
-            attention_mask=self._mask,
+            attention_mask=self.mask,
             logits_to_keep=logits_to_keep,
             use_cache=False,
             preheat_rows=True,
         )
         return out.logits[0]
 
+
+class CompiledSteps:
+    """One model's compiled steps. Built by the runner; `compile` runs at start (and after a
+    wake) on the scheduler's thread, before the model takes requests.
+
+    Each kind of step (`kind`: one or many tokens, with adapter rows or none) is one graph,
+    compiled ahead (`aot_compile`, the step's sizes symbolic where they vary) and saved to
+    `folder`, or loaded from it: a restarted worker traces nothing. A step picks its graph by
+    its kind, as vLLM's model runner does, not by guards on the model; nothing is compiled on
+    a request's path (a step of a kind with no graph runs eager)."""
+
+    def __init__(self, name, model, device, *, adapters: bool = False, folder: Path | None = None) -> None:
+        self.name, self.model, self.device, self.folder = name, model, device, folder
+        self.ready = False
+        # With `adapters` (the model declares LoRA adapters), steps with adapter rows are
+        # compiled too, at start like the others; on the CPU only, where the linear layers are
+        # preheat's (_CompiledLinear), which apply them. Elsewhere such steps run eager.
+        self.stack = AdapterStack(Targets.of(model), device) if adapters and device.type == "cpu" else None
+        self._replaced: list = []
+        self._forward = _Forward(model, device)
+        self._graphs: dict[str, object] = {}
+        self.made = {"compiled": 0, "loaded": 0}  # graphs, by how each was made
+        configure_dynamo()
+
+    @staticmethod
+    def kind(segments: list[Segment], adapters) -> str:
+        one = len(segments) == 1 and len(segments[0].ids) == 1
+        return ("one" if one else "many") + ("+lora" if adapters and any(a is not None for a in adapters) else "")
+
     def for_step(self, kv: RaggedKV, segments: list[Segment], adapters=None):
         """The graph that runs this step (its segments' `adapters`: a LoraWeights or None
         each), or None: it runs eager."""
-        if not self.ready:
+        if not self.ready or self.kind(segments, adapters) not in self._graphs:
             return None
         if adapters is None or all(adapter is None for adapter in adapters):
             return self._run
@@ -233,40 +260,69 @@ class CompiledSteps:
         return lambda kv, segments: self._run(kv, segments, adapters, self.stack.for_step(present))
 
     def _run(self, kv: RaggedKV, segments: list[Segment], adapters=None, stack: Stacked | None = None):
-        inputs = kv.step_inputs(segments)
-        ids, positions, keep = inputs["input_ids"], inputs["position_ids"], inputs["logits_to_keep"]
-        single = ids.shape[-1] == 1
-        if not single:
-            # Two or more rows kept, so the many-token graph never specializes on one (the
-            # last is repeated and dropped after).
-            keep = torch.cat([keep, keep[-1:]]) if keep.shape[0] == 1 else keep
-            torch._dynamo.maybe_mark_dynamic(ids, 1)
-            torch._dynamo.maybe_mark_dynamic(positions, 1)
-            torch._dynamo.maybe_mark_dynamic(keep, 0)
-        mask = None
-        if stack is not None:
-            lengths = [len(segment.ids) for segment in segments]
-            mask = step_mask(lengths, adapters, stack.adapters, self.device)
-        with _STEP_LOCK:
+        kind = self.kind(segments, adapters)
+        # Every input an inference tensor, as the graphs were compiled on (a guard checks it).
+        with _STEP_LOCK, torch.inference_mode():
+            inputs = kv.step_inputs(segments)
+            ids, positions, keep = inputs["input_ids"], inputs["position_ids"], inputs["logits_to_keep"]
+            if not kind.startswith("one"):
+                # Two or more rows kept, so the many-token graph never meets a size of one
+                # (the last is repeated and dropped after).
+                keep = torch.cat([keep, keep[-1:]]) if keep.shape[0] == 1 else keep
             if stack is not None:
-                STEP_ADAPTERS.set(stack, mask, not single)
+                lengths = [len(segment.ids) for segment in segments]
+                STEP_ADAPTERS.set(stack, step_mask(lengths, adapters, stack, self.device))
             try:
-                with torch.inference_mode(), attention.running(kv):
-                    logits = self._graph(ids, positions, keep)
+                with attention.running(kv):
+                    graph = self._graphs.get(kind) or self._make(kind, (ids, positions, keep))
+                    logits = graph(self._forward, ids, positions, keep)
             finally:
                 STEP_ADAPTERS.clear()
         return logits[: len(segments)]
 
+    def _make(self, kind: str, args: tuple) -> object:
+        """The graph of `kind`, loaded from `folder` or compiled ahead on `args` (a step of
+        that kind, run by `compile`) and saved there. A saved graph that cannot be loaded
+        costs a compile (the store proved its bytes; this is torch refusing them)."""
+        path = self.folder / f"{kind}.graph" if self.folder is not None else None
+        if path is not None and path.is_file():
+            try:
+                with open(path, "rb") as file:
+                    graph = torch.compiler.load_compiled_function(file)
+                self.made["loaded"] += 1
+                self._graphs[kind] = graph
+                return graph
+            except Exception as exc:  # whatever torch raises, the answer is a compile
+                log.warning("model %s: the saved %s graph does not load (%s): compiling", self.name, kind, exc)
+        example = tuple(tensor.clone() for tensor in args)  # marked, so not the tensors a step passes
+        if not kind.startswith("one"):
+            for tensor, dim in zip(example, (1, 1, 0), strict=True):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        if kind.endswith("+lora"):
+            STEP_ADAPTERS.mark_dynamic(tokens=not kind.startswith("one"))
+        compiler = torch.compile(self._forward.__call__, fullgraph=True, options={"guard_filter_fn": _inputs_guarded})
+        # The model's float attributes are constants of the graph: a float made symbolic makes
+        # torch.compile restart its trace, which an ahead-of-time compile cannot (gemma3's).
+        with torch._dynamo.config.patch(specialize_float=True):
+            graph = compiler.aot_compile((example, {}))
+        self.made["compiled"] += 1
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                graph.save_compiled_function(str(path))
+            except OSError as exc:
+                log.warning("model %s: the %s graph is not saved (%s)", self.name, kind, exc)
+        self._graphs[kind] = graph
+        return graph
+
     def compile(self, scratch: RaggedKV) -> float:
-        """Every graph compiled (or restored from inductor's caches) by running it on
-        `scratch`, an empty batch of the model: one token; then a chunk of three beside a
-        row decoding; then a chunk alone. With adapters, the same again under two stand-in
-        adapters (zeros, of the rank a step is least likely to meet alone). Returns the
-        milliseconds it took."""
+        """Every graph compiled (or loaded) by running it on `scratch`, an empty batch of the
+        model: one token; then a chunk of three beside a row decoding; then a chunk alone.
+        With adapters, the same again under two stand-in adapters (zeros, of the rank a step
+        is least likely to meet alone). Returns the milliseconds it took."""
         started = time.perf_counter()
         if self.device.type == "cpu" and not self._replaced:
             self._replaced = pack_linear_layers(self.model, self.name)
-        self.ready = True
         stand_ins = self._stand_in_adapters() if self.stack is not None else None
         try:
             for _ in range(3):
@@ -275,13 +331,15 @@ class CompiledSteps:
                 for step in ([(0, (1,))], [(0, (2,)), (1, (1, 2, 3))], [(2, (4, 5))]):
                     segments = [Segment(slot, scratch.lengths[slot], ids) for slot, ids in step]
                     rows = None if adapters is None else [adapters[i % 2] for i in range(len(segments))]
-                    self.for_step(scratch, segments, rows)(scratch, segments)
+                    present = tuple({id(a): a for a in rows}.values()) if rows else ()
+                    self._run(scratch, segments, rows, self.stack.for_step(present) if rows else None)
                     scratch.stepped()
         except Exception:
             self.release()
             raise
         if self.stack is not None:  # the stand-ins leave no columns behind
             self.stack = AdapterStack(self.stack.targets, self.device)
+        self.ready = True
         return (time.perf_counter() - started) * 1000
 
     def _stand_in_adapters(self):
@@ -303,6 +361,7 @@ class CompiledSteps:
     def release(self) -> None:
         """The graphs no longer used and the packed weights freed (a level-2 sleep, a failed compile)."""
         self.ready = False
+        self._graphs = {}
         unpack_linear_layers(self._replaced)
         self._replaced = []
 
@@ -323,25 +382,30 @@ class CompiledSteps:
         return (time.perf_counter() - started) * 1000
 
 
-@functools.cache
-def _own_region() -> dict:
-    """Each model's graphs counted apart (torch 2.13's per-call limit): every model class is
-    one more specialization of `_forward`, and the process-wide limit is a setting that
-    anything in the process may patch and put back, so it is not relied on alone."""
-    import inspect
+def _inputs_guarded(entries) -> list[bool]:
+    """The guards a saved graph keeps: the dtype, device and static sizes of the tensors the
+    step passes (its inputs, the adapters' stacks). None on the model's parameters, on
+    globals or on objects' identity: the step picks its graph by kind, and a guard that named
+    this process's objects could not be saved."""
+    return [
+        entry.guard_type == "TENSOR_MATCH" and not entry.is_global and not isinstance(entry.value, torch.nn.Parameter)
+        for entry in entries
+    ]
 
-    accepted = inspect.signature(torch.compile).parameters
-    own = {"recompile_limit": 64, "isolate_recompiles": True}
-    return {name: value for name, value in own.items() if name in accepted}
+
+def import_ahead(mode: str) -> None:
+    """Where steps will be compiled (`mode` auto), torch's compiler imported now on a thread
+    of its own, beside the weights' load: 1.9 s of a restored start otherwise (measured here,
+    2 cores), before the first graph loads."""
+    if mode == "auto":
+        compilestore.process_folder()  # inductor's folder set before inductor reads it
+        name = "torch._inductor.compile_fx"
+        threading.Thread(target=importlib.import_module, args=(name,), name="preheat-import", daemon=True).start()
 
 
 @functools.cache
 def configure_dynamo() -> None:
-    """Each model compiles its two graphs again after a wake: more than dynamo's default of
-    eight specializations per function over a worker's life, every one of them wanted. A
-    failure raises (the runner runs eager and says why) instead of falling back unseen."""
+    """A failure raises (the runner runs eager and says why) instead of falling back unseen."""
     import torch._dynamo
 
-    torch._dynamo.config.recompile_limit = 256
-    torch._dynamo.config.accumulated_recompile_limit = 4096
     torch._dynamo.config.suppress_errors = False

@@ -1,21 +1,23 @@
-"""Compiled graphs kept on disk: a restarted worker restores them instead of compiling again.
+"""Compiled graphs kept on disk: a restarted worker loads them instead of compiling again.
 
-What torch.compile produces on the CPU (inductor's FX graphs and the C++ kernels built from
-them) lives in inductor's cache folder. That folder is pickles and shared libraries: what
-comes back from disk is untrusted, and a damaged or foreign one would be loaded as code. So
-each process compiles into a folder of its own (`PREHEAT_HOME` never), and the store holds,
-per model and everything a graph depends on (its *identity*: torch and Python versions, the
-device and its instruction set, the dtype, the model's content digest, the graphs' shapes),
-a copy of the files that model's compile added, with a manifest of their SHA-256. A restore
-proves the manifest is this identity's and every file is whole before copying them into the
-process's folder; anything else (a flipped byte, a file missing, another machine's kernels)
-costs a compile, never a crash or a wrong answer, and the entry is written again. Entries
-are written under a temporary name and renamed, so replicas on one volume share them and
-never read half of one.
+What a compile leaves in this process's folder (inductor's cache folder, `process_folder`):
+each step's graph, saved by torch.compile's ahead-of-time API (preheat.workers.engine.compiled,
+in `graphs_folder`), and the C++ kernels built for them, which a loaded graph calls. That folder
+is pickles and shared libraries: what comes back from disk is untrusted, and a damaged or
+foreign one would be loaded as code. So each process compiles into a folder of its own
+(`PREHEAT_HOME` never), and the store holds, per model and everything a graph depends on (its
+*identity*: torch and Python versions, the device and its instruction set, the dtype, the
+model's content digest and name, the graphs' shapes), a copy of the files that model's
+compile added, with a manifest of their SHA-256. A restore proves the manifest is this
+identity's and every file is whole before copying them into the process's folder; anything
+else (a flipped byte, a file missing, another machine's kernels) costs a compile, never a
+crash or a wrong answer, and the entry is written again. Entries are written under a
+temporary name and renamed, so replicas on one volume share them and never read half of one.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -43,12 +45,14 @@ def process_folder() -> Path:
         if not _PROCESS_FOLDER:
             folder = Path(tempfile.mkdtemp(prefix="preheat-inductor-"))
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the store keeps what is worth keeping
             _PROCESS_FOLDER.append(folder)
         return _PROCESS_FOLDER[0]
 
 
-def identity(device, dtype, model_digest: str, shapes: str) -> dict[str, str]:
-    """Everything a compiled graph of the model depends on."""
+def identity(device, dtype, model_digest: str, shapes: str, owner: str) -> dict[str, str]:
+    """Everything a compiled graph of the model depends on; `owner`, the model's name, too:
+    its graphs name its packed weights by it."""
     import torch
 
     if device.type == "cuda":
@@ -65,7 +69,18 @@ def identity(device, dtype, model_digest: str, shapes: str) -> dict[str, str]:
         "dtype": str(dtype),
         "model": model_digest,
         "shapes": shapes,
+        "owner": owner,
     }
+
+
+def graphs_folder(key: dict[str, str]) -> Path:
+    """Where the compiled steps of `key` are saved and loaded: in this process's folder,
+    beside the kernels they call, so a store's entry keeps both."""
+    return process_folder() / "graphs" / _digest(key)
+
+
+def _digest(key: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:40]
 
 
 class CompileStore:
@@ -73,7 +88,7 @@ class CompileStore:
         self.folder = Path(folder)
 
     def entry(self, key: dict[str, str]) -> Path:
-        return self.folder / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:40]
+        return self.folder / _digest(key)
 
     def restore(self, key: dict[str, str]) -> bool:
         """The entry of `key` proven and copied into this process's folder; False when there

@@ -73,12 +73,23 @@ class Stacked:
     def rank(self) -> int:
         return sum(adapter.rank for adapter in self.adapters)
 
+    @staticmethod
+    def width_of(rank: int) -> int:
+        """R for adapters of `rank` in all: at least 2 (a zero column beside a lone rank-1
+        adapter), since a symbolic size of 0 or 1 would be a graph of its own."""
+        return max(rank, 2)
+
+    @property
+    def width(self) -> int:
+        return self.width_of(self.rank)
+
     @classmethod
+    @torch.inference_mode()  # inference tensors, as every input of a compiled step
     def of(cls, adapters: tuple[LoraWeights, ...], targets: Targets, device) -> Stacked:
-        rank = sum(adapter.rank for adapter in adapters)
+        width = cls.width_of(sum(adapter.rank for adapter in adapters))
         kinds = targets.kinds.items()
-        a = {k: torch.zeros((n, i, rank), device=device) for k, (n, _, i) in kinds}
-        b = {k: torch.zeros((n, rank, o), device=device) for k, (n, o, _) in kinds}
+        a = {k: torch.zeros((n, i, width), device=device) for k, (n, _, i) in kinds}
+        b = {k: torch.zeros((n, width, o), device=device) for k, (n, o, _) in kinds}
         offset = 0
         for adapter in adapters:
             for module, (down, up) in adapter.layers.items():
@@ -140,15 +151,15 @@ class AdapterStack:
                     self._stacks = [made, *self._stacks][: self.KEPT]
 
 
-def step_mask(lengths: list[int], adapters: list[LoraWeights | None], order: tuple[LoraWeights, ...], device):
+def step_mask(lengths: list[int], adapters: list[LoraWeights | None], stack: Stacked, device):
     """[tokens, R], float32, for packed rows (row i's `lengths[i]` tokens): each token's own
-    adapter's columns (in `order`'s concatenation) hold its scaling, every other zero; rows
+    adapter's columns (in `stack`'s concatenation) hold its scaling, every other zero; rows
     of the base all zero."""
     columns, offset = {}, 0
-    for adapter in order:
+    for adapter in stack.adapters:
         columns[id(adapter)] = (offset, adapter)
         offset += adapter.rank
-    mask = torch.zeros(sum(lengths), offset, device=device)
+    mask = torch.zeros(sum(lengths), stack.width, device=device)
     start = 0
     for length, adapter in zip(lengths, adapters, strict=True):
         if adapter is not None:

@@ -108,12 +108,13 @@ class ModelRunner:
                 log.warning("model %s runs its steps eager: %s", self.name, reason)
             self.compile_report = CompileReport("eager", reason=reason)
             return self.compile_report
-        compilestore.process_folder()
         buckets = "one,many/1" + ("+lora" if adapters else "")
-        key = compilestore.identity(self.placement.device, self.placement.dtype, model_digest, buckets)
-        restored = store is not None and store.restore(key)
+        key = compilestore.identity(self.placement.device, self.placement.dtype, model_digest, buckets, self.name)
+        if store is not None:
+            store.restore(key)
         before = compilestore.snapshot()
-        steps = CompiledSteps(self.name, self.model, self.placement.device, adapters=adapters)
+        folder = compilestore.graphs_folder(key)
+        steps = CompiledSteps(self.name, self.model, self.placement.device, adapters=adapters, folder=folder)
         try:
             ms = steps.compile(scratch)
         except Exception as exc:
@@ -122,10 +123,19 @@ class ModelRunner:
             self.compile_report = CompileReport("eager", reason=reason)
             return self.compile_report
         self.compiled = steps
-        if store is not None and not restored:
+        if store is not None and steps.made["compiled"]:
             store.publish(key, before)
-        self.compile_report = CompileReport("restored" if restored else "compiled", ms)
-        log.info("model %s: steps %s in %.0f ms", self.name, self.compile_report.source, ms)
+        source = "compiled" if steps.made["compiled"] else "restored"
+        self.compile_report = CompileReport(source, ms)
+        made = steps.made
+        log.info(
+            "model %s: steps %s in %.0f ms (graphs: %d compiled, %d loaded)",
+            self.name,
+            source,
+            ms,
+            made["compiled"],
+            made["loaded"],
+        )
         return self.compile_report
 
     def adapter_resident(self, adapter) -> None:

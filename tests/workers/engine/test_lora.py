@@ -189,7 +189,7 @@ def test_the_compiled_steps_stacks_follow_the_mix_of_recent_steps_and_rebuild_on
     columns, zeros where it leaves a module alone; a step whose adapters a kept stack holds
     takes the smallest such; a new one builds a stack of the recent steps' adapters, and one
     that stopped coming is left out."""
-    from preheat.workers.engine.lorastack import AdapterStack, Targets, step_mask
+    from preheat.workers.engine.lorastack import AdapterStack, Stacked, Targets, step_mask
 
     targets = Targets({"model.layers.*.q": (2, 6, 4), "model.layers.*.up": (2, 8, 4)})
 
@@ -214,5 +214,10 @@ def test_the_compiled_steps_stacks_follow_the_mix_of_recent_steps_and_rebuild_on
         stack.for_step((b,))
     third = stack.for_step((c,))  # a has not run for a while: left out
     assert [s.name for s in third.adapters] == ["b", "c"]
-    mask = step_mask([2, 1, 1], [c, None, b], third.adapters, "cpu")
+    mask = step_mask([2, 1, 1], [c, None, b], third, "cpu")
     assert mask.tolist() == [[0, 0, 0, 2], [0, 0, 0, 2], [0, 0, 0, 0], [2, 2, 2, 0]]
+    # A lone rank-1 adapter is stacked two columns wide (a zero one beside it): the graphs'
+    # rank is symbolic, and a size of 1 would be a graph of its own.
+    lone = Stacked.of((c,), targets, "cpu")
+    assert lone.width == 2 and lone.a["model.layers.*.q"].shape[-1] == 2 and lone.b["model.layers.*.up"].shape[1] == 2
+    assert step_mask([1, 1], [c, None], lone, "cpu").tolist() == [[2, 0], [0, 0]]
