@@ -29,6 +29,16 @@ class Answer:
     cached_tokens: int | None = None  # the server's own count of prompt tokens from its cache
 
 
+def new_client(timeout: float = 600, connections: int = 16):
+    """The benchmark's HTTP client, the same for every server: a connection per request.
+    llama-server (cpp-httplib) closes a kept-alive connection after a few requests, and a
+    request sent on one it has just closed fails ("Server disconnected without sending a
+    response"): counted as the server's error, it was the client's (6 of 64 at 16 users)."""
+    import httpx
+
+    return httpx.Client(timeout=timeout, limits=httpx.Limits(max_connections=connections, max_keepalive_connections=0))
+
+
 def chat(client, url, model, system_prompt, user_input, max_tokens, extra: dict | None = None) -> Answer:
     """One streamed chat completion, timed from the client's side (`extra`: a server's own fields)."""
     body = {

@@ -28,7 +28,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from preheat.cli.bench import servers, tables
-from preheat.cli.bench.chatclient import Answer, Row, chat, percentile, summarise, user_turn
+from preheat.cli.bench.chatclient import Answer, Row, chat, new_client, percentile, summarise, user_turn
 from preheat.cli.bench.common import dev_model, host, prepare, worker_env, worker_name, write_report
 from preheat.cli.bench.loadverdicts import over_single, verdicts
 from preheat.core.errors import ConfigError
@@ -188,14 +188,12 @@ def celery_loop(app, templates: list[str], users: int, per_user: int, max_tokens
 
 
 def closed_loop(mode, url, model, system_prompts, users: int, per_user: int, max_tokens: int) -> Row:
-    import httpx
-
     answers: list[Answer] = []
     lock = threading.Lock()
     start = threading.Barrier(users)
 
     def user(index: int) -> None:
-        with httpx.Client(timeout=600) as client:
+        with new_client() as client:
             start.wait()
             for turn in range(per_user):
                 k = index * per_user + turn
@@ -210,12 +208,10 @@ def closed_loop(mode, url, model, system_prompts, users: int, per_user: int, max
 
 def open_loop(mode, url, model, system_prompts, rate: float, arrivals: int, max_tokens: int) -> Row:
     """Poisson arrivals at `rate` per second (a fixed seed: every mode gets the same times)."""
-    import httpx
-
     gaps = random.Random(7).expovariate
     answers: list[Answer] = []
     lock = threading.Lock()
-    client = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=arrivals))
+    client = new_client(connections=arrivals)
 
     def one(k: int) -> None:
         got = chat(client, url, model, system_prompts[k % len(system_prompts)], user_turn(k), max_tokens)

@@ -48,10 +48,12 @@ def rows(modes: list[str], setup, templates, catalog, folder: Path, python: Path
     if "batch" in modes:
         measured.append(_preheat(setup, templates, catalog, folder, system_prompt, timeout, max_tokens))
     if "llama-server" in modes:
+        import httpx
+
         try:
             measured += _llama_server(setup, folder, python, system_prompt, timeout, max_tokens)
-        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # not built or not started here
-            measured.append(RestartRow("llama-server", "saved slot", error=str(exc)))
+        except (RuntimeError, OSError, subprocess.SubprocessError, httpx.HTTPError) as exc:  # not built, not up, gone
+            measured.append(RestartRow("llama-server", "saved slot", error=f"{type(exc).__name__}: {exc}"))
     return measured
 
 
@@ -84,14 +86,14 @@ def _llama_server(setup, folder: Path, python: Path, system_prompt: str, timeout
     import httpx
 
     from preheat.cli.bench import llamacpp
-    from preheat.cli.bench.chatclient import user_turn
+    from preheat.cli.bench.chatclient import new_client, user_turn
 
     saved = folder / "restart" / "slots"
     shutil.rmtree(saved, ignore_errors=True)
     peer_folder = folder / "llama.cpp"
     first = llamacpp.start(peer_folder, setup.model_dir, setup.dtype, setup.rows, timeout, saved, python)
     try:
-        with httpx.Client(timeout=timeout) as client:
+        with new_client(timeout) as client:
             # Slot 0 answers the request that fills it, then is saved (the restart keeps it).
             primed = _chat_in_slot(client, first.url, system_prompt, user_turn(0), max_tokens)
             if primed.error is None:
@@ -127,11 +129,9 @@ def _llama_server(setup, folder: Path, python: Path, system_prompt: str, timeout
 
 
 def _first_request(url, model, system_prompt, max_tokens, server, restore, ready_s) -> RestartRow:
-    import httpx
+    from preheat.cli.bench.chatclient import chat, new_client, user_turn
 
-    from preheat.cli.bench.chatclient import chat, user_turn
-
-    with httpx.Client(timeout=600) as client:
+    with new_client() as client:
         answer = chat(client, url, model, system_prompt, user_turn(1), max_tokens)
     ttft = None if answer.ttft_s is None else answer.ttft_s * 1000
     return RestartRow(server, restore, ready_s, ttft, answer.prompt_tokens, answer.cached_tokens, error=answer.error)
