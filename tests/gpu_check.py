@@ -2,7 +2,8 @@
 
 Not a pytest module (it needs a GPU and runs in one process, in about a minute). It builds the
 small model, lets the registry pick the device (CUDA, bf16), and checks what the CPU tests
-cannot: the cached prefix on CUDA in bf16 gives full prefill's greedy token; and a real CUDA
+cannot: the cached prefix on CUDA in bf16 gives full prefill's greedy token; the steps compiled
+on CUDA and loaded again by a new runtime, against eager; and a real CUDA
 out-of-memory during a prefill (the caching allocator capped with
 set_per_process_memory_fraction) is one DeviceOutOfMemory naming the work, with the memory
 given back, after which the same prefill succeeds; and how fast weights load onto the GPU
@@ -93,8 +94,37 @@ def check(out: Path) -> dict:
     again, again_ms = again.entry, again.prefill_ms
     report["after_oom"] = {"prefilled_tokens": again.num_tokens, "prefill_ms": again_ms}
     scheduler.close()
+    report["compiled_steps"] = compiled_steps(folder)
     report["load"] = load_bandwidth()
     out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def compiled_steps(folder: Path) -> dict:
+    """The steps compiled on CUDA (Triton, bf16), then loaded as a restarted worker loads
+    them (a new runtime of the same model): how each start went and how long it took, and
+    the same greedy request eager, compiled and loaded. bf16 rounds differently compiled, so
+    the tokens are reported side by side, not asserted equal."""
+    from preheat.api.sampling import SamplingParams
+    from preheat.workers.engine.compilestore import CompileStore
+
+    store, report, tokens = CompileStore(Path(tempfile.mkdtemp())), {}, {}
+    for run in ("eager", "compiled", "loaded"):
+        resident, _ = ResidentModels("auto").ensure(ModelSource("tiny", str(folder)))
+        scheduler = Scheduler(Prefixes(KVCacheManager(CacheBudget(16, 2**30))))
+        if run != "eager":
+            done = scheduler.call(resident.runner.compile, "auto", store, resident.content_digest)
+            report[run] = {"source": done.source, "ms": done.ms, "reason": done.reason}
+        prompt = TemplatePrefix.of(resident, SYSTEM).prompt_ids(resident, "Where is my parcel?")
+        started = time.perf_counter()
+        answer = scheduler.submit(resident, prompt, SamplingParams(max_tokens=24, temperature=0.0)).collect()
+        report[f"{run}_answer_ms"] = (time.perf_counter() - started) * 1000
+        tokens[run] = answer.token_ids
+        scheduler.call(resident.runner.release)  # as a worker's stop: the next runtime is a restart
+        scheduler.close()
+    report["tokens"] = tokens
+    report["compiled_as_eager"] = tokens["compiled"] == tokens["eager"]
+    report["loaded_as_compiled"] = tokens["loaded"] == tokens["compiled"]
     return report
 
 
