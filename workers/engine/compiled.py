@@ -199,6 +199,11 @@ class CompileReport:
     reason: str | None = None  # why eager
 
 
+class GraphRefused(Exception):
+    """A step's inputs failed its graph's guards (a size or dtype it was not compiled for):
+    the runner runs that step eager. Nothing ran; the step's state is untouched."""
+
+
 class _Forward:
     """What a graph traces: the model's pass over a step's packed rows. Its own object, holding
     nothing but the model: a saved graph's guards keep what the traced object holds."""
@@ -240,6 +245,7 @@ class CompiledSteps:
         self._forward = _Forward(model, device)
         self._graphs: dict[str, object] = {}
         self.made = {"compiled": 0, "loaded": 0}  # graphs, by how each was made
+        self._refused: set[str] = set()  # kinds whose graph refused a step's inputs (logged)
         configure_dynamo()
 
     @staticmethod
@@ -276,6 +282,13 @@ class CompiledSteps:
                 with attention.running(kv):
                     graph = self._graphs.get(kind) or self._make(kind, (ids, positions, keep))
                     logits = graph(self._forward, ids, positions, keep)
+            except RuntimeError as exc:
+                if "GuardManager check failed" not in str(exc):
+                    raise
+                if kind not in self._refused:  # once per kind: a steady mismatch would flood the log
+                    self._refused.add(kind)
+                    log.warning("model %s: a %s step its graph refused runs eager (%s)", self.name, kind, exc)
+                raise GraphRefused(kind) from exc
             finally:
                 STEP_ADAPTERS.clear()
         return logits[: len(segments)]

@@ -70,7 +70,12 @@ class ModelRunner:
         doing = f"running {len(segments)} requests together on {self.name} ({fed} ids)"
         adapted = adapters is not None and any(adapter is not None for adapter in adapters)
         if self.compiled is not None and (graph := self.compiled.for_step(kv, segments, adapters)) is not None:
-            return out_of_memory_as_error(self.placement.device, doing, lambda: graph(kv, segments))
+            from preheat.workers.engine.compiled import GraphRefused
+
+            try:
+                return out_of_memory_as_error(self.placement.device, doing, lambda: graph(kv, segments))
+            except GraphRefused:
+                pass  # eager below, as any step no graph covers
         lengths = [len(segment.ids) for segment in segments]
         rows = lora.token_rows(lengths, list(adapters), self.placement.device) if adapted else []
 

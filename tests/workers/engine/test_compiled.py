@@ -111,10 +111,12 @@ def test_a_long_step_and_sampling_run_through_the_compiled_graphs(dev_model):
     scheduler.close()
 
 
-def test_a_level_one_sleep_keeps_the_graphs_and_the_wake_only_packs_the_weights(dev_model, store):
+def test_a_level_one_sleep_keeps_the_graphs_and_the_wake_only_packs_the_weights(dev_model, store, monkeypatch):
     """A level-1 sleep frees the packed copies of the weights and keeps the graphs: the wake
     packs the weights again and runs the same graphs, with no compile and no restore, and
-    gives the eager tokens."""
+    gives the eager tokens. A step whose inputs a graph refuses runs eager."""
+    import torch
+
     from preheat.workers.engine import compiled
     from preheat.workers.engine.resident import ModelSource, ResidentModels
 
@@ -136,6 +138,21 @@ def test_a_level_one_sleep_keeps_the_graphs_and_the_wake_only_packs_the_weights(
     woken = scheduler.submit(resident, *request).collect()
     assert resident.runner.compiled.made == made  # no graph compiled or loaded for the wake
     assert woken.token_ids == eager.token_ids
+
+    # Inputs a graph was not compiled for (here int32 ids: its guards check the dtype) are
+    # refused before anything runs, and that step runs eager: the same answer, never a crash.
+    from preheat.workers.engine.raggedkv import RaggedKV
+
+    real_inputs = RaggedKV.step_inputs
+
+    def int32_ids(kv, segments):
+        inputs = real_inputs(kv, segments)
+        return {**inputs, "input_ids": inputs["input_ids"].to(torch.int32)}
+
+    monkeypatch.setattr(RaggedKV, "step_inputs", int32_ids)
+    refused = scheduler.submit(resident, *request).collect()
+    assert refused.token_ids == eager.token_ids
+    assert resident.runner.compiled._refused == {"one", "many"} and resident.runner.compiled.ready
     scheduler.close()
 
 
