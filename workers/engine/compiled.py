@@ -260,7 +260,7 @@ class CompiledSteps:
             return None
         if adapters is None or all(adapter is None for adapter in adapters):
             return self._run
-        present = tuple({id(a): a for a in adapters if a is not None}.values())
+        present = _distinct(adapters)
         if self.stack is None or not all(self.stack.covers(adapter) for adapter in present):
             return None
         return lambda kv, segments: self._run(kv, segments, adapters, self.stack.for_step(present))
@@ -295,18 +295,27 @@ class CompiledSteps:
 
     def _make(self, kind: str, args: tuple) -> object:
         """The graph of `kind`, loaded from `folder` or compiled ahead on `args` (a step of
-        that kind, run by `compile`) and saved there. A saved graph that cannot be loaded
-        costs a compile (the store proved its bytes; this is torch refusing them)."""
+        that kind, run by `compile`) and saved there."""
         path = self.folder / f"{kind}.graph" if self.folder is not None else None
-        if path is not None and path.is_file():
-            try:
-                with open(path, "rb") as file:
-                    graph = torch.compiler.load_compiled_function(file)
-                self.made["loaded"] += 1
-                self._graphs[kind] = graph
-                return graph
-            except Exception as exc:  # whatever torch raises, the answer is a compile
-                log.warning("model %s: the saved %s graph does not load (%s): compiling", self.name, kind, exc)
+        graph = self._load(kind, path) if path is not None and path.is_file() else None
+        if graph is None:
+            graph = self._compile(kind, args, path)
+        self._graphs[kind] = graph
+        return graph
+
+    def _load(self, kind: str, path: Path):
+        """The saved graph, or None where torch refuses it (the store proved its bytes):
+        that costs a compile."""
+        try:
+            with open(path, "rb") as file:
+                graph = torch.compiler.load_compiled_function(file)
+        except Exception as exc:  # whatever torch raises, the answer is a compile
+            log.warning("model %s: the saved %s graph does not load (%s): compiling", self.name, kind, exc)
+            return None
+        self.made["loaded"] += 1
+        return graph
+
+    def _compile(self, kind: str, args: tuple, path: Path | None):
         example = tuple(tensor.clone() for tensor in args)  # marked, so not the tensors a step passes
         if not kind.startswith("one"):
             for tensor, dim in zip(example, (1, 1, 0), strict=True):
@@ -325,7 +334,6 @@ class CompiledSteps:
                 graph.save_compiled_function(str(path))
             except OSError as exc:
                 log.warning("model %s: the %s graph is not saved (%s)", self.name, kind, exc)
-        self._graphs[kind] = graph
         return graph
 
     def compile(self, scratch: RaggedKV) -> float:
@@ -344,8 +352,7 @@ class CompiledSteps:
                 for step in ([(0, (1,))], [(0, (2,)), (1, (1, 2, 3))], [(2, (4, 5))]):
                     segments = [Segment(slot, scratch.lengths[slot], ids) for slot, ids in step]
                     rows = None if adapters is None else [adapters[i % 2] for i in range(len(segments))]
-                    present = tuple({id(a): a for a in rows}.values()) if rows else ()
-                    self._run(scratch, segments, rows, self.stack.for_step(present) if rows else None)
+                    self._run(scratch, segments, rows, self.stack.for_step(_distinct(rows)) if rows else None)
                     scratch.stepped()
         except Exception:
             self.release()
@@ -393,6 +400,11 @@ class CompiledSteps:
             getattr(parent, name).repack()
         self.ready = True
         return (time.perf_counter() - started) * 1000
+
+
+def _distinct(adapters) -> tuple:
+    """A step's adapters (a LoraWeights or None per row), each once, in the rows' order."""
+    return tuple({id(a): a for a in adapters if a is not None}.values())
 
 
 def _inputs_guarded(entries) -> list[bool]:

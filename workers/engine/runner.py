@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from preheat.workers.engine import attention, lora
+from preheat.workers.engine import attention, compilestore, lora
+from preheat.workers.engine.compiled import CompiledSteps, CompileReport, GraphRefused, why_not_compiled
 from preheat.workers.engine.device import Placement, out_of_memory_as_error
 from preheat.workers.engine.raggedkv import RaggedKV, Segment, batchable
 
@@ -70,8 +71,6 @@ class ModelRunner:
         doing = f"running {len(segments)} requests together on {self.name} ({fed} ids)"
         adapted = adapters is not None and any(adapter is not None for adapter in adapters)
         if self.compiled is not None and (graph := self.compiled.for_step(kv, segments, adapters)) is not None:
-            from preheat.workers.engine.compiled import GraphRefused
-
             try:
                 return out_of_memory_as_error(self.placement.device, doing, lambda: graph(kv, segments))
             except GraphRefused:
@@ -92,9 +91,6 @@ class ModelRunner:
         the model takes requests; with `adapters` (the model declares LoRA adapters), its
         steps with adapter rows too. Never raises: what cannot be compiled runs eager, and the
         report says why (logged once)."""
-        from preheat.workers.engine import compilestore
-        from preheat.workers.engine.compiled import CompiledSteps, CompileReport, why_not_compiled
-
         if self.compiled is not None:
             if not self.compiled.ready:  # a level-1 sleep kept the graphs
                 self.compile_report = CompileReport("kept", self.compiled.resume())
@@ -128,11 +124,11 @@ class ModelRunner:
             self.compile_report = CompileReport("eager", reason=reason)
             return self.compile_report
         self.compiled = steps
-        if store is not None and steps.made["compiled"]:
-            store.publish(key, before)
-        source = "compiled" if steps.made["compiled"] else "restored"
-        self.compile_report = CompileReport(source, ms)
         made = steps.made
+        if store is not None and made["compiled"]:
+            store.publish(key, before)
+        source = "compiled" if made["compiled"] else "restored"
+        self.compile_report = CompileReport(source, ms)
         log.info(
             "model %s: steps %s in %.0f ms (graphs: %d compiled, %d loaded)",
             self.name,
