@@ -6,8 +6,9 @@ in `graphs_folder`), and the C++ kernels built for them, which a loaded graph ca
 is pickles and shared libraries: what comes back from disk is untrusted, and a damaged or
 foreign one would be loaded as code. So each process compiles into a folder of its own
 (`PREHEAT_HOME` never), and the store holds, per model and everything a graph depends on (its
-*identity*: torch and Python versions, the device and its instruction set, the dtype, the
-model's content digest and name, the graphs' shapes), a copy of the files that model's
+*identity*: torch, transformers and Python versions, the code of preheat's that a graph
+bakes in, the device and its instruction set, the dtype, the model's content digest and name,
+the graphs' shapes), a copy of the files that model's
 compile added, with a manifest of their SHA-256. A restore proves the manifest is this
 identity's and every file is whole before copying them into the process's folder; anything
 else (a flipped byte, a file missing, another machine's kernels) costs a compile, never a
@@ -18,6 +19,7 @@ temporary name and renamed, so replicas on one volume share them and never read 
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import logging
@@ -60,9 +62,13 @@ def identity(device, dtype, model_digest: str, shapes: str, owner: str) -> dict[
         hardware = f"{name} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
     else:
         hardware = f"{platform.machine()} {' '.join(sorted(cpu_flags()))}"
+    import transformers
+
     return {
         "format": FORMAT,
         "torch": torch.__version__,
+        "transformers": transformers.__version__,  # its modeling code is traced into the graphs
+        "engine": engine_digest(),
         "python": sys.version.split()[0],
         "device": device.type,
         "hardware": hashlib.sha256(hardware.encode()).hexdigest(),
@@ -71,6 +77,20 @@ def identity(device, dtype, model_digest: str, shapes: str, owner: str) -> dict[
         "shapes": shapes,
         "owner": owner,
     }
+
+
+# preheat's modules whose code a graph holds once compiled (the linear layers, the traced
+# forward, the adapters' stacks): a graph stored by another version of them would run that
+# version's code, so their source is part of the identity.
+GRAPH_CODE = ("compiled.py", "lorastack.py", "attention.py")
+
+
+@functools.cache
+def engine_digest() -> str:
+    digest = hashlib.sha256()
+    for name in GRAPH_CODE:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def graphs_folder(key: dict[str, str]) -> Path:
