@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from preheat.workers.engine.kvtensors import layers_that_grow_by_concatenation
 
@@ -53,6 +54,17 @@ class Layout:
             if len(segment.ids) == 1:
                 self.decoding.append(i)
         self.tokens = at
+        self.lone_token = len(self.segments) == 1 and at == 1  # a single user decoding
+
+    def lone(self, window: int | None) -> tuple[int, int, torch.Tensor | None]:
+        """(slot, the column its new position goes to, the mask or None) of a step feeding one
+        row one token, made once a step: every layer of that step asks (a single user's
+        decode costs this per layer, 30 times a token on the real model)."""
+        if ("lone", window) not in self._memo:
+            kv, slot = self.kv, self.segments[0].slot
+            mask = self.chunk_mask(0, window)[0] if window and kv.lengths[slot] + 1 > window else None
+            self._memo["lone", window] = (slot, kv.columns(slot, window), mask)
+        return self._memo["lone", window]
 
     def attend(self, query, keys, values, scaling, sliding_window=None) -> torch.Tensor:
         """This step's attention for one layer (`attention`): what workers/attention.py calls."""
@@ -121,6 +133,7 @@ class RaggedKV:
             raise TypeError("only caches whose layers grow by concatenation can run together")
         self.shell = shell
         self.device = device
+        self.on_cpu = device.type == "cpu"
         self.windows = [getattr(layer, "sliding_window", None) for layer in shell.layers]
         self.buffers: list[list[torch.Tensor] | None] = [None] * len(self.windows)  # per layer [keys, values]
         self.capacity = (0, 0)  # (slots, columns) every layer's buffers have room for
@@ -239,7 +252,12 @@ class RaggedKV:
         row's slot; the buffers go to `attention`, which reads them with the layout."""
         layout, window = self.layout, self.windows[layer_idx]
         keys, values = self._buffers(layer_idx, key_states)
-        if len(layout.segments) == 1:  # one row (a single user): its columns, sliced
+        if layout.lone_token:  # a single user decoding
+            slot, column, _ = layout.lone(window)
+            keys[slot, :, column] = key_states[0, :, 0]
+            values[slot, :, column] = value_states[0, :, 0]
+            return keys, values
+        if len(layout.segments) == 1:  # one row's chunk: its columns, sliced
             slot, begin, n = layout.segments[0].slot, self.columns(layout.segments[0].slot, window), layout.tokens
             keys[slot, :, begin : begin + n] = key_states[0]
             values[slot, :, begin : begin + n] = value_states[0]
@@ -293,19 +311,17 @@ ONE_ROW_FLOAT32_FROM = 128
 def attention(query, keys, values, layout: Layout, scaling, sliding_window=None) -> torch.Tensor:
     """The step's attention for one layer: [1, tokens, heads, head_dim], each fed position
     against its own row only (what `RaggedKV.update` returned: the layer's buffers)."""
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
     window = sliding_window or None
-    if len(layout.segments) == 1 and len(layout.segments[0].ids) == 1:
+    if layout.lone_token:
         # One row decoding (a single user): every column it holds is seen, unless a window has slid.
-        slot, kv = layout.segments[0].slot, layout.kv
-        columns = kv.columns(slot, window, after=1)
-        mask = layout.chunk_mask(0, window)[0] if window and kv.lengths[slot] + 1 > window else None
+        slot, column, mask = layout.lone(window)
+        columns = column + 1
         query_in, keys_in, values_in = query, keys[slot : slot + 1, :, :columns], values[slot : slot + 1, :, :columns]
-        if query.device.type == "cpu" and query.dtype != torch.float32 and columns >= ONE_ROW_FLOAT32_FROM:
+        cast = query.dtype is not torch.float32 and layout.kv.on_cpu and columns >= ONE_ROW_FLOAT32_FROM
+        if cast:
             query_in, keys_in, values_in = query.float(), keys_in.float(), values_in.float()
         seen = sdpa(query_in, keys_in, values_in, attn_mask=mask, scale=scaling, enable_gqa=True)
-        return seen.to(query.dtype).transpose(1, 2)
+        return (seen.to(query.dtype) if cast else seen).transpose(1, 2)
     out = query.new_empty((1, query.shape[2], query.shape[1], query.shape[-1]))
     if layout.decoding:
         mask, columns = layout.decode_mask(window)
