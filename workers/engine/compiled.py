@@ -107,8 +107,19 @@ class _StepAdapters:
     def clear(self) -> None:
         self.on, self.a, self.b, self.mask = False, {}, {}, None
 
+    def __reduce__(self):
+        # A saved graph keeps the globals it reads: pickled by value, a loaded graph would read
+        # the adapters of the step it was compiled on forever. By name, it reads this process's.
+        return (_step_adapters, ())
+
 
 STEP_ADAPTERS = _StepAdapters()
+
+
+def _step_adapters() -> _StepAdapters:
+    return STEP_ADAPTERS
+
+
 # One compiled step at a time in a process: every adapter graph reads its adapters from
 # STEP_ADAPTERS, so two schedulers' adapter steps at once (two runtimes in one process: tests,
 # benches) would read each other's. A worker has one scheduler thread: never contended.

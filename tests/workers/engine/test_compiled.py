@@ -229,7 +229,9 @@ def test_compile_off_and_a_device_that_cannot_compile_run_eager_and_say_why(tiny
 def test_rows_of_the_base_and_three_adapters_run_through_the_compiled_graphs_and_answer_as_peft(tiny_model, tmp_path):
     """A model that declares adapters compiles its adapter steps at start (stand-in adapters),
     and then any set of adapters (other ranks, other modules) runs through those graphs, with
-    no compile on the request path: every answer equals transformers + PEFT."""
+    no compile on the request path: every answer equals transformers + PEFT. So does every
+    answer after a restart that loaded the graphs from the store (a loaded graph once read the
+    adapters of the step it was compiled on, pickled with it)."""
     import threading
 
     from preheat.cli.devadapter import make_adapter
@@ -242,10 +244,11 @@ def test_rows_of_the_base_and_three_adapters_run_through_the_compiled_graphs_and
         "b": make_adapter(tiny_model, tmp_path / "b", rank=4, seed=2),
         "c": make_adapter(tiny_model, tmp_path / "c", rank=16, seed=3),
     }
+    store = CompileStore(tmp_path / "compiled")
     resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(ModelSource("lora-tiny", str(tiny_model)))
     weights = {n: read_adapter(n, "lora-tiny", f, resident.model, max_rank=64) for n, f in folders.items()}
     scheduler = new_scheduler()
-    report = scheduler.call(resident.runner.compile, "auto", None, resident.content_digest, adapters=True)
+    report = scheduler.call(resident.runner.compile, "auto", store, resident.content_digest, adapters=True)
     assert report.source == "compiled", report
     graphs, real_for_step = [], resident.runner.compiled.for_step
 
@@ -264,19 +267,39 @@ def test_rows_of_the_base_and_three_adapters_run_through_the_compiled_graphs_and
         text, name = plan[i]
         results[i] = scheduler.submit(resident, prompts[text], greedy(8), adapter=weights.get(name)).collect()
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(plan))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(300)
-    scheduler.close()
+    def run_plan() -> None:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(plan))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+
+    run_plan()
     assert made == {"compiled": 4, "loaded": 0} and all(compiled for compiled, _ in graphs)  # never eager
     assert max(n for _, n in graphs) == 3
     assert resident.runner.compiled.made == made  # nothing compiled since
+    expected = {
+        (text, name): reference_generate(resident, prompts[text], 8)
+        if name is None
+        else peft_generate(tiny_model, folders[name], prompts[text], 8)
+        for text, name in plan
+    }
     for (text, name), completion in zip(plan, results, strict=True):
-        expected = (
-            reference_generate(resident, prompts[text], 8)
-            if name is None
-            else peft_generate(tiny_model, folders[name], prompts[text], 8)
-        )
-        assert completion.token_ids == expected[: len(completion.token_ids)], (text, name)
+        assert completion.token_ids == expected[text, name][: len(completion.token_ids)], (text, name)
+
+    # Restarted: the graphs loaded from the store, run with other stacks than they were saved with.
+    scheduler.call(resident.runner.release)
+    resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(ModelSource("lora-tiny", str(tiny_model)))
+    weights = {n: read_adapter(n, "lora-tiny", f, resident.model, max_rank=64) for n, f in folders.items()}
+    report = scheduler.call(resident.runner.compile, "auto", store, resident.content_digest, adapters=True)
+    assert report.source == "restored", report  # not eager: every graph loaded and ran the compile's steps
+    assert resident.runner.compiled.made == {"compiled": 0, "loaded": 4}
+    graphs.clear()
+    real_for_step = resident.runner.compiled.for_step
+    resident.runner.compiled.for_step = counted
+    results[:] = [None] * len(plan)
+    run_plan()
+    scheduler.close()
+    assert graphs and all(compiled for compiled, _ in graphs)
+    for (text, name), completion in zip(plan, results, strict=True):
+        assert completion.token_ids == expected[text, name][: len(completion.token_ids)], ("restored", text, name)
