@@ -27,7 +27,6 @@ fails, runs eager and says why once (`CompiledSteps.eager_reason`, in `preheat w
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import shutil
 import threading
@@ -429,14 +428,13 @@ def _inputs_guarded(entries) -> list[bool]:
     ]
 
 
-def import_ahead(mode: str) -> None:
-    """Where steps will be compiled (`mode` auto), torch's compiler imported now on a thread
-    of its own, beside the weights' load: 1.9 s of a restored start otherwise (measured here,
-    2 cores), before the first graph loads."""
+def claim_folder(mode: str) -> None:
+    """Where steps will be compiled (`mode` auto), this process's inductor folder set before
+    anything of torch's compiler reads it. The compiler is imported when the first graph loads,
+    not ahead on a thread beside the weights' load: that thread held the GIL against the load
+    (measured on 2 cores: the real model resident 2-4 s later, the compiler ready no sooner)."""
     if mode == "auto":
-        compilestore.process_folder()  # inductor's folder set before inductor reads it
-        name = "torch._inductor.compile_fx"
-        threading.Thread(target=importlib.import_module, args=(name,), name="preheat-import", daemon=True).start()
+        compilestore.process_folder()
 
 
 @functools.cache
