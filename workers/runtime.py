@@ -24,7 +24,6 @@ from preheat.api.sampling import SamplingParams
 from preheat.core.catalog import Catalog, load_catalog
 from preheat.workers.adapters import AdapterCollector, Adapters
 from preheat.workers.engine.chat import Messages, render, system_prompt_of
-from preheat.workers.engine.compiled import claim_folder
 from preheat.workers.engine.compilestore import CompileStore
 from preheat.workers.engine.kvcache import CacheBudget, KVCacheManager
 from preheat.workers.engine.prefixes import Prefixes
@@ -93,7 +92,6 @@ class WorkerRuntime:
         self.catalog, self.config = catalog, config
         self.resident_models = ResidentModels(config.device, config.weight_loader, config.dtype)
         self.compile_store = CompileStore(config.compile_cache) if config.compile_cache is not None else None
-        claim_folder(config.compile)
         self.cache = KVCacheManager(config.cache_budget)
         self.scheduler = Scheduler(Prefixes(self.cache, prefix_store), config.batch_limits)
         self.metrics = RuntimeMetrics(self.cache, self.resident_models, lambda: not self.readiness())

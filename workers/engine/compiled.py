@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from preheat.workers.engine import attention, compilestore
+from preheat.workers.engine import attention
 from preheat.workers.engine.lorastack import AdapterStack, Stacked, Targets, kind_and_layer, step_mask
 from preheat.workers.engine.raggedkv import RaggedKV, Segment
 
@@ -426,15 +426,6 @@ def _inputs_guarded(entries) -> list[bool]:
         entry.guard_type == "TENSOR_MATCH" and not entry.is_global and not isinstance(entry.value, torch.nn.Parameter)
         for entry in entries
     ]
-
-
-def claim_folder(mode: str) -> None:
-    """Where steps will be compiled (`mode` auto), this process's inductor folder set before
-    anything of torch's compiler reads it. The compiler is imported when the first graph loads,
-    not ahead on a thread beside the weights' load: that thread held the GIL against the load
-    (measured on 2 cores: the real model resident 2-4 s later, the compiler ready no sooner)."""
-    if mode == "auto":
-        compilestore.process_folder()
 
 
 @functools.cache
