@@ -13,8 +13,10 @@ start, and nothing is padded.
 
 **Linear layers on the CPU.** A one-token step reads every weight once for one row: its
 linear layers are written as a reduction (`(x * w).sum(-1)`), which inductor turns into loops
-that stream the weights at memory speed (torch's GEMV for one row runs at a third of it
-here: 8 GB/s against 24-29). A step of many rows uses oneDNN with the weights pre-packed for
+that stream float32 weights at memory speed (torch's GEMV for one row runs at a third of it
+here: 8 GB/s against 24-29); bfloat16 weights, where the CPU multiplies bf16 pairs itself,
+go through preheat's own kernel instead (preheat.workers.engine.matvec: twice the loops'
+speed). A step of many rows uses oneDNN with the weights pre-packed for
 it (`preheat::packed_linear`, an opaque op: a packed tensor cannot be a graph input). The
 packed copies cost a second copy of the linear weights in memory, released with the graphs
 (a sleep). On CUDA both are cuBLAS.
@@ -37,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from preheat.workers.engine import attention
+from preheat.workers.engine import attention, matvec
 from preheat.workers.engine.lorastack import AdapterStack, Stacked, Targets, kind_and_layer, step_mask
 from preheat.workers.engine.raggedkv import RaggedKV, Segment
 
@@ -151,6 +153,8 @@ class _CompiledLinear(torch.nn.Module):
         # A graph holds the id as a constant: stable across processes (the model's name and
         # the layer's), so a restarted worker's graph is the one stored.
         self.weight_id = weight_id
+        # One row's product by preheat's bf16 kernel where it runs (a constant of the graph).
+        self.matvec = linear.weight.dtype == torch.bfloat16 and linear.weight.is_cpu and matvec.available()
         if weight_id in _PACKED:
             raise RuntimeError(f"packed weight {weight_id} is already in use (two models of one name?)")
         self.repack()
@@ -164,7 +168,10 @@ class _CompiledLinear(torch.nn.Module):
         if not torch.compiler.is_compiling():
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if x.shape[-2] == 1:  # one row: stream the weights (see the module's docstring)
-            y = (x.unsqueeze(-2).float() * self.weight.float()).sum(-1)
+            if self.matvec:
+                y = torch.ops.preheat.matvec_bf16(x, self.weight)
+            else:
+                y = (x.unsqueeze(-2).float() * self.weight.float()).sum(-1)
             y = (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         else:
             y = torch.ops.preheat.packed_linear(x, self.weight_id, self.out_features)

@@ -303,3 +303,35 @@ def test_rows_of_the_base_and_three_adapters_run_through_the_compiled_graphs_and
     assert graphs and all(compiled for compiled, _ in graphs)
     for (text, name), completion in zip(plan, results, strict=True):
         assert completion.token_ids == expected[text, name][: len(completion.token_ids)], ("restored", text, name)
+
+
+def test_a_bf16_one_token_step_runs_preheats_kernel_and_agrees_with_the_eager_step(tiny_model):
+    """In bfloat16 on a CPU with AVX512-BF16, the one-token graph's linear layers are
+    preheat's bf16 kernel (preheat.workers.engine.matvec), one call each, and its logits are
+    the eager step's up to bf16 rounding (the same top token)."""
+    import torch
+
+    from preheat.workers.engine import compiled, matvec
+    from preheat.workers.engine.raggedkv import Segment
+    from preheat.workers.engine.resident import ModelSource, ResidentModels
+
+    if not matvec.available():
+        pytest.skip(f"preheat's bf16 kernel does not run here: {matvec.why_not_built()}")
+    resident, _ = ResidentModels("cpu", dtype_preference="bfloat16").ensure(ModelSource("bf16", str(tiny_model)))
+    runner, ids = resident.runner, support_request(resident, "Where is my parcel?")[1][0].tolist()
+    kv = runner.new_batch()
+    slot = kv.add(None, len(ids) + 8)
+    runner.step(kv, [Segment(slot, 0, tuple(ids[:-1]))])
+    kv.stepped()
+    before, last = kv.snapshot(), [Segment(slot, len(ids) - 1, (ids[-1],))]
+    eager = runner.step(kv, last).float()
+    kv.restore(before)
+    assert runner.compile("auto", None, resident.content_digest).source == "compiled"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        got = runner.step(kv, last).float()
+    calls = sum(event.count for event in profile.key_averages() if event.key == "preheat::matvec_bf16")
+    linears = sum(isinstance(module, compiled._CompiledLinear) for module in resident.model.modules())
+    assert linears > 0 and calls == linears
+    assert got.argmax(-1).tolist() == eager.argmax(-1).tolist()
+    assert (got - eager).abs().max() <= 0.02 * eager.abs().max(), (got - eager).abs().max()
+    runner.release()
