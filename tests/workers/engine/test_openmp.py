@@ -93,3 +93,19 @@ def test_a_model_loaded_on_a_thread_that_lives_on_leaves_no_team_behind(tiny_mod
 
     counts = _on_a_living_thread(work)
     assert counts["after"] == counts["before"]
+
+
+@pytest.mark.parametrize("environment,expected", [({}, "10000"), ({"GOMP_SPINCOUNT": "250"}, "250")])
+def test_the_worker_sets_the_threads_spin_before_torch_loads_openmp_and_an_operators_value_wins(environment, expected):
+    """preheat.workers sets GOMP_SPINCOUNT (a spin of 1,000 made the one-row step twice as
+    slow), before torch is imported: libgomp reads it once, when it is loaded."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    probe = "import preheat.workers, sys, os; print(os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)"
+    env = {key: value for key, value in os.environ.items() if key != "GOMP_SPINCOUNT"} | environment
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [expected, "False"]
