@@ -5,6 +5,9 @@ ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_INDEX=""
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
+# A C and C++ compiler: torch.compile builds its CPU kernels with them (Triton its launchers on CUDA), and
+# preheat its bf16 kernel. Without one a worker's steps run eager, and `preheat workers` says why.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 10001 preheat
 COPY pyproject.toml README.md ./
 COPY preheat ./preheat
