@@ -5,9 +5,9 @@ at which its linear layers stream their weights. In bfloat16, the loops inductor
 them (a float32 multiply-add per weight, after widening it) stream at half the memory's
 speed here (measured on 2 cores of a Sapphire Rapids: 15.5 GB/s, against 28.3 GB/s for a
 float32 sum). This kernel multiplies bf16 pairs with the CPU's own instruction
-(`vdpbf16ps`, AVX512-BF16: exact products, float32 sums), eight weight rows at a time with
-the next rows prefetched, which is how llama.cpp's BF16 path reads weights: 28.6-31.4 GB/s
-on the same host, and the real model's one-row step went from 22.3 to 15.2 ms.
+(`vdpbf16ps`, AVX512-BF16: exact products, float32 sums; llama.cpp's BF16 dot product uses
+it too), eight weight rows at a time with the next rows prefetched: 28.6-31.4 GB/s on the
+same host, and the real model's one-row step went from 22.3 to 15.2 ms.
 
 The kernel is C, built by the machine's C compiler once per process into a folder of its
 own (a fifth of a second) and loaded from there: never a library read back from disk. It
