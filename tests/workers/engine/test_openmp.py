@@ -32,8 +32,21 @@ def _parallel():
         pytest.skip("torch runs one thread here: there is no team to give back")
 
 
+def _steady(timeout_s: float = 5.0) -> int:
+    """The process's thread count once it stops changing: a team an earlier test gave back may
+    still be leaving, and counted before the work it would hide the work's own team."""
+    deadline, last = time.monotonic() + timeout_s, _threads()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        if (now := _threads()) == last:
+            break
+        last = now
+    return last
+
+
 def _on_a_living_thread(work) -> dict:
     """`work(counts)` on a new thread that is still alive when the counts are taken."""
+    _steady()
     counts: dict = {}
     finished, leave = threading.Event(), threading.Event()
 
