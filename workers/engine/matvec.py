@@ -82,6 +82,7 @@ void matvec_bf16(const uint16_t *w, const uint16_t *x, float *y, int64_t n_rows,
 """
 
 _BUILD_LOCK = threading.Lock()
+_BUILT: list[tuple[object | None, str | None]] = []
 
 
 def why_not_built() -> str | None:
@@ -93,27 +94,36 @@ def available() -> bool:
     return _built()[0] is not None
 
 
-@functools.cache
 def _built() -> tuple[object | None, str | None]:
-    """(the kernel, None) or (None, why not): built once a process, on first use."""
+    """(the kernel, None) or (None, why not): built once a process, by the first call (two
+    threads' first calls build it once; later calls, a step's, take no lock)."""
+    if not _BUILT:
+        with _BUILD_LOCK:
+            if not _BUILT:
+                _BUILT.append(_build())
+    return _BUILT[0]
+
+
+def _build() -> tuple[object | None, str | None]:
     if missing := [flag for flag in NEEDS if flag not in cpu_flags()]:
         return None, f"the CPU lacks {', '.join(missing)}"
     compiler = next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None)
     if compiler is None:
         return None, "no C compiler on this machine"
-    with _BUILD_LOCK:
-        folder = Path(tempfile.mkdtemp(prefix="preheat-matvec-"))
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        (folder / "matvec.c").write_text(SOURCE)
-        flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC", f"-DROWS={ROWS}"]
-        done = subprocess.run(
-            [compiler, *flags, "matvec.c", "-o", "matvec.so"], cwd=folder, capture_output=True, text=True, check=False
-        )
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no output"])[0]
-            return None, f"the kernel did not build ({compiler}: {first})"
-        # torch is loaded, so the library's libgomp is torch's: one OpenMP runtime in the process.
-        kernel = ctypes.PyDLL(str(folder / "matvec.so")).matvec_bf16
+    folder = Path(tempfile.mkdtemp(prefix="preheat-matvec-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    (folder / "matvec.c").write_text(SOURCE)
+    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC", f"-DROWS={ROWS}"]
+    done = subprocess.run(
+        [compiler, *flags, "matvec.c", "-o", "matvec.so"], cwd=folder, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        first = (done.stderr.strip().splitlines() or ["no output"])[0]
+        return None, f"the kernel did not build ({compiler}: {first})"
+    # torch is loaded, so the library's libgomp is torch's: one OpenMP runtime in the process.
+    # PyDLL: the call holds the GIL, as inductor's kernels do (a Python thread let run meanwhile
+    # would take a core from the kernel's threads; measured no faster with the GIL released).
+    kernel = ctypes.PyDLL(str(folder / "matvec.so")).matvec_bf16
     kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     kernel.restype = None
     return kernel, None
