@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from preheat.core import processes
+from preheat.core.states import RunStatus
 
 pytestmark = pytest.mark.slow
 
@@ -70,5 +71,10 @@ def test_a_routed_conversation_and_an_on_demand_wake_answer_as_transformers(
     assert httpx.get(health).json()["reasons"] == ["model smollm2: asleep (level 1)"]
     woken = send_infer(stack_app, {"model": "smollm2", "messages": turn_one, "max_tokens": 20, "temperature": 0})
     assert woken.get(timeout=180)["choices"][0]["message"]["content"] == text  # woken on demand, same answer
-    demand = json.loads(embedded_stack.cli("history", "--trigger", "demand", "--json").stdout)
-    assert demand and demand[0]["action"] == "wake" and demand[0]["status"] == "succeeded"
+
+    def demand_wake():  # the wake's record may land a moment after its answer: read until it has
+        demand = json.loads(embedded_stack.cli("history", "--trigger", "demand", "--json").stdout)
+        return demand and RunStatus(demand[0]["status"]).is_final and demand[0]
+
+    wake = processes.poll(demand_wake, 60, every_s=1.0, what="the on-demand wake recorded")
+    assert wake["action"] == "wake" and wake["status"] == "succeeded", wake

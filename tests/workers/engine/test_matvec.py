@@ -1,7 +1,7 @@
 """preheat's bf16 matrix-vector kernel (preheat.workers.engine.matvec) against torch on the same
 bf16 values: the products are exact in float32 either way, so only the order of the float32
-sums differs. Shapes that are not whole blocks of the kernel (rows not a multiple of eight,
-a length not a multiple of 32) included, and the torch path it takes where it cannot be built."""
+sums differs. Lengths that are not whole runs of the kernel's loops (not a multiple of 128
+columns, nor of 32) included, and the torch path it takes where it cannot be built."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from preheat.workers.engine import matvec
 
-SHAPES = [(1, 1), (7, 33), (8, 32), (9, 64), (192, 576), (17, 1536), (1000, 577)]
+SHAPES = [(1, 1), (7, 33), (8, 32), (9, 64), (3, 200), (192, 576), (17, 1536), (1000, 577)]
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -52,6 +52,13 @@ def test_where_the_kernel_cannot_be_built_torch_computes_the_same_products(monke
         got = torch.ops.preheat.matvec_bf16(x, weight)
     _close(got, x, weight)
     assert not matvec.available() and matvec.why_not_built() == "the CPU lacks avx512_bf16"
+
+
+def test_without_pythons_headers_the_kernel_is_not_built_and_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(matvec, "cpu_flags", lambda: set(matvec.NEEDS))
+    monkeypatch.setattr(matvec.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(matvec.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    assert matvec._build() == (None, f"no Python headers in {tmp_path} (apt-get install python3-dev)")
 
 
 @pytest.mark.parametrize(
