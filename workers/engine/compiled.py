@@ -15,7 +15,7 @@ start, and nothing is padded.
 linear layers are written as a reduction (`(x * w).sum(-1)`), which inductor turns into loops
 that stream float32 weights at memory speed (torch's GEMV for one row runs at a third of it
 here: 8 GB/s against 24-29); bfloat16 weights, where the CPU multiplies bf16 pairs itself,
-go through preheat's own kernel instead (preheat.workers.engine.matvec: twice the loops'
+go through preheat's own kernel instead (preheat.workers.engine.cpukernels: twice the loops'
 speed). A step of many rows uses oneDNN with the weights pre-packed for
 it (`preheat::packed_linear`, an opaque op: a packed tensor cannot be a graph input). The
 packed copies cost a second copy of the linear weights in memory, released with the graphs
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from preheat.workers.engine import attention, matvec
+from preheat.workers.engine import attention, cpukernels
 from preheat.workers.engine.lorastack import AdapterStack, Stacked, Targets, kind_and_layer, step_mask
 from preheat.workers.engine.raggedkv import RaggedKV, Segment
 
@@ -154,7 +154,7 @@ class _CompiledLinear(torch.nn.Module):
         # the layer's), so a restarted worker's graph is the one stored.
         self.weight_id = weight_id
         # One row's product by preheat's bf16 kernel where it runs (a constant of the graph).
-        self.matvec = linear.weight.dtype == torch.bfloat16 and linear.weight.is_cpu and matvec.available()
+        self.matvec = linear.weight.dtype == torch.bfloat16 and linear.weight.is_cpu and cpukernels.available()
         if weight_id in _PACKED:
             raise RuntimeError(f"packed weight {weight_id} is already in use (two models of one name?)")
         self.repack()

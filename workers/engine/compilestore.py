@@ -82,7 +82,7 @@ def identity(device, dtype, model_digest: str, shapes: str, owner: str) -> dict[
 # preheat's modules whose code a graph holds once compiled (the linear layers, the traced
 # forward, the adapters' stacks): a graph stored by another version of them would run that
 # version's code, so their source is part of the identity.
-GRAPH_CODE = ("compiled.py", "lorastack.py", "attention.py", "matvec.py")
+GRAPH_CODE = ("compiled.py", "lorastack.py", "attention.py", "cpukernels.py")
 
 
 @functools.cache

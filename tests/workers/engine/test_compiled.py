@@ -307,16 +307,16 @@ def test_rows_of_the_base_and_three_adapters_run_through_the_compiled_graphs_and
 
 def test_a_bf16_one_token_step_runs_preheats_kernel_and_agrees_with_the_eager_step(tiny_model):
     """In bfloat16 on a CPU with AVX512-BF16, the one-token graph's linear layers are
-    preheat's bf16 kernel (preheat.workers.engine.matvec), one call each, and its logits are
+    preheat's bf16 kernel (preheat.workers.engine.cpukernels), one call each, and its logits are
     the eager step's up to bf16 rounding (the same top token)."""
     import torch
 
-    from preheat.workers.engine import compiled, matvec
+    from preheat.workers.engine import compiled, cpukernels
     from preheat.workers.engine.raggedkv import Segment
     from preheat.workers.engine.resident import ModelSource, ResidentModels
 
-    if not matvec.available():
-        pytest.skip(f"preheat's bf16 kernel does not run here: {matvec.why_not_built()}")
+    if not cpukernels.available():
+        pytest.skip(f"preheat's bf16 kernel does not run here: {cpukernels.why_not_built()}")
     resident, _ = ResidentModels("cpu", dtype_preference="bfloat16").ensure(ModelSource("bf16", str(tiny_model)))
     runner, ids = resident.runner, support_request(resident, "Where is my parcel?")[1][0].tolist()
     kv = runner.new_batch()

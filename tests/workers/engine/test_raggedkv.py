@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
+from preheat.workers.engine import cpukernels
 from preheat.workers.engine.raggedkv import Layout, RaggedKV, Segment, attention, batchable
 
 WINDOW = 4  # a sliding layer holds window - 1 = 3 positions
@@ -155,9 +156,10 @@ def test_only_caches_that_grow_by_concatenation_run_together():
 
 @pytest.mark.parametrize(("length", "in_float32"), [(8, False), (300, True)])
 def test_one_row_decoding_in_bfloat16_attends_in_float32_past_a_short_context(length, in_float32):
-    """One query in bfloat16 on the CPU: torch's SDPA grows with the context (937 µs a layer at
-    1,200 columns); from ONE_ROW_FLOAT32_FROM (128) columns on it runs in float32 on the upcast
-    inputs, the answer in bfloat16. Either way, the row's own causal attention."""
+    """One query in bfloat16 on the CPU where preheat's kernel does not run it (here a head size
+    of 3): torch's SDPA grows with the context (937 µs a layer at 1,200 columns); from
+    ONE_ROW_FLOAT32_FROM (128) columns on it runs in float32 on the upcast inputs, the answer
+    in bfloat16. Either way, the row's own causal attention."""
     torch.manual_seed(0)
     k, v = (torch.randn(1, KV_HEADS, length + 1, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
     q = torch.randn(1, HEADS, 1, HEAD_DIM, dtype=torch.bfloat16)
@@ -176,3 +178,32 @@ def test_one_row_decoding_in_bfloat16_attends_in_float32_past_a_short_context(le
     native = sdpa(q, k, v, enable_gqa=True)[0].transpose(0, 1)
     assert not torch.equal(upcast, native)  # the two ways differ here: the answer tells which ran
     torch.testing.assert_close(got[0], upcast if in_float32 else native, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not cpukernels.available(), reason=f"kernel not built here: {cpukernels.why_not_built()}")
+@pytest.mark.parametrize("length", [1, 40])
+def test_one_row_decoding_in_bfloat16_runs_preheats_kernel_on_both_layers(length):
+    """A head size of 64 (the real model's): the row's attention is preheat's kernel's on the
+    full layer and on the sliding layer until its window has slid, then torch's with the
+    window's mask; either way within bf16's rounding of float32 attention."""
+    heads, kv_heads, head_dim = 4, 2, 64
+    torch.manual_seed(length)
+    k, v = (torch.randn(1, kv_heads, length + 1, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(1, heads, 1, head_dim, dtype=torch.bfloat16)
+    cache = shell()
+    for layer in cache.layers:
+        layer.update(k[:, :, :length], v[:, :, :length])
+    kv = RaggedKV(shell(), torch.device("cpu"))
+    kv.add(cache)
+    kv.step_inputs([Segment(0, length, (9,))])
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for layer, seen_from in ((0, 0), (1, max(0, length + 1 - (WINDOW - 1) - 1))):
+        with torch.inference_mode():
+            keys, vals = kv.update(k[:, :, length:], v[:, :, length:], layer)
+        got = attention(q, keys, vals, kv.layout, 0.125, kv.windows[layer])
+        ks, vs = k[:, :, seen_from:].float(), v[:, :, seen_from:].float()
+        expected = sdpa(q.float(), ks, vs, scale=0.125, enable_gqa=True).transpose(1, 2)
+        assert bool(((got.float() - expected).abs() <= expected.abs() * 2**-8 + 1e-3).all()), layer
+        slid = layer == 1 and length + 1 > WINDOW - 1
+        kernel = cpukernels.lone_attention(q, keys[0], vals[0], length + 1, 0.125)
+        assert torch.equal(got, kernel) != slid  # the kernel's answer exactly, unless the window slid

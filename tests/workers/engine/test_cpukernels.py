@@ -1,0 +1,118 @@
+"""preheat's bf16 CPU kernels (preheat.workers.engine.cpukernels) against torch on the same bf16
+values. The matrix-vector kernel: the products are exact in float32 either way, so only the
+order of the float32 sums differs. Lengths that are not whole runs of the kernel's loops (not a multiple of 128
+columns, nor of 32) included, and the torch path it takes where it cannot be built. The
+attention kernel: against torch's SDPA in float32 on the same bf16 values, within the
+rounding of its bf16 output, for grouped and plain heads and the real model's sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from preheat.workers.engine import cpukernels
+
+SHAPES = [(1, 1), (7, 33), (8, 32), (9, 64), (3, 200), (192, 576), (17, 1536), (1000, 577)]
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (weight.double() @ x.reshape(-1).double()).float()
+
+
+def _close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    # float32 sums of K exact products, in another order: within K float32 roundings of the
+    # sum of magnitudes.
+    bound = (weight.double().abs() @ x.reshape(-1).double().abs()).float() * weight.shape[1] * 2**-23
+    difference = (got.reshape(-1) - _reference(x, weight)).abs()
+    assert bool((difference <= bound + 1e-30).all()), (difference - bound).max()
+
+
+@pytest.mark.skipif(not cpukernels.available(), reason=f"kernel not built here: {cpukernels.why_not_built()}")
+@pytest.mark.parametrize("rows,length", SHAPES)
+def test_the_kernel_gives_torchs_products(rows, length):
+    generator = torch.Generator().manual_seed(rows * 1000 + length)
+    weight = torch.randn(rows, length, generator=generator).to(torch.bfloat16)
+    x = torch.randn(1, 1, length, generator=generator).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = torch.ops.preheat.matvec_bf16(x, weight)
+    assert got.shape == (1, 1, rows) and got.dtype == torch.float32
+    _close(got, x, weight)
+
+
+@pytest.mark.skipif(not cpukernels.available(), reason=f"kernel not built here: {cpukernels.why_not_built()}")
+def test_a_weight_that_is_a_view_is_read_as_its_values():
+    """A transposed (not contiguous) weight is read by its values, not its storage's order."""
+    base = torch.randn(64, 40).to(torch.bfloat16)
+    weight, x = base.t(), torch.randn(1, 1, 64).to(torch.bfloat16)
+    _close(torch.ops.preheat.matvec_bf16(x, weight), x, weight)
+
+
+def test_where_the_kernel_cannot_be_built_torch_computes_the_same_products(monkeypatch, caplog):
+    monkeypatch.setattr(cpukernels, "_built", lambda: (None, "the CPU lacks avx512_bf16"))
+    weight, x = torch.randn(19, 70).to(torch.bfloat16), torch.randn(1, 1, 70).to(torch.bfloat16)
+    with caplog.at_level("WARNING"):
+        got = torch.ops.preheat.matvec_bf16(x, weight)
+    _close(got, x, weight)
+    assert not cpukernels.available() and cpukernels.why_not_built() == "the CPU lacks avx512_bf16"
+
+
+def test_without_pythons_headers_the_kernel_is_not_built_and_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpukernels, "cpu_flags", lambda: set(cpukernels.NEEDS))
+    monkeypatch.setattr(cpukernels.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(cpukernels.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    assert cpukernels._build() == (None, f"no Python headers in {tmp_path} (apt-get install python3-dev)")
+
+
+@pytest.mark.parametrize(
+    "x,weight",
+    [
+        (torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16)),  # two rows
+        (torch.zeros(1, 1, 8), torch.zeros(4, 8, dtype=torch.bfloat16)),  # a float32 row
+        (torch.zeros(1, 1, 8, dtype=torch.bfloat16), torch.zeros(4, 9, dtype=torch.bfloat16)),  # lengths differ
+    ],
+)
+def test_what_the_kernel_does_not_compute_is_refused(x, weight):
+    with pytest.raises(ValueError, match="matvec_bf16"):
+        torch.ops.preheat.matvec_bf16(x, weight)
+
+
+def _sdpa_float32(query, keys, values, columns, scale):
+    k, v = keys[None, :, :columns].float(), values[None, :, :columns].float()
+    seen = torch.nn.functional.scaled_dot_product_attention(query.float(), k, v, scale=scale, enable_gqa=True)
+    return seen.transpose(1, 2)
+
+
+# (heads, kv_heads, head_dim, columns, capacity): the real model's (9 over 3, 64), a longer
+# context, Llama's 128 with 4 heads a group, plain heads, one column, columns not a multiple of 16
+ATTENTION = [(9, 3, 64, 64, 80), (9, 3, 64, 1024, 1100), (32, 8, 128, 17, 40), (4, 4, 32, 1, 8), (6, 2, 96, 33, 33)]
+
+
+@pytest.mark.skipif(not cpukernels.available(), reason=f"kernel not built here: {cpukernels.why_not_built()}")
+@pytest.mark.parametrize("heads,kv_heads,head_dim,columns,capacity", ATTENTION)
+def test_one_querys_attention_is_torchs_within_its_bf16_rounding(heads, kv_heads, head_dim, columns, capacity):
+    generator = torch.Generator().manual_seed(heads * 7 + columns)
+    query = torch.randn(1, heads, 1, head_dim, generator=generator).to(torch.bfloat16)
+    keys = torch.randn(kv_heads, capacity, head_dim, generator=generator).to(torch.bfloat16)
+    values = torch.randn(kv_heads, capacity, head_dim, generator=generator).to(torch.bfloat16)
+    keys[:, columns:] = values[:, columns:] = 1e4  # what lies past the row's columns is never read
+    with torch.inference_mode():
+        got = cpukernels.lone_attention(query, keys, values, columns, head_dim**-0.5)
+    expected = _sdpa_float32(query, keys, values, columns, head_dim**-0.5)
+    assert got.shape == (1, 1, heads, head_dim) and got.dtype == torch.bfloat16
+    # bf16 keeps 8 bits: the output within half an ulp of it, and a little for the sums
+    assert bool(((got.float() - expected).abs() <= expected.abs() * 2**-8 + 1e-3).all())
+
+
+def test_what_the_attention_kernel_does_not_compute_is_left_to_torch():
+    query = torch.randn(1, 4, 1, 48).to(torch.bfloat16)  # a head size not a multiple of 32
+    keys = torch.randn(2, 8, 48).to(torch.bfloat16)
+    assert cpukernels.lone_attention(query, keys, keys, 8, 1.0) is None
+    assert cpukernels.lone_attention(query.float(), keys.float(), keys.float(), 8, 1.0) is None
+
+
+@pytest.mark.skipif(not cpukernels.available(), reason=f"kernel not built here: {cpukernels.why_not_built()}")
+@pytest.mark.parametrize("columns", [0, 9])
+def test_attention_past_the_slots_columns_is_refused(columns):
+    query, keys = torch.randn(1, 4, 1, 32).to(torch.bfloat16), torch.randn(2, 8, 32).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="lone attention"):
+        cpukernels.lone_attention(query, keys, keys, columns, 1.0)
