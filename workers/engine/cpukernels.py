@@ -10,11 +10,13 @@ stream at half the memory's speed (2 cores of a Sapphire Rapids: 15.5 GB/s again
 a float32 sum); this kernel streams each thread's rows in order. The real model's one-row
 step went from 22.3 to 15.2 ms on that host.
 
-**One query's attention** (`lone_attention`, what preheat.workers.engine.raggedkv runs for a
-lone decoding row). torch's SDPA for one bf16 query costs 44 µs a layer at 64 keys and 597 µs
-at 1,024 on a Zen 4 without AMX (2 cores), where its float32 path takes 15 and 79 µs and
-the casts to it cost more than they save. This kernel reads each key and value once, in
-bf16, with a float32 softmax.
+**One query's attention** (`attend_rows`, what preheat.workers.engine.raggedkv runs for a
+lone decoding row, and for a batch's decoding rows on a layer without a window). torch's
+SDPA for one bf16 query costs 44 µs a layer at 64 keys and 597 µs at 1,024 on a Zen 4
+without AMX (2 cores), where its float32 path takes 15 and 79 µs and the casts to it cost
+more than they save; a batch's rows went through a batched product with a mask, 716 µs a
+layer at 16 rows. This kernel reads each row's keys and values once, in bf16, with a
+float32 softmax, all rows and heads in one call.
 
 The kernels are C with CPython entry points, built by the machine's C compiler once per
 process into a folder of their own (half a second) and imported from there: never a module
@@ -98,19 +100,25 @@ static inline __m512 exp_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* out[h] = softmax(scale * q[h] . k[g, j]) . v[g, j] over j < columns, g = h / (heads / kv_heads):
-   q [heads, head_dim], k and v [kv_heads, (head_stride elements), head_dim] (a slot's buffers,
-   the first `columns` rows of each head read), out [heads, head_dim] bf16 (rounded to nearest
-   even), scores [heads, columns] float32 scratch. head_dim a multiple of 32, at most 256. */
-static void lone_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
-                                float *scores, int64_t heads, int64_t kv_heads, int64_t columns,
-                                int64_t head_dim, int64_t head_stride, float scale) {
+/* For each row r of `table` ([n_rows, 3]: token t, slot, columns) and each head h, out[t, h] =
+   softmax(scale * q[h, t] . k[slot, g, j]) . v[slot, g, j] over j < columns, g = h / (heads / kv_heads):
+   q [heads, tokens, head_dim], k and v [slots, kv_heads, capacity, head_dim] (the layer's
+   buffers, read in place), out [tokens, heads, head_dim] bf16 (rounded to nearest even; other
+   tokens untouched), scores [n_rows * heads, max_columns] float32 scratch. head_dim a multiple
+   of 32, at most 256; the table checked by the caller. */
+static void attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, float *scores,
+                           const int64_t *table, int64_t n_rows, int64_t tokens, int64_t heads, int64_t kv_heads,
+                           int64_t head_dim, int64_t capacity, int64_t max_columns, float scale) {
     const int64_t group = heads / kv_heads, lanes = head_dim / 16;
     #pragma omp parallel for schedule(static)
-    for (int64_t h = 0; h < heads; h++) {
-        const uint16_t *qh = q + h * head_dim;
-        const uint16_t *kh = k + (h / group) * head_stride, *vh = v + (h / group) * head_stride;
-        float *s = scores + h * columns;
+    for (int64_t pair = 0; pair < n_rows * heads; pair++) {
+        const int64_t *row = table + 3 * (pair / heads), h = pair % heads;
+        const int64_t token = row[0], columns = row[2];
+        const uint16_t *qh = q + (h * tokens + token) * head_dim;
+        const int64_t at = ((row[1] * kv_heads) + h / group) * capacity * head_dim;
+        const uint16_t *kh = k + at, *vh = v + at;
+        uint16_t *oh = out + (token * heads + h) * head_dim;
+        float *s = scores + pair * max_columns;
         float top = -INFINITY;
         for (int64_t j = 0; j < columns; j++) {
             __m512 acc = _mm512_setzero_ps();
@@ -143,7 +151,7 @@ static void lone_attention_bf16(const uint16_t *q, const uint16_t *k, const uint
             const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(acc[c], inverse));
             const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
             const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-            _mm256_storeu_si256((__m256i *)(out + h * head_dim + 16 * c),
+            _mm256_storeu_si256((__m256i *)(oh + 16 * c),
                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
         }
     }
@@ -165,25 +173,39 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
-/* lone_attention_bf16(q, k, v, out, scores, heads, kv_heads, columns, head_dim, head_stride, scale) */
+/* attention_bf16(q, k, v, out, scores, table, n_rows, tokens, heads, kv_heads, head_dim, capacity,
+   max_columns, slots, scale): the table's rows checked against the buffers' sizes here, by value,
+   since the kernel reads and writes where they point. */
 static PyObject *attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "lone_attention_bf16 takes 11 arguments");
+    if (nargs != 15) {
+        PyErr_SetString(PyExc_TypeError, "attention_bf16 takes 15 arguments");
         return NULL;
     }
-    void *pointers[5];
-    long long sizes[5];
-    for (int i = 0; i < 5; i++) pointers[i] = PyLong_AsVoidPtr(args[i]);
-    for (int i = 0; i < 5; i++) sizes[i] = PyLong_AsLongLong(args[5 + i]);
-    const double scale = PyFloat_AsDouble(args[10]);
+    void *pointers[6];
+    long long sizes[8];
+    for (int i = 0; i < 6; i++) pointers[i] = PyLong_AsVoidPtr(args[i]);
+    for (int i = 0; i < 8; i++) sizes[i] = PyLong_AsLongLong(args[6 + i]);
+    const double scale = PyFloat_AsDouble(args[14]);
     if (PyErr_Occurred()) return NULL;
-    lone_attention_bf16(pointers[0], pointers[1], pointers[2], pointers[3], pointers[4], sizes[0], sizes[1],
-                        sizes[2], sizes[3], sizes[4], (float)scale);
+    const int64_t *table = pointers[5];
+    const long long n_rows = sizes[0], tokens = sizes[1], capacity = sizes[5], max_columns = sizes[6], slots = sizes[7];
+    for (long long r = 0; r < n_rows; r++) {
+        const int64_t token = table[3 * r], slot = table[3 * r + 1], columns = table[3 * r + 2];
+        if (token < 0 || token >= tokens || slot < 0 || slot >= slots || columns < 1 || columns > capacity ||
+            columns > max_columns) {
+            PyErr_Format(PyExc_ValueError, "attention row %lld (token %lld, slot %lld, %lld columns) is outside the "
+                         "step's %lld tokens, %lld slots or %lld columns", r, (long long)token, (long long)slot,
+                         (long long)columns, tokens, slots, max_columns < capacity ? max_columns : capacity);
+            return NULL;
+        }
+    }
+    attention_bf16(pointers[0], pointers[1], pointers[2], pointers[3], pointers[4], table, n_rows, tokens, sizes[2],
+                   sizes[3], sizes[4], capacity, max_columns, (float)scale);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {{"matvec_bf16", (PyCFunction)(void (*)(void))call, METH_FASTCALL, NULL},
-                                {"lone_attention_bf16", (PyCFunction)(void (*)(void))attend, METH_FASTCALL, NULL},
+                                {"attention_bf16", (PyCFunction)(void (*)(void))attend, METH_FASTCALL, NULL},
                                 {NULL, NULL, 0, NULL}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "preheat_cpukernels", NULL, -1, methods};
 PyMODINIT_FUNC PyInit_preheat_cpukernels(void) { return PyModule_Create(&module); }
@@ -259,50 +281,69 @@ def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def lone_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, columns: int, scale: float
+def attend_rows(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    most_columns: int,
+    scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """One decoding row's attention over its slot's first `columns` keys and values, every
-    column seen: `query` [1, heads, 1, head_dim] and a slot's `keys` and `values` [kv_heads,
-    capacity, head_dim], bfloat16 on the CPU; [1, 1, heads, head_dim]. None where this kernel
-    does not compute it (another dtype or device, a head size not a multiple of 32 or over
-    256): the caller's torch path does."""
+    """Rows that each feed one query against their own slot, every column they hold seen
+    (preheat.workers.engine.raggedkv): `query` [1, heads, tokens, head_dim] and a layer's
+    `keys` and `values` [slots, kv_heads, capacity, head_dim], bfloat16 on the CPU; `rows`
+    [n, 3] int64 (packed token, slot, columns), `most_columns` their largest. Written into
+    `out` [1, tokens, heads, head_dim] (other tokens untouched; a new one when None) and
+    returned. None where this kernel does not compute it (another dtype or device, a head size
+    not a multiple of 32 or over 256): the caller's torch path does."""
     if query.dtype != torch.bfloat16 or not query.is_cpu:
         return None
     kernels = _built()[0]
     if kernels is None:
         _fallback_once(why_not_built())
         return None
-    heads, head_dim = query.shape[1], query.shape[-1]
-    kv_heads, capacity = keys.shape[0], keys.shape[1]
+    _, heads, tokens, head_dim = query.shape
+    slots, kv_heads, capacity = keys.shape[:3]
     if head_dim % 32 or head_dim > 256 or heads % kv_heads or keys.dtype != torch.bfloat16:
         return None
-    # What the kernel reads is checked by value: it trusts these sizes with raw addresses.
+    if out is None:
+        out = torch.empty(1, tokens, heads, head_dim, dtype=torch.bfloat16)
+    # The kernel trusts these with raw addresses: checked by value (the rows' own, in C).
     if (
-        query.numel() != heads * head_dim
+        query.shape[0] != 1
         or keys.shape != values.shape
         or keys.shape[-1] != head_dim
         or values.dtype != keys.dtype
-        or not 0 < columns <= capacity
+        or out.shape != (1, tokens, heads, head_dim)
+        or out.dtype != torch.bfloat16
+        or not out.is_contiguous()
+        or rows.dtype != torch.int64
+        or rows.dim() != 2
+        or rows.shape[1] != 3
     ):
         raise ValueError(
-            f"lone attention takes one query row and a slot's keys and values of its head size, "
-            f"got {tuple(query.shape)}, {tuple(keys.shape)}, {tuple(values.shape)} and {columns} columns"
+            f"attend_rows takes queries, a layer's keys and values of their head size, [n, 3] int64 rows and "
+            f"its output, got {tuple(query.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}, "
+            f"{tuple(rows.shape)} {rows.dtype} and {tuple(out.shape)} {out.dtype}"
         )
-    query, keys, values = query.contiguous(), keys.contiguous(), values.contiguous()
-    out = torch.empty(1, 1, heads, head_dim, dtype=torch.bfloat16)
-    scores = torch.empty(heads * columns, dtype=torch.float32)
-    kernels.lone_attention_bf16(
+    query, keys, values, rows = query.contiguous(), keys.contiguous(), values.contiguous(), rows.contiguous()
+    scores = torch.empty(rows.shape[0] * heads * most_columns, dtype=torch.float32)
+    kernels.attention_bf16(
         query.data_ptr(),
         keys.data_ptr(),
         values.data_ptr(),
         out.data_ptr(),
         scores.data_ptr(),
+        rows.data_ptr(),
+        rows.shape[0],
+        tokens,
         heads,
         kv_heads,
-        columns,
         head_dim,
-        capacity * head_dim,
+        capacity,
+        most_columns,
+        slots,
         float(scale),
     )
     return out

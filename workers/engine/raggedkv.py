@@ -67,6 +67,21 @@ class Layout:
             self._memo["lone", window] = (slot, kv.columns(slot, window), mask)
         return self._memo["lone", window]
 
+    def one_query_rows(self, window: int | None) -> tuple[torch.Tensor, int]:
+        """([rows, 3] int64: packed token, slot, columns seen; the most columns) of the rows that
+        feed one query and see every column they hold (the lone row while its window has not
+        slid; the decoding rows on a layer without a window): what preheat's bf16 attention
+        kernel reads, made once a step."""
+        if ("rows", window) not in self._memo:
+            if self.lone_token:
+                slot, column, _ = self.lone(window)
+                rows = torch.tensor([[0, slot, column + 1]])
+            else:
+                slots, columns, tokens = self.decode_index(window)
+                rows = torch.stack((tokens.cpu(), slots.cpu(), columns.cpu() + 1), dim=1)
+            self._memo["rows", window] = (rows, int(rows[:, 2].max()))
+        return self._memo["rows", window]
+
     def attend(self, query, keys, values, scaling, sliding_window=None) -> torch.Tensor:
         """This step's attention for one layer (`attention`): what workers/attention.py calls."""
         return attention(query, keys, values, self, scaling, sliding_window)
@@ -314,13 +329,14 @@ def attention(query, keys, values, layout: Layout, scaling, sliding_window=None)
     """The step's attention for one layer: [1, tokens, heads, head_dim], each fed position
     against its own row only (what `RaggedKV.update` returned: the layer's buffers)."""
     window = sliding_window or None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5  # SDPA's default
     if layout.lone_token:
         # One row decoding (a single user): every column it holds is seen, unless a window has slid.
         slot, column, mask = layout.lone(window)
         columns = column + 1
         if mask is None:  # bf16 on the CPU: preheat's kernel, where it runs
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5  # SDPA's default
-            if (seen := cpukernels.lone_attention(query, keys[slot], values[slot], columns, scale)) is not None:
+            rows, most = layout.one_query_rows(window)
+            if (seen := cpukernels.attend_rows(query, keys, values, rows, most, scale)) is not None:
                 return seen
         query_in, keys_in, values_in = query, keys[slot : slot + 1, :, :columns], values[slot : slot + 1, :, :columns]
         cast = query.dtype is not torch.float32 and layout.kv.on_cpu and columns >= ONE_ROW_FLOAT32_FROM
@@ -329,7 +345,11 @@ def attention(query, keys, values, layout: Layout, scaling, sliding_window=None)
         seen = sdpa(query_in, keys_in, values_in, attn_mask=mask, scale=scaling, enable_gqa=True)
         return (seen.to(query.dtype) if cast else seen).transpose(1, 2)
     out = query.new_empty((1, query.shape[2], query.shape[1], query.shape[-1]))
-    if layout.decoding:
+    rows_attended = False
+    if layout.decoding and window is None:  # bf16 on the CPU: preheat's kernel, where it runs
+        rows, most = layout.one_query_rows(window)
+        rows_attended = cpukernels.attend_rows(query, keys, values, rows, most, scale, out) is not None
+    if layout.decoding and not rows_attended:
         mask, columns = layout.decode_mask(window)
         slots, _, tokens = layout.decode_index(window)
         queries = query.new_zeros((len(layout.kv), query.shape[1], 1, query.shape[-1]))

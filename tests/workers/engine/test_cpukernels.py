@@ -82,37 +82,67 @@ def _sdpa_float32(query, keys, values, columns, scale):
     return seen.transpose(1, 2)
 
 
+def _within_bf16(got, expected) -> bool:
+    # bf16 keeps 8 bits: the output within half an ulp of float32's, and a little for the sums
+    return bool(((got.float() - expected).abs() <= expected.abs() * 2**-8 + 1e-3).all())
+
+
 # (heads, kv_heads, head_dim, columns, capacity): the real model's (9 over 3, 64), a longer
 # context, Llama's 128 with 4 heads a group, plain heads, one column, columns not a multiple of 16
 ATTENTION = [(9, 3, 64, 64, 80), (9, 3, 64, 1024, 1100), (32, 8, 128, 17, 40), (4, 4, 32, 1, 8), (6, 2, 96, 33, 33)]
 
 
+def _bf16(*shape, generator):
+    return torch.randn(*shape, generator=generator).to(torch.bfloat16)
+
+
 @pytest.mark.skipif(not cpukernels.available(), reason=f"kernel not built here: {cpukernels.why_not_built()}")
 @pytest.mark.parametrize("heads,kv_heads,head_dim,columns,capacity", ATTENTION)
-def test_one_querys_attention_is_torchs_within_its_bf16_rounding(heads, kv_heads, head_dim, columns, capacity):
+def test_a_lone_querys_attention_is_torchs_within_its_bf16_rounding(heads, kv_heads, head_dim, columns, capacity):
     generator = torch.Generator().manual_seed(heads * 7 + columns)
-    query = torch.randn(1, heads, 1, head_dim, generator=generator).to(torch.bfloat16)
-    keys = torch.randn(kv_heads, capacity, head_dim, generator=generator).to(torch.bfloat16)
-    values = torch.randn(kv_heads, capacity, head_dim, generator=generator).to(torch.bfloat16)
-    keys[:, columns:] = values[:, columns:] = 1e4  # what lies past the row's columns is never read
+    query = _bf16(1, heads, 1, head_dim, generator=generator)
+    keys, values = (_bf16(2, kv_heads, capacity, head_dim, generator=generator) for _ in range(2))
+    keys[1, :, columns:] = values[1, :, columns:] = 1e4  # past the row's columns, and the other slot: never read
+    keys[0], values[0] = 1e4, 1e4
+    rows = torch.tensor([[0, 1, columns]])
     with torch.inference_mode():
-        got = cpukernels.lone_attention(query, keys, values, columns, head_dim**-0.5)
-    expected = _sdpa_float32(query, keys, values, columns, head_dim**-0.5)
+        got = cpukernels.attend_rows(query, keys, values, rows, columns, head_dim**-0.5)
     assert got.shape == (1, 1, heads, head_dim) and got.dtype == torch.bfloat16
-    # bf16 keeps 8 bits: the output within half an ulp of it, and a little for the sums
-    assert bool(((got.float() - expected).abs() <= expected.abs() * 2**-8 + 1e-3).all())
+    assert _within_bf16(got, _sdpa_float32(query, keys[1], values[1], columns, head_dim**-0.5))
+
+
+@pytest.mark.skipif(not cpukernels.available(), reason=f"kernel not built here: {cpukernels.why_not_built()}")
+def test_a_batchs_rows_each_attend_to_their_own_slot_and_leave_other_tokens_alone():
+    """Five packed tokens: rows at tokens 4, 0 and 2 (slots 2, 0, 1, each its own columns);
+    tokens 1 and 3 (a pre-fill chunk's) are the caller's and keep what they held."""
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim = 9, 3, 64
+    query = _bf16(1, heads, 5, head_dim, generator=generator)
+    keys, values = (_bf16(3, kv_heads, 50, head_dim, generator=generator) for _ in range(2))
+    rows = torch.tensor([[4, 2, 50], [0, 0, 7], [2, 1, 1]])
+    out = torch.full((1, 5, heads, head_dim), 3.0, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert cpukernels.attend_rows(query, keys, values, rows, 50, 0.125, out) is out
+    for token, slot, columns in rows.tolist():
+        expected = _sdpa_float32(query[:, :, token : token + 1], keys[slot], values[slot], columns, 0.125)
+        assert _within_bf16(out[:, token : token + 1], expected), (token, slot)
+    assert bool((out[:, [1, 3]] == 3.0).all())
 
 
 def test_what_the_attention_kernel_does_not_compute_is_left_to_torch():
     query = torch.randn(1, 4, 1, 48).to(torch.bfloat16)  # a head size not a multiple of 32
-    keys = torch.randn(2, 8, 48).to(torch.bfloat16)
-    assert cpukernels.lone_attention(query, keys, keys, 8, 1.0) is None
-    assert cpukernels.lone_attention(query.float(), keys.float(), keys.float(), 8, 1.0) is None
+    keys, rows = torch.randn(1, 2, 8, 48).to(torch.bfloat16), torch.tensor([[0, 0, 8]])
+    assert cpukernels.attend_rows(query, keys, keys, rows, 8, 1.0) is None
+    assert cpukernels.attend_rows(query.float(), keys.float(), keys.float(), rows, 8, 1.0) is None
 
 
 @pytest.mark.skipif(not cpukernels.available(), reason=f"kernel not built here: {cpukernels.why_not_built()}")
-@pytest.mark.parametrize("columns", [0, 9])
-def test_attention_past_the_slots_columns_is_refused(columns):
-    query, keys = torch.randn(1, 4, 1, 32).to(torch.bfloat16), torch.randn(2, 8, 32).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="lone attention"):
-        cpukernels.lone_attention(query, keys, keys, columns, 1.0)
+@pytest.mark.parametrize(
+    "row,most",
+    [((0, 0, 0), 8), ((0, 0, 9), 9), ((0, 0, 8), 7), ((0, 2, 4), 8), ((1, 0, 4), 8), ((-1, 0, 4), 8)],
+    ids=["no columns", "past the slot", "past the scratch", "no such slot", "no such token", "a negative token"],
+)
+def test_a_row_outside_the_buffers_is_refused(row, most):
+    query, keys = torch.randn(1, 4, 1, 32).to(torch.bfloat16), torch.randn(2, 2, 8, 32).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="attention row 0"):
+        cpukernels.attend_rows(query, keys, keys, torch.tensor([row]), most, 1.0)

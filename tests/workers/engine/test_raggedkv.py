@@ -76,13 +76,22 @@ def test_each_fed_position_sees_its_own_row_up_to_itself_and_a_sliding_layer_its
     assert columns == 4 and chunk[0, 0].int().tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
 
 
-def test_the_rows_attention_is_each_rows_own_causal_attention():
-    """Against torch's causal SDPA on each row's whole sequence, on full and sliding layers."""
+@pytest.mark.parametrize(
+    ("head_dim", "dtype"), [(HEAD_DIM, torch.float32), (64, torch.bfloat16)], ids=["float32", "bfloat16"]
+)
+def test_the_rows_attention_is_each_rows_own_causal_attention(head_dim, dtype, monkeypatch):
+    """Against torch's causal SDPA on each row's whole sequence (float32), on full and sliding
+    layers: two decoding rows beside two pre-fill chunks. In bfloat16 with a head size of 64,
+    the decoding rows of the full layer are preheat's kernel's, where it runs (within bf16's
+    rounding, as the chunks' bf16 SDPA)."""
+    kernel_calls = []
+    attend_rows = cpukernels.attend_rows
+    monkeypatch.setattr(cpukernels, "attend_rows", lambda *a: kernel_calls.append(attend_rows(*a)) or kernel_calls[-1])
     torch.manual_seed(0)
-    lengths, feeds = [5, 0, 3], [1, 4, 2]
-    whole = [torch.randn(1, KV_HEADS, n + f, HEAD_DIM) for n, f in zip(lengths, feeds, strict=True)]
+    lengths, feeds = [5, 0, 3, 2], [1, 4, 2, 1]
+    whole = [torch.randn(1, KV_HEADS, n + f, head_dim).to(dtype) for n, f in zip(lengths, feeds, strict=True)]
     values = [torch.randn_like(k) for k in whole]
-    queries = [torch.randn(1, HEADS, f, HEAD_DIM) for f in feeds]
+    queries = [torch.randn(1, HEADS, f, head_dim).to(dtype) for f in feeds]
     for window in (None, WINDOW):
         kv = RaggedKV(shell(), torch.device("cpu"))
         for k, v, n in zip(whole, values, lengths, strict=True):
@@ -105,10 +114,13 @@ def test_the_rows_attention_is_each_rows_own_causal_attention():
             if window:
                 seen &= ~torch.ones(f, n + f, dtype=torch.bool).tril(n - window)
             want = torch.nn.functional.scaled_dot_product_attention(
-                q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=seen
+                q.float(), k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1), attn_mask=seen
             )
-            torch.testing.assert_close(got[0, at : at + f], want[0].transpose(0, 1))
+            wide = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+            torch.testing.assert_close(got[0, at : at + f].float(), want[0].transpose(0, 1), **wide)
             at += f
+    ran = [call for call in kernel_calls if call is not None]
+    assert len(ran) == (1 if dtype == torch.bfloat16 and cpukernels.available() else 0)  # the full layer's rows
 
 
 def test_a_row_that_leaves_gives_its_slot_to_the_last_row():
@@ -205,5 +217,5 @@ def test_one_row_decoding_in_bfloat16_runs_preheats_kernel_on_both_layers(length
         expected = sdpa(q.float(), ks, vs, scale=0.125, enable_gqa=True).transpose(1, 2)
         assert bool(((got.float() - expected).abs() <= expected.abs() * 2**-8 + 1e-3).all()), layer
         slid = layer == 1 and length + 1 > WINDOW - 1
-        kernel = cpukernels.lone_attention(q, keys[0], vals[0], length + 1, 0.125)
+        kernel = cpukernels.attend_rows(q, keys, vals, torch.tensor([[0, 0, length + 1]]), length + 1, 0.125)
         assert torch.equal(got, kernel) != slid  # the kernel's answer exactly, unless the window slid
