@@ -9,9 +9,10 @@ import os
 # torch's CPU threads (GNU OpenMP) spin 300,000 times at each barrier before they sleep.
 # Beside a neighbour's CPU load that spinning fights the thread it waits for: a 135 M
 # model's warm TTFT went 3-3.6x slower with one busy process beside it, against 1.8x with
-# a spin of 1,000. Too short a spin costs a wake-up (tens of microseconds on a VM) at each
-# of a step's parallel regions: the real model's bf16 one-row step (about 400 regions) took
-# 29.0 ms at 1,000, 19.9 at 2,000, 16.6 at 5,000, 15.2 at 10,000 and 16.1 at 300,000;
-# beside a busy process, 35-42 ms at any of them. Set before torch is first imported; an
-# operator's own value wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# a spin of 1,000. A spin of 10,000 made an idle Sapphire Rapids' bf16 one-row step 15.2 ms
+# against 29.0 at 1,000, but on a Zen 4 a neighbour then slowed warmups past the warm
+# factor (the neighbour test failed 3 runs of 3; 3,000: 1 of 2; 1,000 passed 3 of 3), and
+# its idle step was no faster (19.2-21.4 ms against 14.4-17.3 at 1,000). A warm verdict
+# that holds beside a neighbour comes first. Set before torch is first imported; an
+# operator's own value wins (an idle, dedicated node may raise it).
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
