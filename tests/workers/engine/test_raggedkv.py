@@ -166,6 +166,19 @@ def test_only_caches_that_grow_by_concatenation_run_together():
         RaggedKV(cache, torch.device("cpu"))
 
 
+def _a_lone_bf16_row(length: int, heads: int, kv_heads: int, head_dim: int):
+    """(query, keys, values, kv): one row of `length` positions, about to decode one more."""
+    k, v = (torch.randn(1, kv_heads, length + 1, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(1, heads, 1, head_dim, dtype=torch.bfloat16)
+    cache = shell()
+    for layer in cache.layers:
+        layer.update(k[:, :, :length], v[:, :, :length])
+    kv = RaggedKV(shell(), torch.device("cpu"))
+    kv.add(cache)
+    kv.step_inputs([Segment(0, length, (9,))])
+    return q, k, v, kv
+
+
 @pytest.mark.parametrize(("length", "in_float32"), [(8, False), (300, True)])
 def test_one_row_decoding_in_bfloat16_attends_in_float32_past_a_short_context(length, in_float32):
     """One query in bfloat16 on the CPU where preheat's kernel does not run it (here a head size
@@ -173,14 +186,7 @@ def test_one_row_decoding_in_bfloat16_attends_in_float32_past_a_short_context(le
     ONE_ROW_FLOAT32_FROM (128) columns on it runs in float32 on the upcast inputs, the answer
     in bfloat16. Either way, the row's own causal attention."""
     torch.manual_seed(0)
-    k, v = (torch.randn(1, KV_HEADS, length + 1, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
-    q = torch.randn(1, HEADS, 1, HEAD_DIM, dtype=torch.bfloat16)
-    cache = shell()
-    for layer in cache.layers:
-        layer.update(k[:, :, :length], v[:, :, :length])
-    kv = RaggedKV(shell(), torch.device("cpu"))
-    kv.add(cache)
-    kv.step_inputs([Segment(0, length, (9,))])
+    q, k, v, kv = _a_lone_bf16_row(length, HEADS, KV_HEADS, HEAD_DIM)
     with torch.inference_mode():
         keys, vals = kv.update(k[:, :, length:], v[:, :, length:], 0)
     got = attention(q, keys, vals, kv.layout, None)
@@ -198,16 +204,8 @@ def test_one_row_decoding_in_bfloat16_runs_preheats_kernel_on_both_layers(length
     """A head size of 64 (the real model's): the row's attention is preheat's kernel's on the
     full layer and on the sliding layer until its window has slid, then torch's with the
     window's mask; either way within bf16's rounding of float32 attention."""
-    heads, kv_heads, head_dim = 4, 2, 64
     torch.manual_seed(length)
-    k, v = (torch.randn(1, kv_heads, length + 1, head_dim, dtype=torch.bfloat16) for _ in range(2))
-    q = torch.randn(1, heads, 1, head_dim, dtype=torch.bfloat16)
-    cache = shell()
-    for layer in cache.layers:
-        layer.update(k[:, :, :length], v[:, :, :length])
-    kv = RaggedKV(shell(), torch.device("cpu"))
-    kv.add(cache)
-    kv.step_inputs([Segment(0, length, (9,))])
+    q, k, v, kv = _a_lone_bf16_row(length, 4, 2, 64)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for layer, seen_from in ((0, 0), (1, max(0, length + 1 - (WINDOW - 1) - 1))):
         with torch.inference_mode():
