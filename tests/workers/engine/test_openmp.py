@@ -110,8 +110,9 @@ def test_a_model_loaded_on_a_thread_that_lives_on_leaves_no_team_behind(tiny_mod
 
 @pytest.mark.parametrize("environment,expected", [({}, "1000"), ({"GOMP_SPINCOUNT": "250"}, "250")])
 def test_the_worker_sets_the_threads_spin_before_torch_loads_openmp_and_an_operators_value_wins(environment, expected):
-    """preheat.workers sets GOMP_SPINCOUNT (a spin of 1,000 made the one-row step twice as
-    slow), before torch is imported: libgomp reads it once, when it is loaded."""
+    """preheat.workers sets GOMP_SPINCOUNT (1,000: GNU's 300,000 fights a neighbour's load, and
+    10,000 failed the warm verdicts beside one on a Zen 4), before torch is imported: libgomp
+    reads it once, when it is loaded."""
     import subprocess
     import sys
 
