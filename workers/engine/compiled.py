@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from preheat.workers.engine import attention, cpukernels
-from preheat.workers.engine.lorastack import AdapterStack, Stacked, Targets, kind_and_layer, step_mask
+from preheat.workers.engine.lorastack import AdapterStack, Stacked, Targets, kind_and_layer, step_columns
 from preheat.workers.engine.raggedkv import RaggedKV, Segment
 
 log = logging.getLogger(__name__)
@@ -61,26 +61,6 @@ def _(x, weight_id, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def adapters_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """A step's adapters' delta to one linear layer's output, `((x @ A) * mask) @ B` in float32
-    (preheat.workers.engine.lorastack), in `x`'s dtype and the output's shape."""
-    flat = x.reshape(-1, x.shape[-1]).float()
-    return (torch.mm(flat, a) * mask).mm(b).to(x.dtype).reshape(*x.shape[:-1], b.shape[1])
-
-
-@torch.library.custom_op("preheat::lora_delta", mutates_args=())
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`adapters_delta` of a one-token step, as an opaque op: for one row, inductor wrote these
-    products of symbolic rank as loops 3x slower than the BLAS (measured: the real model's
-    one-row step with an adapter took 98 ms, against 41 so)."""
-    return adapters_delta(x, a, b, mask)
-
-
-@lora_delta.register_fake
-def _(x, a, b, mask):
-    return x.new_empty((*x.shape[:-1], b.shape[1]))
-
-
 class _StepAdapters:
     """The LoRA adapters of the step running now, read by the graph as inputs (stacked:
     preheat.workers.engine.lorastack). `on` is a constant of a graph: a step with adapters and
@@ -90,23 +70,22 @@ class _StepAdapters:
         self.on = False
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
-        self.mask: torch.Tensor | None = None
+        self.columns: torch.Tensor | None = None  # [tokens, 2]: each token's (first column, rank)
 
-    def set(self, stack: Stacked, mask: torch.Tensor) -> None:
-        self.on, self.a, self.b, self.mask = True, stack.a, stack.b, mask
+    def set(self, stack: Stacked, columns: torch.Tensor) -> None:
+        self.on, self.a, self.b, self.columns = True, stack.a, stack.b, columns
 
     def mark_dynamic(self, tokens: bool) -> None:
         """Before a graph is compiled on these: the rank symbolic (one graph for any set of
         adapters), and the number of tokens where the graph's is."""
         for kind in self.a:
-            torch._dynamo.maybe_mark_dynamic(self.a[kind], 2)
+            torch._dynamo.maybe_mark_dynamic(self.a[kind], 1)
             torch._dynamo.maybe_mark_dynamic(self.b[kind], 1)
-        torch._dynamo.maybe_mark_dynamic(self.mask, 1)
         if tokens:
-            torch._dynamo.maybe_mark_dynamic(self.mask, 0)
+            torch._dynamo.maybe_mark_dynamic(self.columns, 0)
 
     def clear(self) -> None:
-        self.on, self.a, self.b, self.mask = False, {}, {}, None
+        self.on, self.a, self.b, self.columns = False, {}, {}, None
 
     def __reduce__(self):
         # A saved graph keeps the globals it reads: pickled by value, a loaded graph would read
@@ -178,10 +157,8 @@ class _CompiledLinear(torch.nn.Module):
         if STEP_ADAPTERS.on and self.lora_kind is not None:
             step = STEP_ADAPTERS
             a, b = step.a[self.lora_kind][self.lora_layer], step.b[self.lora_kind][self.lora_layer]
-            if x.shape[-2] == 1:  # one token: the BLAS (inductor loops over a product of one row slowly)
-                y = y + torch.ops.preheat.lora_delta(x, a, b, step.mask)
-            else:  # many: in the graph, beside the layers around it
-                y = y + adapters_delta(x, a, b, step.mask)
+            # Each token through its own adapter's columns only (preheat.workers.engine.cpukernels)
+            y = torch.ops.preheat.lora_add(x, y, a, b, step.columns)
         return y
 
     def release(self) -> None:
@@ -294,7 +271,7 @@ class CompiledSteps:
                 keep = torch.cat([keep, keep[-1:]]) if keep.shape[0] == 1 else keep
             if stack is not None:
                 lengths = [len(segment.ids) for segment in segments]
-                STEP_ADAPTERS.set(stack, step_mask(lengths, adapters, stack, self.device))
+                STEP_ADAPTERS.set(stack, step_columns(lengths, adapters, stack))
             try:
                 with attention.running(kv):
                     graph = self._graphs.get(kind) or self._make(kind, (ids, positions, keep))

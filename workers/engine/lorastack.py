@@ -4,14 +4,16 @@ preheat.workers.engine.lora do in one eager pass.
 
 A graph cannot take a hook per adapter, nor a tensor per module and adapter: the adapters
 of a step are *stacked*, per kind of target module (q_proj of every layer, …), into one A
-[layers, in, R] and one B [layers, R, out] (transposed: each layer's a plain matrix product),
-R their ranks concatenated; a [tokens, R] mask holds each token's own adapter's scaling in its
-columns and zero in the others. The graph's linear layer `(layer, kind)` adds
-`((x @ A[layer]) * mask) @ B[layer]`: PEFT's `(x @ A.T) @ B.T * scaling` per token, every
-adapter in two products. R is a symbolic size of the graph, so one compile serves any set of
-adapters. Stacks are float32 whatever the model's dtype: these products are small, and the
-CPU's float32 GEMM runs them 1-4x faster than its bfloat16 one (measured here, one to 64
-tokens by ranks 16 and 64).
+[layers, R, in] and one B [layers, R, out] (B transposed: each adapter's rows of both in
+order), R their ranks concatenated, each adapter's scaling in its rows of B; a [tokens, 2] table
+(`step_columns`) holds each token's own adapter's columns (first, rank). The graph's linear
+layer `(layer, kind)` adds, per token, `(A[layer][c] @ x) @ B[layer][c]` over those columns
+only: PEFT's `(x @ A.T) @ B.T * scaling` (the op `preheat::lora_add`, preheat's own kernel:
+preheat.workers.engine.cpukernels). R is a symbolic size of the graph, so one compile serves
+any set of adapters. Stacks are in the model's dtype where the kernel reads them (bf16: the
+step reads every present adapter's rows, and in float32 16 adapters weigh more than the model;
+B times the scaling is rounded once, where PEFT rounds B's product and then its scaled value),
+float32 elsewhere.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from preheat.workers.engine import cpukernels
 from preheat.workers.engine.lora import LoraWeights
 
 # A decoder layer's module: "model.layers.3.self_attn.q_proj" is kind
@@ -39,9 +42,10 @@ def kind_and_layer(path: str) -> tuple[str, int] | None:
 @dataclass(frozen=True)
 class Targets:
     """What a compiled step can apply an adapter to: every linear layer of the decoder layers,
-    per kind, as (layers, out_features, in_features)."""
+    per kind, as (layers, out_features, in_features); and the dtype its stacks are kept in."""
 
     kinds: dict[str, tuple[int, int, int]]
+    dtype: torch.dtype = torch.float32
 
     @classmethod
     def of(cls, model) -> Targets:
@@ -53,7 +57,12 @@ class Targets:
                 kind, layer = found
                 layers = max(kinds.get(kind, (0,))[0], layer + 1)
                 kinds[kind] = (layers, module.out_features, module.in_features)
-        return cls(kinds)
+        # bf16 stacks where the model is bf16 and preheat's kernel reads them: a step reads
+        # every present adapter's rows once, and at 16 adapters of rank 16 on the real model
+        # that is 312 MB in float32, more than the model's own weights.
+        weight = next(model.parameters())
+        bf16 = weight.dtype == torch.bfloat16 and weight.is_cpu and cpukernels.available()
+        return cls(kinds, torch.bfloat16 if bf16 else torch.float32)
 
     def covers(self, adapter: LoraWeights) -> bool:
         return all((found := kind_and_layer(m)) is not None and found[0] in self.kinds for m in adapter.layers)
@@ -62,8 +71,10 @@ class Targets:
 @dataclass(eq=False)
 class Stacked:
     """The adapters of a step, stacked for a compiled graph (a graph input each, whatever the
-    number of adapters): per kind, A [layers, in, R] and B [layers, R, out], float32, R their
-    ranks concatenated in name order, zeros where an adapter leaves a module alone."""
+    number of adapters): per kind, A [layers, R, in] and B [layers, R, out], in the targets'
+    dtype, R their
+    ranks concatenated in name order, zeros where an adapter leaves a module alone; B's rows
+    scaled by their adapter's scaling."""
 
     adapters: tuple[LoraWeights, ...]
     a: dict[str, torch.Tensor]
@@ -88,21 +99,21 @@ class Stacked:
     def of(cls, adapters: tuple[LoraWeights, ...], targets: Targets, device) -> Stacked:
         width = cls.width_of(sum(adapter.rank for adapter in adapters))
         kinds = targets.kinds.items()
-        a = {k: torch.zeros((n, i, width), device=device) for k, (n, _, i) in kinds}
-        b = {k: torch.zeros((n, width, o), device=device) for k, (n, o, _) in kinds}
+        a = {k: torch.zeros((n, width, i), dtype=targets.dtype, device=device) for k, (n, _, i) in kinds}
+        b = {k: torch.zeros((n, width, o), dtype=targets.dtype, device=device) for k, (n, o, _) in kinds}
         offset = 0
         for adapter in adapters:
             for module, (down, up) in adapter.layers.items():
                 kind, layer = kind_and_layer(module)
-                a[kind][layer, :, offset : offset + adapter.rank] = down.t()
-                b[kind][layer, offset : offset + adapter.rank] = up.t()
+                a[kind][layer, offset : offset + adapter.rank] = down
+                b[kind][layer, offset : offset + adapter.rank] = up.t().float() * adapter.scaling  # one rounding
             offset += adapter.rank
         return cls(adapters, a, b)
 
 
 class AdapterStack:
     """The stacks one model's compiled steps run with. A step takes the smallest kept stack
-    that holds all its adapters (the others' columns masked out); when none does, one is
+    that holds all its adapters (the others' columns unread); when none does, one is
     built of its adapters and those of the steps just before it (`RECENT_STEPS`), so a
     steady mix of tenants is stacked once, however its rows come and go, and an adapter
     that stopped coming leaves the next stack. Building one costs tens of milliseconds on
@@ -151,19 +162,15 @@ class AdapterStack:
                     self._stacks = [made, *self._stacks][: self.KEPT]
 
 
-def step_mask(lengths: list[int], adapters: list[LoraWeights | None], stack: Stacked, device):
-    """[tokens, R], float32, for packed rows (row i's `lengths[i]` tokens): each token's own
-    adapter's columns (in `stack`'s concatenation) hold its scaling, every other zero; rows
-    of the base all zero."""
+def step_columns(lengths: list[int], adapters: list[LoraWeights | None], stack: Stacked) -> torch.Tensor:
+    """[tokens, 2] int64, for packed rows (row i's `lengths[i]` tokens): each token's own
+    adapter's columns in `stack`, as (first, rank); (0, 0) for the base's tokens."""
     columns, offset = {}, 0
     for adapter in stack.adapters:
-        columns[id(adapter)] = (offset, adapter)
+        columns[id(adapter)] = (offset, adapter.rank)
         offset += adapter.rank
-    mask = torch.zeros(sum(lengths), stack.width, device=device)
-    start = 0
+    base = (0, 0)
+    pairs = []
     for length, adapter in zip(lengths, adapters, strict=True):
-        if adapter is not None:
-            first, weights = columns[id(adapter)]
-            mask[start : start + length, first : first + weights.rank] = weights.scaling
-        start += length
-    return mask
+        pairs += [base if adapter is None else columns[id(adapter)]] * length
+    return torch.tensor(pairs, dtype=torch.int64)

@@ -334,7 +334,7 @@ def attention(query, keys, values, layout: Layout, scaling, sliding_window=None)
         # One row decoding (a single user): every column it holds is seen, unless a window has slid.
         slot, column, mask = layout.lone(window)
         columns = column + 1
-        if mask is None:  # bf16 on the CPU: preheat's kernel, where it runs
+        if mask is None and cpukernels.attends(query, keys):  # bf16 on the CPU: preheat's kernel
             rows, most = layout.one_query_rows(window)
             if (seen := cpukernels.attend_rows(query, keys, values, rows, most, scale)) is not None:
                 return seen
@@ -346,7 +346,7 @@ def attention(query, keys, values, layout: Layout, scaling, sliding_window=None)
         return (seen.to(query.dtype) if cast else seen).transpose(1, 2)
     out = query.new_empty((1, query.shape[2], query.shape[1], query.shape[-1]))
     rows_attended = False
-    if layout.decoding and window is None:  # bf16 on the CPU: preheat's kernel, where it runs
+    if layout.decoding and window is None and cpukernels.attends(query, keys):  # bf16 on the CPU: preheat's kernel
         rows, most = layout.one_query_rows(window)
         rows_attended = cpukernels.attend_rows(query, keys, values, rows, most, scale, out) is not None
     if layout.decoding and not rows_attended:

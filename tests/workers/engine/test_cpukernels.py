@@ -3,7 +3,9 @@ values. The matrix-vector kernel: the products are exact in float32 either way, 
 order of the float32 sums differs. Lengths that are not whole runs of the kernel's loops (not a multiple of 128
 columns, nor of 32) included, and the torch path it takes where it cannot be built. The
 attention kernel: against torch's SDPA in float32 on the same bf16 values, within the
-rounding of its bf16 output, for grouped and plain heads and the real model's sizes."""
+rounding of its bf16 output, for grouped and plain heads and the real model's sizes. The LoRA
+kernel: each token through its own adapter's columns, against the same products in float64
+over a mask of those columns."""
 
 from __future__ import annotations
 
@@ -146,3 +148,85 @@ def test_a_row_outside_the_buffers_is_refused(row, most):
     query, keys = torch.randn(1, 4, 1, 32).to(torch.bfloat16), torch.randn(2, 2, 8, 32).to(torch.bfloat16)
     with pytest.raises(ValueError, match="attention row 0"):
         cpukernels.attend_rows(query, keys, keys, torch.tensor([row]), most, 1.0)
+
+
+def _lora_reference(x, y, a, b, columns):
+    where = torch.arange(a.shape[0])
+    first, rank = columns[:, :1], columns[:, 1:]
+    mask = ((where >= first) & (where < first + rank)).double()
+    delta = (x.reshape(columns.shape[0], -1).double() @ a.double().t()) * mask @ b.double()
+    return y.reshape(delta.shape).double() + delta
+
+
+# (tokens, in, out, ranks stacked, each token's adapter by index or None for the base): one
+# token, the real model's k_proj and down_proj over four adapters, sizes that are not whole
+# vectors (ranks 3 and 17, 70 in, 33 out), a pre-fill chunk of one adapter, a rank of 64.
+LORA = [
+    (1, 576, 576, [16], [0]),
+    (16, 576, 192, [16, 8, 16, 4], [0, 1, 2, 3, None]),
+    (16, 1536, 576, [16, 16, 16, 16], [3, 2, 1, 0]),
+    (5, 70, 33, [3, 17], [1, None, 0]),
+    (64, 576, 1536, [16], [0]),
+    (3, 96, 96, [64, 2], [0, 1, None]),
+]
+
+
+@pytest.mark.skipif(not cpukernels.available(), reason=f"kernel not built here: {cpukernels.why_not_built()}")
+@pytest.mark.parametrize("stacks", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,in_len,out_len,ranks,chosen", LORA)
+def test_each_token_gets_its_own_adapters_products_and_no_others(dtype, stacks, tokens, in_len, out_len, ranks, chosen):
+    generator = torch.Generator().manual_seed(tokens * 7 + in_len)
+    firsts = [sum(ranks[:i]) for i in range(len(ranks))]
+    picks = [chosen[t % len(chosen)] for t in range(tokens)]
+    columns = torch.tensor([[0, 0] if i is None else [firsts[i], ranks[i]] for i in picks])
+    x = torch.randn(1, tokens, in_len, generator=generator).to(dtype)
+    y = torch.randn(1, tokens, out_len, generator=generator).to(dtype)
+    a = (torch.randn(sum(ranks), in_len, generator=generator) * 0.1).to(stacks)
+    b = (torch.randn(sum(ranks), out_len, generator=generator) * 0.1).to(stacks)
+    got = torch.ops.preheat.lora_add(x, y, a, b, columns)
+    assert got.shape == y.shape and got.dtype == dtype
+    expected = _lora_reference(x, y, a, b, columns)
+    # float32 sums in another order; bf16 output rounded once (half an ulp of its 8 bits)
+    bound = 1e-4 if dtype == torch.float32 else 2**-8
+    assert bool(((got.reshape(expected.shape).double() - expected).abs() <= expected.abs() * bound + 1e-4).all())
+    base = [t for t, i in enumerate(picks) if i is None]
+    assert torch.equal(got[0, base], y[0, base])  # the base's tokens untouched
+
+
+def test_where_the_kernel_cannot_be_built_torch_adds_the_same_adapters(monkeypatch, caplog):
+    monkeypatch.setattr(cpukernels, "_built", lambda: (None, "the CPU lacks avx512_bf16"))
+    x, y = torch.randn(1, 3, 40), torch.randn(1, 3, 24)
+    a, b, columns = torch.randn(6, 40), torch.randn(6, 24), torch.tensor([[0, 2], [2, 4], [0, 0]])
+    with caplog.at_level("WARNING"):
+        got = torch.ops.preheat.lora_add(x, y, a, b, columns)
+    assert torch.allclose(got.reshape(3, 24).double(), _lora_reference(x, y, a, b, columns), atol=1e-4)
+    assert "LoRA adapters' products run through torch" in caplog.text
+
+
+@pytest.mark.skipif(not cpukernels.available(), reason=f"kernel not built here: {cpukernels.why_not_built()}")
+@pytest.mark.parametrize("pair", [[-1, 2], [5, 2], [0, 7], [2, -1]], ids=["before", "past", "too wide", "negative"])
+def test_a_tokens_columns_outside_the_stacks_are_refused(pair):
+    x, y, a, b = torch.randn(1, 2, 8), torch.randn(1, 2, 4), torch.randn(6, 8), torch.randn(6, 4)
+    with pytest.raises(ValueError, match="token 1's adapter columns"):
+        torch.ops.preheat.lora_add(x, y, a, b, torch.tensor([[0, 2], pair]))
+
+
+@pytest.mark.parametrize(
+    "x,y,a,b,columns",
+    [
+        (torch.zeros(1, 2, 8), torch.zeros(1, 2, 4, dtype=torch.bfloat16), torch.zeros(6, 8), torch.zeros(6, 4),
+         torch.zeros(2, 2, dtype=torch.int64)),  # x and y of two dtypes
+        (torch.zeros(1, 2, 8), torch.zeros(1, 2, 4), torch.zeros(6, 9), torch.zeros(6, 4),
+         torch.zeros(2, 2, dtype=torch.int64)),  # a not x's length
+        (torch.zeros(1, 2, 8), torch.zeros(1, 2, 4), torch.zeros(6, 8), torch.zeros(6, 4),
+         torch.zeros(3, 2, dtype=torch.int64)),  # a column pair per token, not more
+        (torch.zeros(1, 2, 8), torch.zeros(1, 2, 4), torch.zeros(6, 8), torch.zeros(6, 4),
+         torch.zeros(2, 2, dtype=torch.int32)),  # int32 columns
+        (torch.zeros(1, 2, 8), torch.zeros(1, 2, 4), torch.zeros(6, 8), torch.zeros(6, 4, dtype=torch.bfloat16),
+         torch.zeros(2, 2, dtype=torch.int64)),  # stacks of two dtypes
+    ],
+)  # fmt: skip
+def test_what_the_lora_kernel_does_not_compute_is_refused(x, y, a, b, columns):
+    with pytest.raises(ValueError, match="lora_add takes"):
+        torch.ops.preheat.lora_add(x, y, a, b, columns)

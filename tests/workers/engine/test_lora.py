@@ -188,8 +188,9 @@ def test_the_compiled_steps_stacks_follow_the_mix_of_recent_steps_and_rebuild_on
     """Bookkeeping of the stacked adapters (no model): each adapter's A and B in its own
     columns, zeros where it leaves a module alone; a step whose adapters a kept stack holds
     takes the smallest such; a new one builds a stack of the recent steps' adapters, and one
-    that stopped coming is left out."""
-    from preheat.workers.engine.lorastack import AdapterStack, Stacked, Targets, step_mask
+    that stopped coming is left out. B holds the adapter's scaling; each token names its own
+    adapter's columns."""
+    from preheat.workers.engine.lorastack import AdapterStack, Stacked, Targets, step_columns
 
     targets = Targets({"model.layers.*.q": (2, 6, 4), "model.layers.*.up": (2, 8, 4)})
 
@@ -206,18 +207,17 @@ def test_the_compiled_steps_stacks_follow_the_mix_of_recent_steps_and_rebuild_on
     assert [s.name for s in alone.adapters] == ["a"]
     both = stack.for_step((b,))  # a ran just before: stacked with b
     assert [s.name for s in both.adapters] == ["a", "b"] and both.rank == 5
-    assert torch.equal(both.a["model.layers.*.q"][0, :, :2], torch.ones(4, 2))  # a's A (transposed), layer 0
-    assert both.a["model.layers.*.q"][0, :, 2:].abs().sum() == 0  # b leaves layer 0 alone
-    assert torch.equal(both.b["model.layers.*.q"][1, 2:], torch.full((3, 6), 2.0))
+    assert torch.equal(both.a["model.layers.*.q"][0, :2], torch.ones(2, 4))  # a's A, layer 0
+    assert both.a["model.layers.*.q"][0, 2:].abs().sum() == 0  # b leaves layer 0 alone
+    assert torch.equal(both.b["model.layers.*.q"][1, 2:], torch.full((3, 6), 2.0 * 2.0))  # b's B, scaled
     assert stack.for_step((a,)) is alone and stack.for_step((a, b)) is both  # kept: no rebuild
     for _ in range(AdapterStack.RECENT_STEPS):
         stack.for_step((b,))
     third = stack.for_step((c,))  # a has not run for a while: left out
     assert [s.name for s in third.adapters] == ["b", "c"]
-    mask = step_mask([2, 1, 1], [c, None, b], third, "cpu")
-    assert mask.tolist() == [[0, 0, 0, 2], [0, 0, 0, 2], [0, 0, 0, 0], [2, 2, 2, 0]]
+    assert step_columns([2, 1, 1], [c, None, b], third).tolist() == [[3, 1], [3, 1], [0, 0], [0, 3]]
     # A lone rank-1 adapter is stacked two columns wide (a zero one beside it): the graphs'
     # rank is symbolic, and a size of 1 would be a graph of its own.
     lone = Stacked.of((c,), targets, "cpu")
-    assert lone.width == 2 and lone.a["model.layers.*.q"].shape[-1] == 2 and lone.b["model.layers.*.up"].shape[1] == 2
-    assert step_mask([1, 1], [c, None], lone, "cpu").tolist() == [[2, 0], [0, 0]]
+    assert lone.width == 2 and lone.a["model.layers.*.q"].shape[1] == 2 and lone.b["model.layers.*.up"].shape[1] == 2
+    assert step_columns([1, 1], [c, None], lone).tolist() == [[0, 1], [0, 0]]

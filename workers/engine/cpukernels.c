@@ -1,0 +1,308 @@
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+static inline __mmask16 first_lanes(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* Up to 16 values (the lanes of m) of a bf16 or float32 row, as float32; and back, rounded to
+   nearest even where bf16 (the model's own rounding). */
+static inline __m512 load_lanes(const void *row, int64_t at, __mmask16 m, int bf16) {
+    if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)row + at);
+    const __m256i half = _mm256_maskz_loadu_epi16(m, (const uint16_t *)row + at);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+static inline void store_lanes(void *row, int64_t at, __mmask16 m, __m512 value, int bf16) {
+    if (!bf16) {
+        _mm512_mask_storeu_ps((float *)row + at, m, value);
+        return;
+    }
+    const __m512i bits = _mm512_castps_si512(value);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    _mm256_mask_storeu_epi16((uint16_t *)row + at, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+/* y[n] = sum_k w[n, k] * x[k]: w [n_rows, k_len] bf16 row-major, x [k_len] bf16, y float32.
+   A thread takes a run of whole rows and reads them in order: one stream of memory per
+   thread, the pattern the CPU's prefetchers follow best (eight rows read side by side
+   streamed at 15-20 GB/s on a Zen 4, one stream at 21-30). Four sums per row hide the
+   instruction's latency. */
+static void matvec_bf16(const uint16_t *w, const uint16_t *x, float *y, int64_t n_rows, int64_t k_len) {
+    const int64_t full = k_len / 128 * 128, part = k_len / 32 * 32;
+    const __mmask32 tail = (__mmask32)((1ULL << (k_len - part)) - 1);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < n_rows; n++) {
+        const uint16_t *row = w + n * k_len;
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        int64_t k = 0;
+        for (; k < full; k += 128)
+            for (int i = 0; i < 4; i++)
+                acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(row + k + 32 * i),
+                                          (__m512bh)_mm512_loadu_si512(x + k + 32 * i));
+        for (int i = 0; k < part; k += 32, i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(row + k),
+                                      (__m512bh)_mm512_loadu_si512(x + k));
+        if (part < k_len)
+            acc[3] = _mm512_dpbf16_ps(acc[3], (__m512bh)_mm512_maskz_loadu_epi16(tail, row + part),
+                                      (__m512bh)_mm512_maskz_loadu_epi16(tail, x + part));
+        y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    }
+}
+
+/* exp(x) for x <= 0, 16 at a time: Cephes' expf (a degree-6 polynomial on a reduced
+   argument, 2^n by scalef), within 2 float32 ulps. */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* For each row r of `table` ([n_rows, 3]: token t, slot, columns) and each head h, out[t, h] =
+   softmax(scale * q[h, t] . k[slot, g, j]) . v[slot, g, j] over j < columns, g = h / (heads / kv_heads):
+   q [heads, tokens, head_dim], k and v [slots, kv_heads, capacity, head_dim] (the layer's
+   buffers, read in place), out [tokens, heads, head_dim] bf16 (rounded to nearest even; other
+   tokens untouched), scores [n_rows * heads, max_columns] float32 scratch. head_dim a multiple
+   of 32, at most 256; the table checked by the caller. */
+static void attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, float *scores,
+                           const int64_t *table, int64_t n_rows, int64_t tokens, int64_t heads, int64_t kv_heads,
+                           int64_t head_dim, int64_t capacity, int64_t max_columns, float scale) {
+    const int64_t group = heads / kv_heads, lanes = head_dim / 16;
+    #pragma omp parallel for schedule(static)
+    for (int64_t pair = 0; pair < n_rows * heads; pair++) {
+        const int64_t *row = table + 3 * (pair / heads), h = pair % heads;
+        const int64_t token = row[0], columns = row[2];
+        const uint16_t *qh = q + (h * tokens + token) * head_dim;
+        const int64_t at = ((row[1] * kv_heads) + h / group) * capacity * head_dim;
+        const uint16_t *kh = k + at, *vh = v + at;
+        uint16_t *oh = out + (token * heads + h) * head_dim;
+        float *s = scores + pair * max_columns;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < columns; j++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t i = 0; i < head_dim; i += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kh + j * head_dim + i),
+                                       (__m512bh)_mm512_loadu_si512(qh + i));
+            s[j] = _mm512_reduce_add_ps(acc) * scale;
+            top = s[j] > top ? s[j] : top;
+        }
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < columns; j += 16) {
+            const __mmask16 m = columns - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (columns - j)) - 1);
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(top)));
+            _mm512_mask_storeu_ps(s + j, m, e);
+            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+        }
+        __m512 acc[16];
+        for (int64_t c = 0; c < lanes; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < columns; j++) {
+            const __m512 p = _mm512_set1_ps(s[j]);
+            for (int64_t c = 0; c < lanes; c++)
+                acc[c] = _mm512_fmadd_ps(p, load_lanes(vh, j * head_dim + 16 * c, 0xFFFF, 1), acc[c]);
+        }
+        const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+        for (int64_t c = 0; c < lanes; c++)
+            store_lanes(oh, 16 * c, 0xFFFF, _mm512_mul_ps(acc[c], inverse), 1);
+    }
+}
+
+
+/* Up to 4 tokens of one adapter (n, a constant where it is inlined, so the sums stay in
+   registers): out[t] = y[t] + (a[c:c+r] @ x[t]) @ b[c:c+r] for t in tokens[0..n). Each of the
+   adapter's rows of A and B is read once for the n tokens. */
+static inline __attribute__((always_inline)) void lora_tokens(const int n, const int64_t *tokens, const void *x,
+                                                              const void *y, void *out, const void *a, const void *b,
+                                                              int64_t first, int64_t rank, int64_t in_len,
+                                                              int64_t out_len, const int bf16, const int stacks_bf16) {
+    float row[4][in_len], h[4][rank + 1];
+    for (int k = 0; k < n; k++)
+        for (int64_t i = 0; i < in_len; i += 16) {
+            const __mmask16 m = first_lanes(in_len - i);
+            _mm512_mask_storeu_ps(row[k] + i, m, load_lanes(x, tokens[k] * in_len + i, m, bf16));
+        }
+    for (int64_t j = 0; j < rank; j += 4) { /* h[k][j : j + 4] = a[first + j : first + j + 4] . row[k] */
+        __m512 acc[4][4];
+        for (int k = 0; k < n; k++)
+            for (int u = 0; u < 4; u++) acc[k][u] = _mm512_setzero_ps();
+        const int64_t lines = (first + j) * in_len;
+        const int64_t last = rank - j < 4 ? rank - j : 4; /* rows past the adapter's read as the last */
+        for (int64_t i = 0; i < in_len; i += 16) {
+            const __mmask16 m = first_lanes(in_len - i);
+            __m512 weight[4];
+            for (int u = 0; u < 4; u++)
+                weight[u] = load_lanes(a, lines + (u < last ? u : last - 1) * in_len + i, m, stacks_bf16);
+            for (int k = 0; k < n; k++) {
+                const __m512 value = _mm512_maskz_loadu_ps(m, row[k] + i);
+                for (int u = 0; u < 4; u++) acc[k][u] = _mm512_fmadd_ps(value, weight[u], acc[k][u]);
+            }
+        }
+        for (int k = 0; k < n; k++)
+            for (int u = 0; u < last; u++) h[k][j + u] = _mm512_reduce_add_ps(acc[k][u]);
+    }
+    for (int64_t o = 0; o < out_len; o += 64) { /* out[t, o : o + 64] = y + h @ b[first : first + rank] */
+        __mmask16 m[4];
+        __m512 acc[4][4];
+        for (int u = 0; u < 4; u++) m[u] = first_lanes(out_len - o - 16 * u);
+        for (int k = 0; k < n; k++)
+            for (int u = 0; u < 4; u++) acc[k][u] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < rank; j++) {
+            const int64_t line = (first + j) * out_len + o;
+            __m512 weight[4];
+            for (int u = 0; u < 4; u++) weight[u] = load_lanes(b, line + 16 * u, m[u], stacks_bf16);
+            for (int k = 0; k < n; k++) {
+                const __m512 scale = _mm512_set1_ps(h[k][j]);
+                for (int u = 0; u < 4; u++) acc[k][u] = _mm512_fmadd_ps(scale, weight[u], acc[k][u]);
+            }
+        }
+        for (int k = 0; k < n; k++)
+            for (int u = 0; u < 4; u++) {
+                const int64_t at = tokens[k] * out_len + o + 16 * u;
+                store_lanes(out, at, m[u], _mm512_add_ps(load_lanes(y, at, m[u], bf16), acc[k][u]), bf16);
+            }
+    }
+}
+
+/* The LoRA adapters of a step's tokens, each token through its own adapter's rows only:
+   out[t] = y[t] + (a[c:c+r] @ x[t]) @ b[c:c+r], (c, r) = columns[t] (r = 0: the base's token,
+   out[t] = y[t]). a [width, in_len] and b [width, out_len] (a layer's stacks, the scaling in b:
+   preheat.workers.engine.lorastack), bf16 where stacks_bf16 is non-zero, else float32; x
+   [tokens, in_len], y and out [tokens, out_len], bf16 where bf16 is non-zero, else float32. The delta is summed in float32 and added to y before
+   the one rounding. Tokens are grouped by adapter, up to 4 a group, as Punica's and S-LoRA's
+   kernels group them: each group reads its adapter's rows once, in order (per token, a
+   step's 16 tokens over 4 adapters read them from L2 16 times a layer: 45 us a call). Masking
+   the other adapters' columns instead would cost every token the products of all of them.
+   Columns checked by the caller. */
+static void lora_add(const void *x, const void *y, void *out, const void *a, const void *b, const int64_t *columns,
+                     int64_t tokens, int64_t in_len, int64_t out_len, int64_t width, int bf16, int stacks_bf16) {
+    int64_t group[tokens][4], size[tokens], open[tokens], groups = 0, opened = 0;
+    for (int64_t t = 0; t < tokens; t++) { /* a token joins its adapter's open group, or opens one */
+        int64_t g = -1;
+        for (int64_t k = 0; k < opened && g < 0; k++)
+            if (columns[2 * group[open[k]][0]] == columns[2 * t] && columns[2 * group[open[k]][0] + 1] == columns[2 * t + 1])
+                g = open[k], open[k] = open[--opened];
+        if (g < 0) g = groups++, size[g] = 0;
+        group[g][size[g]++] = t;
+        if (size[g] < 4) open[opened++] = g;
+    }
+    /* Every group's rows of A and B asked of memory at once, before any is used: each adapter's
+       rows are one contiguous block a layer, but short (18 KB of A, 6 KB of B for the real
+       model's k_proj), too short for the prefetchers to follow, and read on demand they cost a
+       miss at a time (57 us a call in a step against 11 with the stacks in cache). */
+    const int64_t bytes = stacks_bf16 ? 2 : 4;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t first = columns[2 * group[g][0]], rank = columns[2 * group[g][0] + 1];
+        const char *rows_a = (const char *)a + first * in_len * bytes, *rows_b = (const char *)b + first * out_len * bytes;
+        for (int64_t at = 0; at < rank * in_len * bytes; at += 64) _mm_prefetch(rows_a + at, _MM_HINT_T1);
+        for (int64_t at = 0; at < rank * out_len * bytes; at += 64) _mm_prefetch(rows_b + at, _MM_HINT_T1);
+    }
+    #pragma omp parallel for schedule(dynamic, 1) if (tokens >= 64)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t first = columns[2 * group[g][0]], rank = columns[2 * group[g][0] + 1];
+        /* n and the dtypes constants where lora_tokens is inlined: no branch in its loops */
+#define LORA_TOKENS(N, X16, S16) lora_tokens(N, group[g], x, y, out, a, b, first, rank, in_len, out_len, X16, S16)
+#define LORA_DTYPES(N)                                                                                                 \
+    (bf16 ? (stacks_bf16 ? LORA_TOKENS(N, 1, 1) : LORA_TOKENS(N, 1, 0))                                                \
+          : (stacks_bf16 ? LORA_TOKENS(N, 0, 1) : LORA_TOKENS(N, 0, 0)))
+        switch (size[g]) {
+        case 1: LORA_DTYPES(1); break;
+        case 2: LORA_DTYPES(2); break;
+        case 3: LORA_DTYPES(3); break;
+        default: LORA_DTYPES(4); break;
+        }
+    }
+}
+
+/* matvec_bf16(w, x, y, n_rows, k_len), addresses as ints: a module function, since a step
+   makes 211 calls and ctypes' argument conversion cost 0.7 us more a call. It holds the
+   GIL, as inductor's kernels do. */
+static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "matvec_bf16(w, x, y, n_rows, k_len)");
+        return NULL;
+    }
+    const void *w = PyLong_AsVoidPtr(args[0]), *x = PyLong_AsVoidPtr(args[1]);
+    void *y = PyLong_AsVoidPtr(args[2]);
+    const long long n_rows = PyLong_AsLongLong(args[3]), k_len = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    matvec_bf16(w, x, y, n_rows, k_len);
+    Py_RETURN_NONE;
+}
+
+/* attention_bf16(q, k, v, out, scores, table, n_rows, tokens, heads, kv_heads, head_dim, capacity,
+   max_columns, slots, scale): the table's rows checked against the buffers' sizes here, by value,
+   since the kernel reads and writes where they point. */
+static PyObject *attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 15) {
+        PyErr_SetString(PyExc_TypeError, "attention_bf16 takes 15 arguments");
+        return NULL;
+    }
+    void *pointers[6];
+    long long sizes[8];
+    for (int i = 0; i < 6; i++) pointers[i] = PyLong_AsVoidPtr(args[i]);
+    for (int i = 0; i < 8; i++) sizes[i] = PyLong_AsLongLong(args[6 + i]);
+    const double scale = PyFloat_AsDouble(args[14]);
+    if (PyErr_Occurred()) return NULL;
+    const int64_t *table = pointers[5];
+    const long long n_rows = sizes[0], tokens = sizes[1], capacity = sizes[5], max_columns = sizes[6], slots = sizes[7];
+    for (long long r = 0; r < n_rows; r++) {
+        const int64_t token = table[3 * r], slot = table[3 * r + 1], columns = table[3 * r + 2];
+        if (token < 0 || token >= tokens || slot < 0 || slot >= slots || columns < 1 || columns > capacity ||
+            columns > max_columns) {
+            PyErr_Format(PyExc_ValueError, "attention row %lld (token %lld, slot %lld, %lld columns) is outside the "
+                         "step's %lld tokens, %lld slots or %lld columns", r, (long long)token, (long long)slot,
+                         (long long)columns, tokens, slots, max_columns < capacity ? max_columns : capacity);
+            return NULL;
+        }
+    }
+    attention_bf16(pointers[0], pointers[1], pointers[2], pointers[3], pointers[4], table, n_rows, tokens, sizes[2],
+                   sizes[3], sizes[4], capacity, max_columns, (float)scale);
+    Py_RETURN_NONE;
+}
+
+/* lora_add(x, y, out, a, b, columns, tokens, in_len, out_len, width, bf16, stacks_bf16): each token's columns
+   checked against the stacks' width here, by value, since the kernel reads where they point. */
+static PyObject *add_lora(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "lora_add takes 12 arguments");
+        return NULL;
+    }
+    void *pointers[6];
+    long long sizes[6];
+    for (int i = 0; i < 6; i++) pointers[i] = PyLong_AsVoidPtr(args[i]);
+    for (int i = 0; i < 6; i++) sizes[i] = PyLong_AsLongLong(args[6 + i]);
+    if (PyErr_Occurred()) return NULL;
+    const int64_t *columns = pointers[5];
+    const long long tokens = sizes[0], width = sizes[3];
+    for (long long t = 0; t < tokens; t++) {
+        const int64_t first = columns[2 * t], rank = columns[2 * t + 1];
+        if (first < 0 || rank < 0 || first + rank > width) {
+            PyErr_Format(PyExc_ValueError, "token %lld's adapter columns (%lld from %lld) are outside the stacks' %lld",
+                         t, (long long)rank, (long long)first, width);
+            return NULL;
+        }
+    }
+    lora_add(pointers[0], pointers[1], pointers[2], pointers[3], pointers[4], columns, tokens, sizes[1], sizes[2], width,
+             (int)sizes[4], (int)sizes[5]);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {{"matvec_bf16", (PyCFunction)(void (*)(void))call, METH_FASTCALL, NULL},
+                                {"attention_bf16", (PyCFunction)(void (*)(void))attend, METH_FASTCALL, NULL},
+                                {"lora_add", (PyCFunction)(void (*)(void))add_lora, METH_FASTCALL, NULL},
+                                {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "preheat_cpukernels", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_preheat_cpukernels(void) { return PyModule_Create(&module); }
