@@ -224,6 +224,8 @@ def test_lora_puts_adapters_beside_the_base_and_a_warmed_adapter_beside_a_cold_o
     assert list(many) == ["base", "1 adapter(s)", "4 adapter(s)", "16 adapter(s)"]
     for row in many.values():
         assert (row["requests"], row["errors"]) == (16, 0) and row["tokens_per_s"] > 0, row
+        assert len(row["rounds"]) == 1 and row["over_base"] > 0  # each spread over its own round's base
+    assert many["base"]["over_base"] == 1.0
     first = report["first_request_ttft_ms"]
     assert list(first) == ["base", "warmed ahead", "cold"] and min(first.values()) > 0
     assert report["adapter_load_ms"] > 0

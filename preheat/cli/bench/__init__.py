@@ -285,7 +285,9 @@ def limit_command(
 @app.command("lora")
 def lora_command(
     shape: str = typer.Option("real", "--model", help="real (SmolLM2-135M-Instruct), or a random 135m or tiny."),
-    rounds: int = typer.Option(3, min=1, max=20, help="First requests per way (fresh cold adapters each)."),
+    rounds: int = typer.Option(
+        3, min=1, max=20, help="Rounds: first requests per way (fresh cold adapters each), and runs of every spread."
+    ),
     requests_per_user: int = typer.Option(2, min=1, max=100, help="Requests each of the 16 users sends."),
     max_tokens: int = typer.Option(32, min=1, max=4096, help="max_tokens of every request."),
     json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/lora/lora.json."),

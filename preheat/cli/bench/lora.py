@@ -10,7 +10,8 @@ PEFT (rank 16 on q/k/v/o and the MLP, random weights, as `preheat dev make-adapt
 - **Load.** Reading and proving one adapter (`read_adapter`), median.
 - **Many users.** 16 closed-loop users, each sending `--requests-per-user` requests, all on the
   base, then spread round-robin over 1, 4 and 16 adapters (each resident, its template's prefix
-  cached by an untimed first request): tokens/s and TTFT p50 of each.
+  cached by an untimed first request): tokens/s and TTFT p50 of each. `--rounds` rounds, each
+  running the base and every spread in turn; a spread's ratio is over its own round's base.
 """
 
 from __future__ import annotations
@@ -88,6 +89,21 @@ def _many(runtime, models: list[str], per_user: int, max_tokens: int) -> dict:
     }
 
 
+def _median_run(runs: list[dict], base: list[dict]) -> dict:
+    """One serving's rounds as one row: medians, and its tokens/s over the base's of the same
+    round (a shared host drifts between rounds more than within one), median of the rounds."""
+    ratios = [run["tokens_per_s"] / own["tokens_per_s"] for run, own in zip(runs, base, strict=True)]
+    ttfts = [run["ttft_p50_ms"] for run in runs if run["ttft_p50_ms"] is not None]
+    return {
+        "tokens_per_s": round(statistics.median(run["tokens_per_s"] for run in runs), 1),
+        "over_base": round(statistics.median(ratios), 2),
+        "ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
+        "requests": sum(run["requests"] for run in runs),
+        "errors": sum(run["errors"] for run in runs),
+        "rounds": runs,
+    }
+
+
 def main(*, shape: str, adapters: int, rounds: int, per_user: int, max_tokens: int, json_path: Path | None) -> None:
     from preheat.cli import render
     from preheat.cli.devadapter import make_adapter
@@ -123,20 +139,22 @@ def main(*, shape: str, adapters: int, rounds: int, per_user: int, max_tokens: i
             first["warmed ahead"].append(_ttft(runtime, "t00", text))
             first["cold"].append(_ttft(runtime, cold_names[round_], text))
         first_ms = {way: round(statistics.median(ms), 1) for way, ms in first.items()}
-        many = {"base": _many(runtime, ["m"], per_user, max_tokens)}
-        for spread in SPREADS:
-            names = list(made)[:spread]
-            for name in names:  # resident, its template's prefix cached by a first request (not
-                runtime.adapters.weights(name)  # timed): the spread measures batching, not reads
-                _ttft(runtime, name, "warming the adapter's template")  # or pre-fills
-            many[f"{spread} adapter(s)"] = _many(runtime, names, per_user, max_tokens)
+        for name in list(made)[: max(SPREADS)]:  # resident, its template's prefix cached by a first
+            runtime.adapters.weights(name)  # request (not timed): the spreads measure batching,
+            _ttft(runtime, name, "warming the adapter's template")  # not reads or pre-fills
+        spreads = {"base": ["m"], **{f"{n} adapter(s)": list(made)[:n] for n in SPREADS}}
+        runs: dict[str, list[dict]] = {serving: [] for serving in spreads}
+        for _ in range(rounds):  # interleaved: each round's spreads beside its own base
+            for serving, names in spreads.items():
+                runs[serving].append(_many(runtime, names, per_user, max_tokens))
+        many = {serving: _median_run(done, runs["base"]) for serving, done in runs.items()}
     finally:
         runtime.close()
     steps = {
         name: m.runner.compile_report.source if m.runner.compile_report else "eager" for name, m in [("m", resident)]
     }
     warm_ratio = first_ms["warmed ahead"] / first_ms["base"]
-    four = many["4 adapter(s)"]["tokens_per_s"] / many["base"]["tokens_per_s"]
+    four = many["4 adapter(s)"]["over_base"]
     warm_met = "met" if warm_ratio <= TARGET_WARM_OVER_BASE else "NOT met"
     verdicts = [
         f"first request to an adapter warmed ahead: {first_ms['warmed ahead']} ms = {warm_ratio:.2f}× the base's "
@@ -154,13 +172,18 @@ def main(*, shape: str, adapters: int, rounds: int, per_user: int, max_tokens: i
         "many_users": many,
         "verdicts": verdicts,
     }
-    table = Table(title=f"LoRA adapters · {shape}, {USERS} users, max_tokens {max_tokens}, steps {steps['m']}")
-    for header in ("serving", "tokens/s", "TTFT p50 ms", "requests", "errors"):
+    table = Table(
+        title=f"LoRA adapters · {shape}, {USERS} users, max_tokens {max_tokens}, steps {steps['m']}",
+        caption=f"medians of {rounds} interleaved rounds; × base: over the base's tokens/s of the same round",
+    )
+    for header in ("serving", "tokens/s", "× base", "TTFT p50 ms", "requests", "errors"):
         table.add_column(header, justify="left" if header == "serving" else "right")
     for name, row in many.items():
+        ttft = f"{row['ttft_p50_ms']:,.1f}" if row["ttft_p50_ms"] is not None else "—"
         table.add_row(
-            name, f"{row['tokens_per_s']:,.1f}", f"{row['ttft_p50_ms']:,.1f}", str(row["requests"]), str(row["errors"])
-        )
+            name, f"{row['tokens_per_s']:,.1f}", f"{row['over_base']:.2f}", ttft, str(row["requests"]),
+            str(row["errors"])
+        )  # fmt: skip
     console.print(table)
     console.print(
         f"first request TTFT: base {first_ms['base']} ms · adapter warmed ahead {first_ms['warmed ahead']} ms · "
