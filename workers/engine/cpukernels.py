@@ -1,6 +1,6 @@
-"""preheat's own CPU kernels for a single user's decode step in bfloat16: one row's linear
-layers and one query's attention, with the CPU's bf16 dot product (`vdpbf16ps`, AVX512-BF16:
-exact products, float32 sums; llama.cpp's BF16 dot product uses it too).
+"""preheat's own CPU kernels, where the CPU has AVX512-BF16: one row's linear layers and one
+query's attention in bfloat16, with the CPU's bf16 dot product (`vdpbf16ps`: exact products,
+float32 sums; llama.cpp's BF16 dot product uses it too), and the LoRA adapters of a step.
 
 **One row's linear layers** (`matvec`, the op `preheat::matvec_bf16` a compiled one-token
 graph calls: preheat.workers.engine.compiled). A single user's step reads every weight once

@@ -72,9 +72,8 @@ class Targets:
 class Stacked:
     """The adapters of a step, stacked for a compiled graph (a graph input each, whatever the
     number of adapters): per kind, A [layers, R, in] and B [layers, R, out], in the targets'
-    dtype, R their
-    ranks concatenated in name order, zeros where an adapter leaves a module alone; B's rows
-    scaled by their adapter's scaling."""
+    dtype, R their ranks concatenated in name order, zeros where an adapter leaves a module
+    alone; B's rows scaled by their adapter's scaling."""
 
     adapters: tuple[LoraWeights, ...]
     a: dict[str, torch.Tensor]

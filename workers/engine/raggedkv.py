@@ -336,8 +336,7 @@ def attention(query, keys, values, layout: Layout, scaling, sliding_window=None)
         columns = column + 1
         if mask is None and cpukernels.attends(query, keys):  # bf16 on the CPU: preheat's kernel
             rows, most = layout.one_query_rows(window)
-            if (seen := cpukernels.attend_rows(query, keys, values, rows, most, scale)) is not None:
-                return seen
+            return cpukernels.attend_rows(query, keys, values, rows, most, scale)
         query_in, keys_in, values_in = query, keys[slot : slot + 1, :, :columns], values[slot : slot + 1, :, :columns]
         cast = query.dtype is not torch.float32 and layout.kv.on_cpu and columns >= ONE_ROW_FLOAT32_FROM
         if cast:
@@ -345,11 +344,10 @@ def attention(query, keys, values, layout: Layout, scaling, sliding_window=None)
         seen = sdpa(query_in, keys_in, values_in, attn_mask=mask, scale=scaling, enable_gqa=True)
         return (seen.to(query.dtype) if cast else seen).transpose(1, 2)
     out = query.new_empty((1, query.shape[2], query.shape[1], query.shape[-1]))
-    rows_attended = False
     if layout.decoding and window is None and cpukernels.attends(query, keys):  # bf16 on the CPU: preheat's kernel
         rows, most = layout.one_query_rows(window)
-        rows_attended = cpukernels.attend_rows(query, keys, values, rows, most, scale, out) is not None
-    if layout.decoding and not rows_attended:
+        cpukernels.attend_rows(query, keys, values, rows, most, scale, out)
+    elif layout.decoding:
         mask, columns = layout.decode_mask(window)
         slots, _, tokens = layout.decode_index(window)
         queries = query.new_zeros((len(layout.kv), query.shape[1], 1, query.shape[-1]))
