@@ -49,15 +49,42 @@ MODES = ("auto", "off")
 _PACKED: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id -> (oneDNN-packed weight, bias)
 
 
-@torch.library.custom_op("preheat::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight_id: int, out_features: int) -> torch.Tensor:
     """A linear layer through oneDNN with its weight packed ahead (`pack_linear_layers`)."""
     packed, bias = _PACKED[weight_id]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@packed_linear.register_fake
+def packed_linear_lora(
+    x: torch.Tensor, weight_id: int, out_features: int, a: torch.Tensor, b: torch.Tensor, columns: torch.Tensor
+) -> torch.Tensor:
+    """`packed_linear` and the step's adapters on its output in one op: each token's own
+    adapter's delta added in place (cpukernels.lora_add), straight after the product."""
+    y = packed_linear(x, weight_id, out_features)
+    return cpukernels.lora_add(x, y, a, b, columns, out=y)
+
+
+# torch.library's lower-level API, not `custom_op` (whose wrapper costs 7 us a call, 211 calls
+# a step). On a 2-core VM that wrapper, between two ops that both use the two threads, is
+# longer than the OpenMP team spins (GOMP_SPINCOUNT): the other thread sleeps, and the next
+# op waits 35-40 us for its wake-up. For the same reason a step's adapters are added inside
+# the linear layer's own op, not by an op of their own.
+_LIBRARY = torch.library.Library("preheat", "FRAGMENT")
+_LIBRARY.define("packed_linear(Tensor x, int weight_id, int out_features) -> Tensor")
+_LIBRARY.impl("packed_linear", packed_linear, "CPU")
+_LIBRARY.define(
+    "packed_linear_lora(Tensor x, int weight_id, int out_features, Tensor a, Tensor b, Tensor columns) -> Tensor"
+)
+_LIBRARY.impl("packed_linear_lora", packed_linear_lora, "CPU")
+
+
+@torch.library.register_fake("preheat::packed_linear")
 def _(x, weight_id, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.register_fake("preheat::packed_linear_lora")
+def _(x, weight_id, out_features, a, b, columns):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -146,20 +173,21 @@ class _CompiledLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        if x.shape[-2] == 1:  # one row: stream the weights (see the module's docstring)
-            if self.matvec:
-                y = torch.ops.preheat.matvec_bf16(x, self.weight)
-            else:
-                y = (x.unsqueeze(-2).float() * self.weight.float()).sum(-1)
-            y = (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+        # The step's adapters, where it has some and this layer is one they apply to: each
+        # token through its own adapter's columns only (preheat.workers.engine.cpukernels).
+        step = STEP_ADAPTERS if STEP_ADAPTERS.on and self.lora_kind is not None else None
+        stacks = (step.a[self.lora_kind][self.lora_layer], step.b[self.lora_kind][self.lora_layer]) if step else None
+        if x.shape[-2] != 1:  # many rows: oneDNN, the adapters added inside the same op
+            if stacks is None:
+                return torch.ops.preheat.packed_linear(x, self.weight_id, self.out_features)
+            return torch.ops.preheat.packed_linear_lora(x, self.weight_id, self.out_features, *stacks, step.columns)
+        # One row: stream the weights (see the module's docstring).
+        if self.matvec:
+            y = torch.ops.preheat.matvec_bf16(x, self.weight)
         else:
-            y = torch.ops.preheat.packed_linear(x, self.weight_id, self.out_features)
-        if STEP_ADAPTERS.on and self.lora_kind is not None:
-            step = STEP_ADAPTERS
-            a, b = step.a[self.lora_kind][self.lora_layer], step.b[self.lora_kind][self.lora_layer]
-            # Each token through its own adapter's columns only (preheat.workers.engine.cpukernels)
-            y = torch.ops.preheat.lora_add(x, y, a, b, step.columns)
-        return y
+            y = (x.unsqueeze(-2).float() * self.weight.float()).sum(-1)
+        y = (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+        return y if stacks is None else torch.ops.preheat.lora_add(x, y, *stacks, step.columns)
 
     def release(self) -> None:
         _PACKED.pop(self.weight_id, None)

@@ -2,6 +2,8 @@
 #include <Python.h>
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
+#include <string.h>
 #include <stdint.h>
 
 static inline __mmask16 first_lanes(int64_t n) {
@@ -121,75 +123,107 @@ static void attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
 }
 
 
-/* Up to 4 tokens of one adapter (n, a constant where it is inlined, so the sums stay in
-   registers): out[t] = y[t] + (a[c:c+r] @ x[t]) @ b[c:c+r] for t in tokens[0..n). Each of the
-   adapter's rows of A and B is read once for the n tokens. */
-static inline __attribute__((always_inline)) void lora_tokens(const int n, const int64_t *tokens, const void *x,
-                                                              const void *y, void *out, const void *a, const void *b,
-                                                              int64_t first, int64_t rank, int64_t in_len,
-                                                              int64_t out_len, const int bf16, const int stacks_bf16) {
-    float row[4][in_len], h[4][rank + 1];
+/* The shrink of up to 4 tokens of one adapter (n, a constant where it is inlined, so the sums
+   stay in registers), 4 of its rows from j: h[k][j + u] = a[first + j + u] . x[tokens[k]].
+   Each row of A is read once for the n tokens; bf16 pairs multiplied by the CPU's own
+   instruction where the input and the stacks are both bf16. */
+static inline __attribute__((always_inline)) void lora_shrink(const int n, const int64_t *tokens, const void *x,
+                                                              const void *a, int64_t line, int64_t rows,
+                                                              int64_t in_len, const int bf16, const int stacks_bf16,
+                                                              float *h[4]) {
+    __m512 acc[4][4];
     for (int k = 0; k < n; k++)
-        for (int64_t i = 0; i < in_len; i += 16) {
-            const __mmask16 m = first_lanes(in_len - i);
-            _mm512_mask_storeu_ps(row[k] + i, m, load_lanes(x, tokens[k] * in_len + i, m, bf16));
+        for (int u = 0; u < 4; u++) acc[k][u] = _mm512_setzero_ps();
+    const int64_t last = rows < 4 ? rows : 4; /* rows past the adapter's read as its last */
+    if (bf16 && stacks_bf16) {
+        const uint16_t *a16 = a, *x16 = x;
+        for (int64_t i = 0; i < in_len; i += 32) {
+            const __mmask32 m = in_len - i >= 32 ? (__mmask32)0xFFFFFFFF : (__mmask32)((1u << (in_len - i)) - 1);
+            __m512bh weight[4];
+            for (int u = 0; u < 4; u++)
+                weight[u] = (__m512bh)_mm512_maskz_loadu_epi16(m, a16 + (line + (u < last ? u : last - 1)) * in_len + i);
+            for (int k = 0; k < n; k++) {
+                const __m512bh value = (__m512bh)_mm512_maskz_loadu_epi16(m, x16 + tokens[k] * in_len + i);
+                for (int u = 0; u < 4; u++) acc[k][u] = _mm512_dpbf16_ps(acc[k][u], value, weight[u]);
+            }
         }
-    for (int64_t j = 0; j < rank; j += 4) { /* h[k][j : j + 4] = a[first + j : first + j + 4] . row[k] */
-        __m512 acc[4][4];
-        for (int k = 0; k < n; k++)
-            for (int u = 0; u < 4; u++) acc[k][u] = _mm512_setzero_ps();
-        const int64_t lines = (first + j) * in_len;
-        const int64_t last = rank - j < 4 ? rank - j : 4; /* rows past the adapter's read as the last */
+    } else {
         for (int64_t i = 0; i < in_len; i += 16) {
             const __mmask16 m = first_lanes(in_len - i);
             __m512 weight[4];
             for (int u = 0; u < 4; u++)
-                weight[u] = load_lanes(a, lines + (u < last ? u : last - 1) * in_len + i, m, stacks_bf16);
+                weight[u] = load_lanes(a, (line + (u < last ? u : last - 1)) * in_len + i, m, stacks_bf16);
             for (int k = 0; k < n; k++) {
-                const __m512 value = _mm512_maskz_loadu_ps(m, row[k] + i);
+                const __m512 value = load_lanes(x, tokens[k] * in_len + i, m, bf16);
                 for (int u = 0; u < 4; u++) acc[k][u] = _mm512_fmadd_ps(value, weight[u], acc[k][u]);
             }
         }
-        for (int k = 0; k < n; k++)
-            for (int u = 0; u < last; u++) h[k][j + u] = _mm512_reduce_add_ps(acc[k][u]);
     }
-    for (int64_t o = 0; o < out_len; o += 64) { /* out[t, o : o + 64] = y + h @ b[first : first + rank] */
-        __mmask16 m[4];
-        __m512 acc[4][4];
-        for (int u = 0; u < 4; u++) m[u] = first_lanes(out_len - o - 16 * u);
-        for (int k = 0; k < n; k++)
-            for (int u = 0; u < 4; u++) acc[k][u] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < rank; j++) {
-            const int64_t line = (first + j) * out_len + o;
-            __m512 weight[4];
-            for (int u = 0; u < 4; u++) weight[u] = load_lanes(b, line + 16 * u, m[u], stacks_bf16);
-            for (int k = 0; k < n; k++) {
-                const __m512 scale = _mm512_set1_ps(h[k][j]);
-                for (int u = 0; u < 4; u++) acc[k][u] = _mm512_fmadd_ps(scale, weight[u], acc[k][u]);
-            }
-        }
-        for (int k = 0; k < n; k++)
-            for (int u = 0; u < 4; u++) {
-                const int64_t at = tokens[k] * out_len + o + 16 * u;
-                store_lanes(out, at, m[u], _mm512_add_ps(load_lanes(y, at, m[u], bf16), acc[k][u]), bf16);
-            }
-    }
+    for (int k = 0; k < n; k++)
+        for (int u = 0; u < last; u++) h[k][u] = _mm512_reduce_add_ps(acc[k][u]);
 }
+
+/* The expand of up to 4 tokens of one adapter, 64 outputs from o: out[t, o : o + 64] =
+   y[t, o : o + 64] + h[k] @ b[first : first + rank, o : o + 64], summed in float32 and rounded
+   once. out may be y (each value read before its own is written). */
+static inline __attribute__((always_inline)) void lora_expand(const int n, const int64_t *tokens, const void *y,
+                                                              void *out, const void *b, int64_t first, int64_t rank,
+                                                              int64_t o, int64_t out_len, const int bf16,
+                                                              const int stacks_bf16, float *h[4]) {
+    __mmask16 m[4];
+    __m512 acc[4][4];
+    for (int u = 0; u < 4; u++) m[u] = first_lanes(out_len - o - 16 * u);
+    for (int k = 0; k < n; k++)
+        for (int u = 0; u < 4; u++) acc[k][u] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < rank; j++) {
+        const int64_t line = (first + j) * out_len + o;
+        __m512 weight[4];
+        for (int u = 0; u < 4; u++) weight[u] = load_lanes(b, line + 16 * u, m[u], stacks_bf16);
+        for (int k = 0; k < n; k++) {
+            const __m512 scale = _mm512_set1_ps(h[k][j]);
+            for (int u = 0; u < 4; u++) acc[k][u] = _mm512_fmadd_ps(scale, weight[u], acc[k][u]);
+        }
+    }
+    for (int k = 0; k < n; k++)
+        for (int u = 0; u < 4; u++) {
+            const int64_t at = tokens[k] * out_len + o + 16 * u;
+            store_lanes(out, at, m[u], _mm512_add_ps(load_lanes(y, at, m[u], bf16), acc[k][u]), bf16);
+        }
+}
+
+/* n (1 to 4) and the dtypes made constants where the phases are inlined: no branch in their loops. */
+#define LORA_CASES(CALL)                                                                                               \
+    switch (n) {                                                                                                       \
+    case 1: CALL(1); break;                                                                                            \
+    case 2: CALL(2); break;                                                                                            \
+    case 3: CALL(3); break;                                                                                            \
+    default: CALL(4); break;                                                                                           \
+    }
+#define LORA_DTYPES(F, N)                                                                                              \
+    (bf16 ? (stacks_bf16 ? F(N, 1, 1) : F(N, 1, 0)) : (stacks_bf16 ? F(N, 0, 1) : F(N, 0, 0)))
 
 /* The LoRA adapters of a step's tokens, each token through its own adapter's rows only:
    out[t] = y[t] + (a[c:c+r] @ x[t]) @ b[c:c+r], (c, r) = columns[t] (r = 0: the base's token,
    out[t] = y[t]). a [width, in_len] and b [width, out_len] (a layer's stacks, the scaling in b:
    preheat.workers.engine.lorastack), bf16 where stacks_bf16 is non-zero, else float32; x
-   [tokens, in_len], y and out [tokens, out_len], bf16 where bf16 is non-zero, else float32. The delta is summed in float32 and added to y before
-   the one rounding. Tokens are grouped by adapter, up to 4 a group, as Punica's and S-LoRA's
-   kernels group them: each group reads its adapter's rows once, in order (per token, a
-   step's 16 tokens over 4 adapters read them from L2 16 times a layer: 45 us a call). Masking
-   the other adapters' columns instead would cost every token the products of all of them.
-   Columns checked by the caller. */
-static void lora_add(const void *x, const void *y, void *out, const void *a, const void *b, const int64_t *columns,
-                     int64_t tokens, int64_t in_len, int64_t out_len, int64_t width, int bf16, int stacks_bf16) {
-    int64_t group[tokens][4], size[tokens], open[tokens], groups = 0, opened = 0;
-    for (int64_t t = 0; t < tokens; t++) { /* a token joins its adapter's open group, or opens one */
+   [tokens, in_len], y and out [tokens, out_len] (out may be y), bf16 where bf16 is non-zero,
+   else float32. The delta is summed in float32 and added to y before the one rounding.
+   Tokens are grouped by adapter, up to 4 a group, as Punica's and S-LoRA's kernels group
+   them: each group reads its adapter's rows once (masking the other adapters' columns
+   instead would cost every token the products of all of them). Two phases, each split over
+   the threads: the shrinks (a group's 4 rows of A an item), then the expands (a group's 64
+   outputs an item). Both threads work even at one token: a call that left one idle would
+   let it fall asleep, and the step's next op would wait for its wake-up (35-40 us on a
+   2-core VM). Each thread first asks memory for the rows its items read: each adapter's
+   rows are short blocks (18 KB of A for the real model's k_proj), too short for the
+   prefetchers to follow. Columns checked by the caller; returns 0, or -1 out of memory. */
+static int lora_add(const void *x, const void *y, void *out, const void *a, const void *b, const int64_t *columns,
+                    int64_t tokens, int64_t in_len, int64_t out_len, int64_t width, int bf16, int stacks_bf16) {
+    int64_t groups = 0, opened = 0, rank_most = 1;
+    int64_t(*group)[4] = malloc(sizeof(int64_t[4]) * tokens + 1), *size = malloc(sizeof(int64_t) * tokens + 1);
+    int64_t *open = malloc(sizeof(int64_t) * tokens + 1);
+    for (int64_t t = 0; group && size && open && t < tokens; t++) { /* a token joins its adapter's open group */
+        if (columns[2 * t + 1] == 0) continue;                     /* the base's token: out[t] = y[t] below */
         int64_t g = -1;
         for (int64_t k = 0; k < opened && g < 0; k++)
             if (columns[2 * group[open[k]][0]] == columns[2 * t] && columns[2 * group[open[k]][0] + 1] == columns[2 * t + 1])
@@ -197,33 +231,58 @@ static void lora_add(const void *x, const void *y, void *out, const void *a, con
         if (g < 0) g = groups++, size[g] = 0;
         group[g][size[g]++] = t;
         if (size[g] < 4) open[opened++] = g;
+        rank_most = columns[2 * t + 1] > rank_most ? columns[2 * t + 1] : rank_most;
     }
-    /* Every group's rows of A and B asked of memory at once, before any is used: each adapter's
-       rows are one contiguous block a layer, but short (18 KB of A, 6 KB of B for the real
-       model's k_proj), too short for the prefetchers to follow, and read on demand they cost a
-       miss at a time (57 us a call in a step against 11 with the stacks in cache). */
-    const int64_t bytes = stacks_bf16 ? 2 : 4;
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t first = columns[2 * group[g][0]], rank = columns[2 * group[g][0] + 1];
-        const char *rows_a = (const char *)a + first * in_len * bytes, *rows_b = (const char *)b + first * out_len * bytes;
-        for (int64_t at = 0; at < rank * in_len * bytes; at += 64) _mm_prefetch(rows_a + at, _MM_HINT_T1);
-        for (int64_t at = 0; at < rank * out_len * bytes; at += 64) _mm_prefetch(rows_b + at, _MM_HINT_T1);
+    const int64_t blocks = (out_len + 63) / 64, row_blocks = (rank_most + 3) / 4;
+    float *h = malloc(sizeof(float) * (groups * 4 * rank_most + 1));
+    if (!group || !size || !open || !h) {
+        free(group), free(size), free(open), free(h);
+        return -1;
     }
-    #pragma omp parallel for schedule(dynamic, 1) if (tokens >= 64)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t first = columns[2 * group[g][0]], rank = columns[2 * group[g][0] + 1];
-        /* n and the dtypes constants where lora_tokens is inlined: no branch in its loops */
-#define LORA_TOKENS(N, X16, S16) lora_tokens(N, group[g], x, y, out, a, b, first, rank, in_len, out_len, X16, S16)
-#define LORA_DTYPES(N)                                                                                                 \
-    (bf16 ? (stacks_bf16 ? LORA_TOKENS(N, 1, 1) : LORA_TOKENS(N, 1, 0))                                                \
-          : (stacks_bf16 ? LORA_TOKENS(N, 0, 1) : LORA_TOKENS(N, 0, 0)))
-        switch (size[g]) {
-        case 1: LORA_DTYPES(1); break;
-        case 2: LORA_DTYPES(2); break;
-        case 3: LORA_DTYPES(3); break;
-        default: LORA_DTYPES(4); break;
+    const int64_t bytes = stacks_bf16 ? 2 : 4, value_bytes = bf16 ? 2 : 4;
+    if (out != y) /* the base's tokens, and every token's y before its delta */
+        memcpy(out, y, tokens * out_len * value_bytes);
+    #pragma omp parallel if (groups > 0)
+    {
+        const int threads = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t shrinks = groups * row_blocks, expands = groups * blocks;
+        const int64_t s0 = shrinks * me / threads, s1 = shrinks * (me + 1) / threads;
+        const int64_t e0 = expands * me / threads, e1 = expands * (me + 1) / threads;
+        for (int64_t it = s0; it < s1; it++) { /* this thread's rows of A, then of B, asked for first */
+            const int64_t g = it / row_blocks, j = it % row_blocks * 4, rank = columns[2 * group[g][0] + 1];
+            const char *rows = (const char *)a + (columns[2 * group[g][0]] + j) * in_len * bytes;
+            for (int64_t at = 0; j < rank && at < (rank - j < 4 ? rank - j : 4) * in_len * bytes; at += 64)
+                _mm_prefetch(rows + at, _MM_HINT_T0);
+        }
+        for (int64_t it = e0; it < e1; it++) {
+            const int64_t g = it / blocks, o = it % blocks * 64, first = columns[2 * group[g][0]];
+            for (int64_t j = 0; j < columns[2 * group[g][0] + 1]; j++)
+                for (int64_t at = 0; at < (out_len - o < 64 ? out_len - o : 64) * bytes; at += 64)
+                    _mm_prefetch((const char *)b + ((first + j) * out_len + o) * bytes + at, _MM_HINT_T1);
+        }
+        for (int64_t it = s0; it < s1; it++) {
+            const int64_t g = it / row_blocks, j = it % row_blocks * 4, n = size[g];
+            const int64_t first = columns[2 * group[g][0]], rank = columns[2 * group[g][0] + 1];
+            float *sums[4] = {h + (g * 4 + 0) * rank_most + j, h + (g * 4 + 1) * rank_most + j,
+                              h + (g * 4 + 2) * rank_most + j, h + (g * 4 + 3) * rank_most + j};
+            if (j >= rank) continue;
+#define SHRINK(N, X16, S16) lora_shrink(N, group[g], x, a, first + j, rank - j, in_len, X16, S16, sums)
+#define SHRINK_N(N) LORA_DTYPES(SHRINK, N)
+            LORA_CASES(SHRINK_N)
+        }
+        #pragma omp barrier
+        for (int64_t it = e0; it < e1; it++) {
+            const int64_t g = it / blocks, o = it % blocks * 64, n = size[g];
+            const int64_t first = columns[2 * group[g][0]], rank = columns[2 * group[g][0] + 1];
+            float *sums[4] = {h + (g * 4 + 0) * rank_most, h + (g * 4 + 1) * rank_most, h + (g * 4 + 2) * rank_most,
+                              h + (g * 4 + 3) * rank_most};
+#define EXPAND(N, X16, S16) lora_expand(N, group[g], out, out, b, first, rank, o, out_len, X16, S16, sums)
+#define EXPAND_N(N) LORA_DTYPES(EXPAND, N)
+            LORA_CASES(EXPAND_N)
         }
     }
+    free(group), free(size), free(open), free(h);
+    return 0;
 }
 
 /* matvec_bf16(w, x, y, n_rows, k_len), addresses as ints: a module function, since a step
@@ -295,8 +354,9 @@ static PyObject *add_lora(PyObject *self, PyObject *const *args, Py_ssize_t narg
             return NULL;
         }
     }
-    lora_add(pointers[0], pointers[1], pointers[2], pointers[3], pointers[4], columns, tokens, sizes[1], sizes[2], width,
-             (int)sizes[4], (int)sizes[5]);
+    if (lora_add(pointers[0], pointers[1], pointers[2], pointers[3], pointers[4], columns, tokens, sizes[1], sizes[2],
+                 width, (int)sizes[4], (int)sizes[5]) != 0)
+        return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 

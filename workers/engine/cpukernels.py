@@ -205,11 +205,19 @@ def attend_rows(
     return out
 
 
-def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+def lora_add(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    columns: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`y` plus each token's own adapter's delta: x [..., in] and y [..., out] (one linear
     layer's input and output, bf16 or float32), a [width, in] and b [width, out] a layer's
     stacks (bf16 or float32, the scaling in b), columns [tokens, 2] int64 each token's (first column,
-    rank), rank 0 for the base's tokens. A new tensor, y's shape and dtype."""
+    rank), rank 0 for the base's tokens. Into `out` where given (y itself, contiguous: the op
+    `preheat::packed_linear_lora`), else a new tensor of y's shape and dtype."""
     # One call per adapted linear layer of a step (210 on the real model): each check a
     # fraction of a µs, the output `empty_like` (torch.empty of a shape costs 3 µs).
     width, in_len = a.shape
@@ -227,6 +235,7 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         or y.shape[-1] != out_len
         or x.numel() != tokens * in_len
         or y.numel() != tokens * out_len
+        or (out is not None and (out.dtype is not y.dtype or out.shape != y.shape or not out.is_contiguous()))
     ):
         raise ValueError(
             f"lora_add takes a layer's input and output, its [width, in] and [width, out] stacks of one dtype and "
@@ -240,9 +249,10 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         first, rank = columns[:, :1], columns[:, 1:]
         mask = ((where >= first) & (where < first + rank)).float()
         delta = (x.reshape(tokens, in_len).float() @ a.float().t()) * mask @ b.float()
-        return (y.reshape(tokens, out_len).float() + delta).to(y.dtype).view(y.shape)
+        added = (y.reshape(tokens, out_len).float() + delta).to(y.dtype).view(y.shape)
+        return added if out is None else out.copy_(added)
     x, y, a, b, columns = x.contiguous(), y.contiguous(), a.contiguous(), b.contiguous(), columns.contiguous()
-    out = torch.empty_like(y)
+    out = torch.empty_like(y) if out is None else out
     kernels.lora_add(
         x.data_ptr(), y.data_ptr(), out.data_ptr(), a.data_ptr(), b.data_ptr(), columns.data_ptr(),
         tokens, in_len, out_len, width, x.dtype is torch.bfloat16, a.dtype is torch.bfloat16

@@ -335,3 +335,51 @@ def test_a_bf16_one_token_step_runs_preheats_kernel_and_agrees_with_the_eager_st
     assert got.argmax(-1).tolist() == eager.argmax(-1).tolist()
     assert (got - eager).abs().max() <= 0.02 * eager.abs().max(), (got - eager).abs().max()
     runner.release()
+
+
+def test_a_bf16_adapter_step_adds_each_rows_adapter_inside_its_linear_layers_op(tiny_model, tmp_path):
+    """A step of many rows under adapters runs one op per adapted linear layer, the product and
+    the rows' adapters together (`preheat::packed_linear_lora`: no op of their own between
+    two products, where the OpenMP team would fall asleep), and its logits are the eager
+    step's (PEFT's hooks) up to bf16 rounding, a base row's among them."""
+    import torch
+
+    from preheat.cli.devadapter import make_adapter
+    from preheat.workers.engine import compiled, cpukernels
+    from preheat.workers.engine.lora import read_adapter
+    from preheat.workers.engine.raggedkv import Segment
+    from preheat.workers.engine.resident import ModelSource, ResidentModels
+
+    if not cpukernels.available():
+        pytest.skip(f"preheat's bf16 kernel does not run here: {cpukernels.why_not_built()}")
+    resident, _ = ResidentModels("cpu", dtype_preference="bfloat16").ensure(ModelSource("bf16-lora", str(tiny_model)))
+    runner = resident.runner
+    adapters = [
+        read_adapter(
+            n, "bf16-lora", make_adapter(tiny_model, tmp_path / n, rank=r, seed=s), resident.model, max_rank=64
+        )
+        for n, r, s in (("a", 8, 1), ("b", 16, 2))
+    ]
+    kv = runner.new_batch()
+    rows = [support_request(resident, text)[1][0].tolist() for text in INPUTS[:3]]
+    slots = [kv.add(None, len(ids) + 8) for ids in rows]
+    step = [Segment(slot, 0, tuple(ids)) for slot, ids in zip(slots, rows, strict=True)]
+    per_row = [adapters[0], None, adapters[1]]
+    before = kv.snapshot()
+    eager = runner.step(kv, step, per_row).float()
+    kv.restore(before)
+    assert runner.compile("auto", None, resident.content_digest, adapters=True).source == "compiled"
+    for adapter in adapters:
+        runner.adapter_resident(adapter)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        got = runner.step(kv, step, per_row).float()
+    calls = {event.key: event.count for event in profile.key_averages()}
+    adapted = sum(
+        isinstance(module, compiled._CompiledLinear) and module.lora_kind is not None
+        for module in resident.model.modules()
+    )
+    assert adapted > 0 and calls.get("preheat::packed_linear_lora") == adapted
+    assert "preheat::lora_add" not in calls
+    assert got.argmax(-1).tolist() == eager.argmax(-1).tolist()
+    assert (got - eager).abs().max() <= 0.03 * eager.abs().max(), (got - eager).abs().max()
+    runner.release()

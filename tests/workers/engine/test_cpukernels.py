@@ -192,6 +192,8 @@ def test_each_token_gets_its_own_adapters_products_and_no_others(dtype, stacks, 
     assert bool(((got.reshape(expected.shape).double() - expected).abs() <= expected.abs() * bound + 1e-4).all())
     base = [t for t, i in enumerate(picks) if i is None]
     assert torch.equal(got[0, base], y[0, base])  # the base's tokens untouched
+    into = y.clone()  # in place, as the linear layer's own op adds them (preheat::packed_linear_lora)
+    assert cpukernels.lora_add(x, into, a, b, columns, out=into) is into and torch.equal(into, got)
 
 
 def test_where_the_kernel_cannot_be_built_torch_adds_the_same_adapters(monkeypatch, caplog):
