@@ -220,6 +220,8 @@ def test_lora_puts_adapters_beside_the_base_and_a_warmed_adapter_beside_a_cold_o
     assert "LoRA adapters · tiny, 16 users" in done.stdout
     report = json.loads(out.read_text())
     assert report["steps"] == "eager"
+    # 17 adapters' templates and the base's, all pinned: at half the entries (the default share), 36
+    assert report["prefix_cache_entries"] >= 36 and "prefix cache" in done.stdout
     many = report["many_users"]
     assert list(many) == ["base", "1 adapter(s)", "4 adapter(s)", "16 adapter(s)"]
     for row in many.values():

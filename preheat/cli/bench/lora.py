@@ -12,10 +12,17 @@ PEFT (rank 16 on q/k/v/o and the MLP, random weights, as `preheat dev make-adapt
   base, then spread round-robin over 1, 4 and 16 adapters (each resident, its template's prefix
   cached by an untimed first request): tokens/s and TTFT p50 of each. `--rounds` rounds, each
   running the base and every spread in turn; a spread's ratio is over its own round's base.
+  The prefix cache pins every template's prefix (the base's and each adapter's): its entries
+  are `PREHEAT_KV_CACHE_MAX_ENTRIES`, raised where their pinned share holds fewer, as an
+  operator serving that many templates sets it. With the default 10 entries (5 pinned), 16
+  adapters' templates evict one another, and the spreads would measure their eager pre-fills
+  again, not the batching.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 import threading
 import time
@@ -109,6 +116,7 @@ def main(*, shape: str, adapters: int, rounds: int, per_user: int, max_tokens: i
     from preheat.cli.devadapter import make_adapter
     from preheat.core.catalog import load_catalog
     from preheat.core.settings import get_settings
+    from preheat.workers.engine.kvcache import CacheBudget
     from preheat.workers.engine.lora import read_adapter
     from preheat.workers.runtime import RuntimeConfig, WorkerRuntime
 
@@ -122,7 +130,12 @@ def main(*, shape: str, adapters: int, rounds: int, per_user: int, max_tokens: i
         f"t{i:02d}": make_adapter(model_dir, folder / "adapters" / shape / f"t{i:02d}", seed=i) for i in range(count)
     }
     catalog = load_catalog(_catalog(folder, model_dir, made))
-    runtime = WorkerRuntime(catalog, RuntimeConfig.from_settings(settings))
+    config = RuntimeConfig.from_settings(settings)
+    budget = config.cache_budget
+    templates = len(made) + 1  # each adapter's and the base's, pinned
+    entries = max(budget.max_entries, math.ceil(templates / budget.pinned_share) if budget.pinned_share else templates)
+    config = dataclasses.replace(config, cache_budget=CacheBudget(entries, budget.max_bytes, budget.pinned_share))
+    runtime = WorkerRuntime(catalog, config)
     try:
         runtime.load_models()
         runtime.compile_steps("m")  # as a worker does at start: its steps, with adapters, compiled
@@ -167,13 +180,15 @@ def main(*, shape: str, adapters: int, rounds: int, per_user: int, max_tokens: i
         "host": host(),
         "model": shape,
         "steps": steps["m"],
+        "prefix_cache_entries": entries,
         "adapter_load_ms": round(statistics.median(loads), 1),
         "first_request_ttft_ms": first_ms,
         "many_users": many,
         "verdicts": verdicts,
     }
     table = Table(
-        title=f"LoRA adapters · {shape}, {USERS} users, max_tokens {max_tokens}, steps {steps['m']}",
+        title=f"LoRA adapters · {shape}, {USERS} users, max_tokens {max_tokens}, steps {steps['m']}, "
+        f"prefix cache {entries} entries",
         caption=f"medians of {rounds} interleaved rounds; × base: over the base's tokens/s of the same round",
     )
     for header in ("serving", "tokens/s", "× base", "TTFT p50 ms", "requests", "errors"):
