@@ -238,9 +238,11 @@ def lora_add(
         or (out is not None and (out.dtype is not y.dtype or out.shape != y.shape or not out.is_contiguous()))
     ):
         raise ValueError(
-            f"lora_add takes a layer's input and output, its [width, in] and [width, out] stacks of one dtype and "
-            f"[tokens, 2] int64 columns, got {tuple(x.shape)} {x.dtype}, {tuple(y.shape)} {y.dtype}, "
-            f"{tuple(a.shape)} {a.dtype}, {tuple(b.shape)} {b.dtype} and {tuple(columns.shape)} {columns.dtype}"
+            f"lora_add takes a layer's input and output, its [width, in] and [width, out] stacks of one dtype, "
+            f"[tokens, 2] int64 columns and an output like y's (contiguous), got {tuple(x.shape)} {x.dtype}, "
+            f"{tuple(y.shape)} {y.dtype}, {tuple(a.shape)} {a.dtype}, {tuple(b.shape)} {b.dtype}, "
+            f"{tuple(columns.shape)} {columns.dtype}"
+            + ("" if out is None else f" and {tuple(out.shape)} {out.dtype}{'' if out.is_contiguous() else ' strided'}")
         )
     kernels = _built()[0]
     if kernels is None:

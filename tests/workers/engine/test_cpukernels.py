@@ -204,6 +204,8 @@ def test_where_the_kernel_cannot_be_built_torch_adds_the_same_adapters(monkeypat
         got = torch.ops.preheat.lora_add(x, y, a, b, columns)
     assert torch.allclose(got.reshape(3, 24).double(), _lora_reference(x, y, a, b, columns), atol=1e-4)
     assert "LoRA adapters' products run through torch" in caplog.text
+    into = y.clone()  # in place too, as preheat::packed_linear_lora asks for it
+    assert cpukernels.lora_add(x, into, a, b, columns, out=into) is into and torch.equal(into, got)
 
 
 @pytest.mark.skipif(not cpukernels.available(), reason=f"kernel not built here: {cpukernels.why_not_built()}")
@@ -232,3 +234,14 @@ def test_a_tokens_columns_outside_the_stacks_are_refused(pair):
 def test_what_the_lora_kernel_does_not_compute_is_refused(x, y, a, b, columns):
     with pytest.raises(ValueError, match="lora_add takes"):
         torch.ops.preheat.lora_add(x, y, a, b, columns)
+
+
+@pytest.mark.parametrize(
+    "out",
+    [torch.zeros(1, 2, 4, dtype=torch.bfloat16), torch.zeros(1, 2, 5), torch.zeros(1, 4, 2).transpose(1, 2)],
+    ids=["dtype", "shape", "strided"],
+)
+def test_an_output_that_is_not_ys_like_is_refused(out):
+    x, y, a, b = torch.zeros(1, 2, 8), torch.zeros(1, 2, 4), torch.zeros(6, 8), torch.zeros(6, 4)
+    with pytest.raises(ValueError, match="lora_add takes"):
+        cpukernels.lora_add(x, y, a, b, torch.zeros(2, 2, dtype=torch.int64), out=out)
