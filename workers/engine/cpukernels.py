@@ -25,20 +25,24 @@ Punica's and S-LoRA's grouped kernels do on GPUs: the masked products it replace
 every adapter's for every token, and cost small BLAS calls of a few hundred µs each on 2
 cores (16 rows over 4 adapters: 297 ms a step against 107 on the base). bf16 or float32.
 
-The kernels are C with CPython entry points, built by the machine's C compiler once per
-process into a folder of their own (half a second) and imported from there: never a module
-read back from disk. They run on torch's OpenMP threads (the process's libgomp, which
-inductor's kernels use too). Where they cannot be built, torch computes the same thing,
-slower, and preheat says why once.
+The kernels are C with CPython entry points, built by the machine's C compiler (1.4 s on 2
+cores, in a worker's start) and kept in `~/.cache/preheat/kernels` under a key of their
+source, compiler, flags and Python ABI, with the digest of the built file: the next process
+loads them only once the file's bytes prove whole against it, and builds them again where
+they do not (or where the folder cannot be written). They run on torch's OpenMP threads (the
+process's libgomp, which inductor's kernels use too). Where they cannot be built, torch
+computes the same thing, slower, and preheat says why once.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import shutil
 import subprocess
 import sysconfig
@@ -56,6 +60,7 @@ log = logging.getLogger(__name__)
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 SOURCE = Path(__file__).with_suffix(".c")  # the kernels, C with CPython entry points
+KEPT = Path.home() / ".cache" / "preheat" / "kernels"  # built kernels, each beside its digest
 
 _BUILD_LOCK = threading.Lock()
 _BUILT: list[tuple[object | None, str | None]] = []
@@ -89,22 +94,56 @@ def _build() -> tuple[object | None, str | None]:
     headers = Path(sysconfig.get_paths()["include"])
     if not (headers / "Python.h").is_file():
         return None, f"no Python headers in {headers} (apt-get install python3-dev)"
-    folder = Path(tempfile.mkdtemp(prefix="preheat-cpukernels-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    built = folder / f"preheat_cpukernels{importlib.machinery.EXTENSION_SUFFIXES[0]}"
     isa = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
     flags = ["-O3", *isa, "-fopenmp", "-shared", "-fPIC", f"-I{headers}"]
-    done = subprocess.run(
-        [compiler, *flags, str(SOURCE), "-o", built.name], cwd=folder, capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        first = (done.stderr.strip().splitlines() or ["no output"])[0]
-        return None, f"the kernels did not build ({compiler}: {first})"
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *flags, suffix]).encode()).hexdigest()[:32]
+    built = _kept(key, suffix)
+    if built is None:
+        folder = Path(tempfile.mkdtemp(prefix="preheat-cpukernels-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        built = folder / f"preheat_cpukernels{suffix}"
+        done = subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", built.name], cwd=folder, capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no output"])[0]
+            return None, f"the kernels did not build ({compiler}: {first})"
+        _keep(built, key, suffix)
     # torch is loaded, so the module's libgomp is torch's: one OpenMP runtime in the process.
     spec = importlib.util.spec_from_file_location("preheat_cpukernels", built)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module, None
+
+
+def _kept(key: str, suffix: str) -> Path | None:
+    """The kept build of `key`, once its bytes match the digest kept beside it; else None."""
+    built, digest = KEPT / f"{key}{suffix}", KEPT / f"{key}.sha256"
+    try:
+        expected, data = digest.read_text().strip(), built.read_bytes()
+    except OSError:
+        return None  # never built here, or not readable: built again
+    if hashlib.sha256(data).hexdigest() != expected:
+        log.warning("the kept kernels %s do not match their digest: built again", built)
+        return None
+    return built
+
+
+def _keep(built: Path, key: str, suffix: str) -> None:
+    """The build kept for the next process: the file, then its digest, each written whole
+    (a rename), so a reader never meets half of either; a folder that cannot be written
+    costs the next process a build."""
+    try:
+        KEPT.mkdir(parents=True, exist_ok=True)
+        data = built.read_bytes()
+        for name, content in ((f"{key}{suffix}", data), (f"{key}.sha256", hashlib.sha256(data).hexdigest().encode())):
+            partial = KEPT / f".{name}.{os.getpid()}.partial"
+            partial.write_bytes(content)
+            os.replace(partial, KEPT / name)
+    except OSError as exc:
+        log.info("the kernels are not kept in %s (%s): the next process builds them", KEPT, exc)
 
 
 def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

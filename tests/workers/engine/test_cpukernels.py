@@ -9,6 +9,8 @@ over a mask of those columns."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -245,3 +247,39 @@ def test_an_output_that_is_not_ys_like_is_refused(out):
     x, y, a, b = torch.zeros(1, 2, 8), torch.zeros(1, 2, 4), torch.zeros(6, 8), torch.zeros(6, 4)
     with pytest.raises(ValueError, match="lora_add takes"):
         cpukernels.lora_add(x, y, a, b, torch.zeros(2, 2, dtype=torch.int64), out=out)
+
+
+@pytest.mark.skipif(not cpukernels.available(), reason=f"kernel not built here: {cpukernels.why_not_built()}")
+def test_the_kernels_are_kept_built_and_a_damaged_kept_build_is_built_again(monkeypatch, tmp_path, caplog):
+    """A process keeps its build (file and digest) for the next, which loads it without a
+    compiler; a kept file whose bytes no longer match its digest is built again, never loaded."""
+    monkeypatch.setattr(cpukernels, "KEPT", tmp_path)
+    module, why = cpukernels._build()
+    assert why is None and module is not None
+    (kept,) = tmp_path.glob("*.so")
+    digest = kept.with_suffix("").with_suffix(".sha256")
+    assert digest.read_text() == hashlib.sha256(kept.read_bytes()).hexdigest()
+    built = []
+    real_run = cpukernels.subprocess.run
+    monkeypatch.setattr(cpukernels.subprocess, "run", lambda args, **kw: built.append(args) or real_run(args, **kw))
+    assert cpukernels._build()[0] is not None
+    assert all("-o" not in args for args in built)  # loaded as kept: only the compiler's version asked
+    # Damaged between two processes (a new file in its place: this process has the old one mapped)
+    damaged = tmp_path / "damaged"
+    damaged.write_bytes(kept.read_bytes()[:-64] + bytes(64))
+    damaged.replace(kept)
+    with caplog.at_level("WARNING"):
+        module, why = cpukernels._build()
+    assert why is None and module is not None and any("-o" in args for args in built)
+    assert "do not match their digest: built again" in caplog.text
+    assert digest.read_text() == hashlib.sha256(kept.read_bytes()).hexdigest()  # kept whole again
+
+
+def test_a_folder_that_cannot_keep_the_kernels_costs_a_build_not_the_kernels(monkeypatch, tmp_path):
+    if not cpukernels.available():
+        pytest.skip(f"kernel not built here: {cpukernels.why_not_built()}")
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setattr(cpukernels, "KEPT", blocked / "kernels")
+    module, why = cpukernels._build()
+    assert why is None and module is not None
