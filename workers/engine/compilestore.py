@@ -19,7 +19,6 @@ temporary name and renamed, so replicas on one volume share them and never read 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import hashlib
 import json
@@ -87,24 +86,6 @@ GRAPH_CODE = ("compiled.py", "lorastack.py", "attention.py", "cpukernels.py")
 
 
 @functools.cache
-@contextlib.contextmanager
-def instruction_set_proven(restored: bool):
-    """While a restored entry's graphs load: inductor's probe of the CPU's vector instruction
-    sets skipped (a C++ build and a child process that loads it, per set; its bf16 and VNNI
-    probes, which choose code, still run): a restore of the real model's steps took 3.1 s
-    against 3.5. The entry's identity holds this torch and every flag of this CPU, so the sets
-    it was compiled for passed the same probe where it was compiled. inductor keeps the list
-    it makes for the process: a later compile in it trusts the CPU's flags too, and a kernel
-    that does not build or load raises, so the steps run eager and say why."""
-    if not restored:
-        yield
-        return
-    import torch._inductor.config
-
-    with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
-        yield
-
-
 def engine_digest() -> str:
     digest = hashlib.sha256()
     for name in GRAPH_CODE:

@@ -111,13 +111,13 @@ class ModelRunner:
             return self.compile_report
         buckets = "one,many/1" + ("+lora" if adapters else "")
         key = compilestore.identity(self.placement.device, self.placement.dtype, model_digest, buckets, self.name)
-        restored = store is not None and store.restore(key)
+        if store is not None:
+            store.restore(key)
         before = compilestore.snapshot()
         folder = compilestore.graphs_folder(key)
         steps = CompiledSteps(self.name, self.model, self.placement.device, adapters=adapters, folder=folder)
         try:
-            with compilestore.instruction_set_proven(restored):
-                ms = steps.compile(scratch)
+            ms = steps.compile(scratch)
         except Exception as exc:
             reason = f"compiling failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
             log.warning("model %s runs its steps eager: %s", self.name, reason)

@@ -22,14 +22,3 @@ def test_the_identity_names_transformers_and_the_engine_code_a_graph_bakes_in():
     other = dict(key, engine="0" * 16)
     store = compilestore.CompileStore(Path("/nonexistent"))
     assert store.entry(other) != store.entry(key)
-
-
-def test_inductors_instruction_set_probe_is_skipped_only_while_a_restored_entry_loads():
-    import torch._inductor.config as inductor
-
-    before = inductor.cpp.vec_isa_ok
-    with compilestore.instruction_set_proven(False):
-        assert inductor.cpp.vec_isa_ok == before  # compiled here: inductor probes, as it would
-    with compilestore.instruction_set_proven(True):
-        assert inductor.cpp.vec_isa_ok is True
-    assert inductor.cpp.vec_isa_ok == before
