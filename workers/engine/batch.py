@@ -110,7 +110,9 @@ class Batch:
                 row.feed = row.feed[len(segment.ids) :]
                 if row.feed:
                     continue
-                row.request.prefilled(row_logits, lambda slot=segment.slot: self.kv.row(slot))
+                # The row's KV copied out only where the request may need it (a window).
+                own_kv = (lambda slot=segment.slot: self.kv.row(slot)) if any(self.kv.windows) else None
+                row.request.prefilled(row_logits, own_kv)
             choosing.append(segment.slot)
             rows_logits.append(row_logits)
         leaving = []

@@ -41,6 +41,7 @@ import torch
 
 from preheat.workers.engine import attention, cpukernels
 from preheat.workers.engine.lorastack import AdapterStack, Stacked, Targets, kind_and_layer, step_columns
+from preheat.workers.engine.onerow import OneRowKernel
 from preheat.workers.engine.raggedkv import RaggedKV, Segment
 
 log = logging.getLogger(__name__)
@@ -268,6 +269,9 @@ class CompiledSteps:
         self._graphs: dict[str, object] = {}
         self.made = {"compiled": 0, "loaded": 0}  # graphs, by how each was made
         self._refused: set[str] = set()  # kinds whose graph refused a step's inputs (logged)
+        # A batch of one row's step in one kernel call, where it computes this model
+        # (preheat.workers.engine.onerow): the "one" kind then has no graph.
+        self.one_row: OneRowKernel | None = None
         configure_dynamo()
 
     @staticmethod
@@ -278,7 +282,8 @@ class CompiledSteps:
     def for_step(self, kv: RaggedKV, segments: list[Segment], adapters=None):
         """The graph that runs this step (its segments' `adapters`: a LoraWeights or None
         each), or None: it runs eager."""
-        if not self.ready or self.kind(segments, adapters) not in self._graphs:
+        kind = self.kind(segments, adapters)
+        if not self.ready or (kind not in self._graphs and not self._one_row(segments, adapters)):
             return None
         if adapters is None or all(adapter is None for adapter in adapters):
             return self._run
@@ -287,7 +292,15 @@ class CompiledSteps:
             return None
         return lambda kv, segments: self._run(kv, segments, adapters, self.stack.for_step(present))
 
+    def _one_row(self, segments: list[Segment], adapters) -> bool:
+        """Whether this step is the one-row kernel's: one row, few ids, no adapter."""
+        plain = adapters is None or all(adapter is None for adapter in adapters)
+        return self.one_row is not None and plain and self.one_row.covers(segments)
+
     def _run(self, kv: RaggedKV, segments: list[Segment], adapters=None, stack: Stacked | None = None):
+        if self._one_row(segments, adapters):
+            with torch.inference_mode():
+                return self.one_row(kv, segments[0])
         kind = self.kind(segments, adapters)
         # Every input an inference tensor, as the graphs were compiled on (a guard checks it).
         with _STEP_LOCK, torch.inference_mode():
@@ -367,6 +380,9 @@ class CompiledSteps:
         started = time.perf_counter()
         if self.device.type == "cpu" and not self._replaced:
             self._replaced = pack_linear_layers(self.model, self.name)
+            self.one_row, why_not = OneRowKernel.of(self.model)
+            if why_not:
+                log.info("model %s: a single user's step runs as a graph, not one kernel call: %s", self.name, why_not)
         stand_ins = self._stand_in_adapters() if self.stack is not None else None
         try:
             for _ in range(3):
@@ -404,7 +420,7 @@ class CompiledSteps:
     def release(self) -> None:
         """The graphs no longer used and the packed weights freed (a level-2 sleep, a failed compile)."""
         self.ready = False
-        self._graphs = {}
+        self._graphs, self.one_row = {}, None
         unpack_linear_layers(self._replaced)
         self._replaced = []
 

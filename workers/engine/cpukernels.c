@@ -1,33 +1,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <immintrin.h>
-#include <math.h>
 #include <omp.h>
-#include <string.h>
-#include <stdint.h>
+#include <stdlib.h>
 
-static inline __mmask16 first_lanes(int64_t n) {
-    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-}
-
-/* Up to 16 values (the lanes of m) of a bf16 or float32 row, as float32; and back, rounded to
-   nearest even where bf16 (the model's own rounding). */
-static inline __m512 load_lanes(const void *row, int64_t at, __mmask16 m, int bf16) {
-    if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)row + at);
-    const __m256i half = _mm256_maskz_loadu_epi16(m, (const uint16_t *)row + at);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-static inline void store_lanes(void *row, int64_t at, __mmask16 m, __m512 value, int bf16) {
-    if (!bf16) {
-        _mm512_mask_storeu_ps((float *)row + at, m, value);
-        return;
-    }
-    const __m512i bits = _mm512_castps_si512(value);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    _mm256_mask_storeu_epi16((uint16_t *)row + at, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
+#include "cpukernels.h"
 
 /* y[n] = sum_k w[n, k] * x[k]: w [n_rows, k_len] bf16 row-major, x [k_len] bf16, y float32.
    A thread takes a run of whole rows and reads them in order: one stream of memory per
@@ -35,43 +11,8 @@ static inline void store_lanes(void *row, int64_t at, __mmask16 m, __m512 value,
    streamed at 15-20 GB/s on a Zen 4, one stream at 21-30). Four sums per row hide the
    instruction's latency. */
 static void matvec_bf16(const uint16_t *w, const uint16_t *x, float *y, int64_t n_rows, int64_t k_len) {
-    const int64_t full = k_len / 128 * 128, part = k_len / 32 * 32;
-    const __mmask32 tail = (__mmask32)((1ULL << (k_len - part)) - 1);
     #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < n_rows; n++) {
-        const uint16_t *row = w + n * k_len;
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        int64_t k = 0;
-        for (; k < full; k += 128)
-            for (int i = 0; i < 4; i++)
-                acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(row + k + 32 * i),
-                                          (__m512bh)_mm512_loadu_si512(x + k + 32 * i));
-        for (int i = 0; k < part; k += 32, i++)
-            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(row + k),
-                                      (__m512bh)_mm512_loadu_si512(x + k));
-        if (part < k_len)
-            acc[3] = _mm512_dpbf16_ps(acc[3], (__m512bh)_mm512_maskz_loadu_epi16(tail, row + part),
-                                      (__m512bh)_mm512_maskz_loadu_epi16(tail, x + part));
-        y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-    }
-}
-
-/* exp(x) for x <= 0, 16 at a time: Cephes' expf (a degree-6 polynomial on a reduced
-   argument, 2^n by scalef), within 2 float32 ulps. */
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+    for (int64_t n = 0; n < n_rows; n++) y[n] = dot_bf16(w + n * k_len, x, k_len);
 }
 
 /* For each row r of `table` ([n_rows, 3]: token t, slot, columns) and each head h, out[t, h] =
@@ -83,45 +24,15 @@ static inline __m512 exp_ps(__m512 x) {
 static void attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, float *scores,
                            const int64_t *table, int64_t n_rows, int64_t tokens, int64_t heads, int64_t kv_heads,
                            int64_t head_dim, int64_t capacity, int64_t max_columns, float scale) {
-    const int64_t group = heads / kv_heads, lanes = head_dim / 16;
+    const int64_t group = heads / kv_heads;
     #pragma omp parallel for schedule(static)
     for (int64_t pair = 0; pair < n_rows * heads; pair++) {
-        const int64_t *row = table + 3 * (pair / heads), h = pair % heads;
-        const int64_t token = row[0], columns = row[2];
-        const uint16_t *qh = q + (h * tokens + token) * head_dim;
+        const int64_t *row = table + 3 * (pair / heads), h = pair % heads, token = row[0];
         const int64_t at = ((row[1] * kv_heads) + h / group) * capacity * head_dim;
-        const uint16_t *kh = k + at, *vh = v + at;
-        uint16_t *oh = out + (token * heads + h) * head_dim;
-        float *s = scores + pair * max_columns;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < columns; j++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t i = 0; i < head_dim; i += 32)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kh + j * head_dim + i),
-                                       (__m512bh)_mm512_loadu_si512(qh + i));
-            s[j] = _mm512_reduce_add_ps(acc) * scale;
-            top = s[j] > top ? s[j] : top;
-        }
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t j = 0; j < columns; j += 16) {
-            const __mmask16 m = columns - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (columns - j)) - 1);
-            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(top)));
-            _mm512_mask_storeu_ps(s + j, m, e);
-            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
-        }
-        __m512 acc[16];
-        for (int64_t c = 0; c < lanes; c++) acc[c] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < columns; j++) {
-            const __m512 p = _mm512_set1_ps(s[j]);
-            for (int64_t c = 0; c < lanes; c++)
-                acc[c] = _mm512_fmadd_ps(p, load_lanes(vh, j * head_dim + 16 * c, 0xFFFF, 1), acc[c]);
-        }
-        const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-        for (int64_t c = 0; c < lanes; c++)
-            store_lanes(oh, 16 * c, 0xFFFF, _mm512_mul_ps(acc[c], inverse), 1);
+        attend_head(q + (h * tokens + token) * head_dim, k + at, v + at, out + (token * heads + h) * head_dim,
+                    scores + pair * max_columns, row[2], head_dim, scale);
     }
 }
-
 
 /* The shrink of up to 4 tokens of one adapter (n, a constant where it is inlined, so the sums
    stay in registers), 4 of its rows from j: h[k][j + u] = a[first + j + u] . x[tokens[k]].
@@ -360,9 +271,12 @@ static PyObject *add_lora(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+PyObject *one_row_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs); /* onerow.c */
+
 static PyMethodDef methods[] = {{"matvec_bf16", (PyCFunction)(void (*)(void))call, METH_FASTCALL, NULL},
                                 {"attention_bf16", (PyCFunction)(void (*)(void))attend, METH_FASTCALL, NULL},
                                 {"lora_add", (PyCFunction)(void (*)(void))add_lora, METH_FASTCALL, NULL},
+                                {"one_row", (PyCFunction)(void (*)(void))one_row_step, METH_FASTCALL, NULL},
                                 {NULL, NULL, 0, NULL}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "preheat_cpukernels", NULL, -1, methods};
 PyMODINIT_FUNC PyInit_preheat_cpukernels(void) { return PyModule_Create(&module); }

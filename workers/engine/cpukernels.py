@@ -59,7 +59,9 @@ log = logging.getLogger(__name__)
 # What the kernels' instructions need of the CPU (AVX512-BF16 and the AVX-512 it extends).
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
-SOURCE = Path(__file__).with_suffix(".c")  # the kernels, C with CPython entry points
+# The kernels, C with CPython entry points: one module of these sources and the header they share.
+SOURCES = (Path(__file__).with_suffix(".c"), Path(__file__).with_name("onerow.c"))
+HEADER = Path(__file__).with_suffix(".h")
 KEPT = Path.home() / ".cache" / "preheat" / "kernels"  # built kernels, each beside its digest
 
 _BUILD_LOCK = threading.Lock()
@@ -98,15 +100,15 @@ def _build() -> tuple[object | None, str | None]:
     flags = ["-O3", *isa, "-fopenmp", "-shared", "-fPIC", f"-I{headers}"]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *flags, suffix]).encode()).hexdigest()[:32]
+    texts = [path.read_text() for path in (*SOURCES, HEADER)]
+    key = hashlib.sha256("\0".join([*texts, compiler, version, *flags, suffix]).encode()).hexdigest()[:32]
     built = _kept(key, suffix)
     if built is None:
         folder = Path(tempfile.mkdtemp(prefix="preheat-cpukernels-"))
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         built = folder / f"preheat_cpukernels{suffix}"
-        done = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", built.name], cwd=folder, capture_output=True, text=True, check=False
-        )
+        argv = [compiler, *flags, *map(str, SOURCES), "-o", built.name]
+        done = subprocess.run(argv, cwd=folder, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no output"])[0]
             return None, f"the kernels did not build ({compiler}: {first})"
@@ -299,6 +301,15 @@ def lora_add(
         tokens, in_len, out_len, width, x.dtype is torch.bfloat16, a.dtype is torch.bfloat16
     )  # fmt: skip
     return out
+
+
+def one_row(*args) -> None:
+    """A Llama-family decoder's step for one row (`onerow.c`): what preheat.workers.engine.onerow
+    passes, its addresses proven there, its sizes and ids in C."""
+    kernels = _built()[0]
+    if kernels is None:
+        raise RuntimeError(f"the one-row step's kernel does not run here: {why_not_built()}")
+    kernels.one_row(*args)
 
 
 @functools.cache

@@ -247,6 +247,18 @@ class RaggedKV:
             "preheat_rows": True,
         }
 
+    @torch.inference_mode()  # the buffers are made in the pass: inference tensors
+    def one_row(self, segment: Segment, like: torch.Tensor) -> tuple[int, int]:
+        """A step that feeds one row, computed outside the model's forward
+        (preheat.workers.engine.onerow): its layout set, room made for its new positions and
+        every layer's buffers made (heads, head size and dtype of `like`, a layer's key tensor).
+        Returns (slot, the column its first new position goes to). Layers without a window only."""
+        self.layout = Layout(self, [segment])
+        self._reserve(len(self.lengths), self.columns(segment.slot, None, after=len(segment.ids)))
+        for index in range(len(self.buffers)):
+            self._buffers(index, like)
+        return segment.slot, self.columns(segment.slot, None)
+
     def stepped(self) -> None:
         """After the step's pass: every row holds what it fed."""
         for segment in self.layout.segments:

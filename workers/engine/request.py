@@ -206,12 +206,13 @@ class Request:
         self.cached_tokens, self.reuse_ms = cached_tokens, reuse_ms
         self.status = RequestStatus.PREFILLING
 
-    def prefilled(self, logits: torch.Tensor, own_kv: Callable[[], object]) -> None:
+    def prefilled(self, logits: torch.Tensor, own_kv: Callable[[], object] | None) -> None:
         """Its prompt is computed: it decodes from here. A remembered turn keeps its
         prompt's own KV now where the answer's may not be cut back to it later (a sliding
-        window that slides as the answer grows, or has already): see `to_remember`."""
+        window that slides as the answer grows, or has already): see `to_remember`. `own_kv`
+        makes it; None where the KV has no window (it can always be cut back: nothing kept)."""
         self.status = RequestStatus.RUNNING
-        if self.remember:
+        if self.remember and own_kv is not None:
             kv = own_kv()
             if has_window(kv) or not truncatable(kv):
                 self.prompt_only = Prefix(clone_for_request(kv), logits.clone())

@@ -305,10 +305,13 @@ def test_rows_of_the_base_and_three_adapters_run_through_the_compiled_graphs_and
         assert completion.token_ids == expected[text, name][: len(completion.token_ids)], ("restored", text, name)
 
 
-def test_a_bf16_one_token_step_runs_preheats_kernel_and_agrees_with_the_eager_step(tiny_model):
-    """In bfloat16 on a CPU with AVX512-BF16, the one-token graph's linear layers are
-    preheat's bf16 kernel (preheat.workers.engine.cpukernels), one call each, and its logits are
-    the eager step's up to bf16 rounding (the same top token)."""
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_bf16_one_token_step_runs_in_one_kernel_call_or_through_preheats_products(dev_model, arch):
+    """In bfloat16 on a CPU with AVX512-BF16, a lone decoding row's step is one kernel call
+    where the kernel computes the model (a Llama: preheat.workers.engine.onerow; no graph, no
+    op per layer), else its graph, whose linear layers are preheat's bf16 product, one call
+    each (a Qwen2: its biases). Either way its logits are the eager step's up to bf16 rounding;
+    a step of two rows runs the many-token graph."""
     import torch
 
     from preheat.workers.engine import compiled, cpukernels
@@ -317,7 +320,8 @@ def test_a_bf16_one_token_step_runs_preheats_kernel_and_agrees_with_the_eager_st
 
     if not cpukernels.available():
         pytest.skip(f"preheat's bf16 kernel does not run here: {cpukernels.why_not_built()}")
-    resident, _ = ResidentModels("cpu", dtype_preference="bfloat16").ensure(ModelSource("bf16", str(tiny_model)))
+    model = ModelSource(f"bf16-{arch}", str(dev_model(arch)))
+    resident, _ = ResidentModels("cpu", dtype_preference="bfloat16").ensure(model)
     runner, ids = resident.runner, support_request(resident, "Where is my parcel?")[1][0].tolist()
     kv = runner.new_batch()
     slot = kv.add(None, len(ids) + 8)
@@ -329,12 +333,20 @@ def test_a_bf16_one_token_step_runs_preheats_kernel_and_agrees_with_the_eager_st
     assert runner.compile("auto", None, resident.content_digest).source == "compiled"
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         got = runner.step(kv, last).float()
-    calls = sum(event.count for event in profile.key_averages() if event.key == "preheat::matvec_bf16")
+    ops = {event.key: event.count for event in profile.key_averages()}
     linears = sum(isinstance(module, compiled._CompiledLinear) for module in resident.model.modules())
-    assert linears > 0 and calls == linears
+    kernel = runner.compiled.one_row is not None
+    assert kernel == (arch == "llama") and kernel == ("one" not in runner.compiled._graphs)
+    assert ops.get("preheat::matvec_bf16", 0) == (0 if kernel else linears) and linears > 0, ops
+    assert ("preheat::ragged_attention" in ops) != kernel
     assert got.argmax(-1).tolist() == eager.argmax(-1).tolist()
     assert (got - eager).abs().max() <= 0.02 * eager.abs().max(), (got - eager).abs().max()
+    two = [last[0], Segment(kv.add(None, 4), 0, (ids[0], ids[1]))]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        assert runner.step(kv, two).shape[0] == 2
+    assert "preheat::ragged_attention" in {event.key for event in profile.key_averages()}
     runner.release()
+    assert runner.compiled is None
 
 
 def test_a_bf16_adapter_step_adds_each_rows_adapter_inside_its_linear_layers_op(tiny_model, tmp_path):

@@ -1,0 +1,125 @@
+/* What preheat's CPU kernels share (cpukernels.c, onerow.c): bf16 and float32 lanes, the
+   bf16 rounding the model's own ops make, one row's dot product and one head's attention. */
+#ifndef PREHEAT_CPUKERNELS_H
+#define PREHEAT_CPUKERNELS_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline __mmask16 first_lanes(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* Round to nearest even, as torch rounds a float32 to bfloat16 (a NaN stays a NaN). */
+static inline __m512 round_bf16_ps(__m512 value) {
+    const __m512i bits = _mm512_castps_si512(value);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline uint16_t to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    if (value != value) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+static inline float from_bf16(uint16_t value) {
+    const uint32_t bits = (uint32_t)value << 16;
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+/* Up to 16 values (the lanes of m) of a bf16 or float32 row, as float32; and back, rounded to
+   nearest even where bf16 (the model's own rounding). */
+static inline __m512 load_lanes(const void *row, int64_t at, __mmask16 m, int bf16) {
+    if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)row + at);
+    const __m256i half = _mm256_maskz_loadu_epi16(m, (const uint16_t *)row + at);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+static inline void store_lanes(void *row, int64_t at, __mmask16 m, __m512 value, int bf16) {
+    if (!bf16) {
+        _mm512_mask_storeu_ps((float *)row + at, m, value);
+        return;
+    }
+    const __m512i rounded = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_ps(value)), 16);
+    _mm256_mask_storeu_epi16((uint16_t *)row + at, m, _mm512_cvtepi32_epi16(rounded));
+}
+
+/* row . x over k_len bf16 pairs, summed in float32 by the CPU's bf16 dot product. Four sums
+   hide the instruction's latency. */
+static inline float dot_bf16(const uint16_t *row, const uint16_t *x, int64_t k_len) {
+    const int64_t full = k_len / 128 * 128, part = k_len / 32 * 32;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t k = 0;
+    for (; k < full; k += 128)
+        for (int i = 0; i < 4; i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(row + k + 32 * i),
+                                      (__m512bh)_mm512_loadu_si512(x + k + 32 * i));
+    for (int i = 0; k < part; k += 32, i++)
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(row + k), (__m512bh)_mm512_loadu_si512(x + k));
+    if (part < k_len) {
+        const __mmask32 tail = (__mmask32)((1ULL << (k_len - part)) - 1);
+        acc[3] = _mm512_dpbf16_ps(acc[3], (__m512bh)_mm512_maskz_loadu_epi16(tail, row + part),
+                                  (__m512bh)_mm512_maskz_loadu_epi16(tail, x + part));
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+/* exp(x) for x <= 0, 16 at a time: Cephes' expf (a degree-6 polynomial on a reduced
+   argument, 2^n by scalef), within 2 float32 ulps. */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One query head against its key/value head's first `columns` positions: out = softmax(scale
+   * q . k[j]) . v[j], bf16 in and out (rounded once), a float32 softmax; scores [columns]
+   scratch. head_dim a multiple of 32, at most 256. */
+static inline void attend_head(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh, uint16_t *oh, float *s,
+                               int64_t columns, int64_t head_dim, float scale) {
+    const int64_t lanes = head_dim / 16;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < columns; j++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < head_dim; i += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kh + j * head_dim + i),
+                                   (__m512bh)_mm512_loadu_si512(qh + i));
+        s[j] = _mm512_reduce_add_ps(acc) * scale;
+        top = s[j] > top ? s[j] : top;
+    }
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < columns; j += 16) {
+        const __mmask16 m = first_lanes(columns - j);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(top)));
+        _mm512_mask_storeu_ps(s + j, m, e);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+    }
+    __m512 acc[16];
+    for (int64_t c = 0; c < lanes; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < columns; j++) {
+        const __m512 p = _mm512_set1_ps(s[j]);
+        for (int64_t c = 0; c < lanes; c++)
+            acc[c] = _mm512_fmadd_ps(p, load_lanes(vh, j * head_dim + 16 * c, 0xFFFF, 1), acc[c]);
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    for (int64_t c = 0; c < lanes; c++) store_lanes(oh, 16 * c, 0xFFFF, _mm512_mul_ps(acc[c], inverse), 1);
+}
+
+#endif

@@ -1,0 +1,239 @@
+/* A Llama-family decoder's step for one row in one call (preheat.workers.engine.onerow): its
+   next 1 to 8 tokens (a single user's decode token, or the short rest of a prompt a cached
+   prefix leaves) through every layer, then the final norm and the output head for the last
+   one, in one OpenMP parallel region whose phases meet at barriers, the GIL released. Each
+   weight row is read once for all the tokens. Each op rounds to bf16 where transformers'
+   eager bf16 op does (a product, a sum, a norm, a rotation). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "cpukernels.h"
+
+#define MOST_TOKENS 8 /* past it, oneDNN's products are as fast: compute, not memory, bounds them */
+
+enum { NORM_IN, Q, K, V, O, NORM_POST, GATE, UP, DOWN, KEYS, VALUES, TABLE_WIDTH };
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, slots, capacity;
+} Sizes;
+
+/* out[t] = row . x[t] for n tokens (n a constant where inlined: the sums stay in registers),
+   x's tokens `stride` apart; the row read once for all of them. */
+static inline __attribute__((always_inline)) void dots_n(const int n, const uint16_t *row, const uint16_t *x,
+                                                         int64_t stride, int64_t k_len, float *out) {
+    __m512 acc[MOST_TOKENS];
+    for (int t = 0; t < n; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k_len; k += 32) {
+        const __mmask32 m = k_len - k >= 32 ? (__mmask32)0xFFFFFFFF : (__mmask32)((1u << (k_len - k)) - 1);
+        const __m512bh w = (__m512bh)_mm512_maskz_loadu_epi16(m, row + k);
+        for (int t = 0; t < n; t++)
+            acc[t] = _mm512_dpbf16_ps(acc[t], w, (__m512bh)_mm512_maskz_loadu_epi16(m, x + t * stride + k));
+    }
+    for (int t = 0; t < n; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
+/* `padded` tokens (1, 4 or 8: x's rows past the step's tokens are zeros). */
+static inline void dots(int padded, const uint16_t *row, const uint16_t *x, int64_t stride, int64_t k_len,
+                        float *out) {
+    switch (padded) {
+    case 1: out[0] = dot_bf16(row, x, k_len); break;
+    case 4: dots_n(4, row, x, stride, k_len, out); break;
+    default: dots_n(8, row, x, stride, k_len, out); break;
+    }
+}
+
+/* LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), rounded, times the weight, rounded. */
+static void rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t n, float eps) {
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 v = load_lanes(x, i, first_lanes(n - i), 1);
+        squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = first_lanes(n - i);
+        const __m512 normed = round_bf16_ps(_mm512_mul_ps(load_lanes(x, i, m, 1), r));
+        store_lanes(out, i, m, _mm512_mul_ps(normed, load_lanes(weight, i, m, 1)), 1);
+    }
+}
+
+/* rotate_half's rotary embedding of one head, as transformers rounds it: x * cos and
+   rotate_half(x) * sin each rounded, then their sum. cs: cos then sin, [half] each (bf16 values). */
+static void rotate(const uint16_t *x, uint16_t *out, const float *cs, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        const float a = from_bf16(x[i]), b = from_bf16(x[i + half]), c = cs[i], s = cs[half + i];
+        const float first = from_bf16(to_bf16(a * c)) + from_bf16(to_bf16(-b * s));
+        const float second = from_bf16(to_bf16(b * c)) + from_bf16(to_bf16(a * s));
+        out[i] = to_bf16(first), out[i + half] = to_bf16(second);
+    }
+}
+
+/* SiLU(gate) * up for up to 16 values, each op rounded: x / (1 + e^-x), written x * e / (1 + e)
+   for x < 0, with e = exp(-|x|), so exp_ps meets no positive argument. */
+static __m512 silu_times(__m512 gate, __m512 up) {
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gate)));
+    const __m512 one_plus = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
+    const __mmask16 negative = _mm512_cmp_ps_mask(gate, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 numerator = _mm512_mask_mul_ps(gate, negative, gate, e);
+    return round_bf16_ps(_mm512_mul_ps(round_bf16_ps(_mm512_div_ps(numerator, one_plus)), up));
+}
+
+static inline uint16_t add_bf16(uint16_t residual, float product) {
+    return to_bf16(from_bf16(residual) + from_bf16(to_bf16(product)));
+}
+
+/* The step. table [layers, TABLE_WIDTH]: each layer's addresses (weights bf16 row-major as
+   nn.Linear keeps them; keys and values the layer's [slots, kv_heads, capacity, head_dim]).
+   ids[t] sits at position + t; its key and value go to (slot, column + t), and its query
+   sees columns 0..column + t. logits [vocab] bf16: the last token's. Returns 0, or -1 out of
+   memory. */
+static int one_row(const int64_t *table, const uint16_t *embed, const uint16_t *final_norm, const uint16_t *head,
+                   const float *inv_freq, uint16_t *logits, const int64_t *ids, int64_t tokens, int64_t position,
+                   int64_t slot, int64_t column, Sizes z, float eps, float scale, float rope_scaling) {
+    const int64_t hidden = z.hidden, dim = z.head_dim, half = dim / 2, q_rows = z.heads * dim;
+    const int64_t kv_rows = z.kv_heads * dim, qkv_rows = q_rows + 2 * kv_rows, group = z.heads / z.kv_heads;
+    const int64_t most = column + tokens, inter = z.intermediate, blocks = (inter + 15) / 16, last = tokens - 1;
+    /* two or three tokens padded to four: each token's sums are one chain, too short to hide the latency */
+    const int padded = tokens == 1 ? 1 : tokens <= 4 ? 4 : 8;
+    const int threads = omp_get_max_threads();
+    /* Token-major; the products' inputs padded with zero tokens up to `padded`. */
+    uint16_t *h = malloc(2 * hidden * tokens), *qkv = malloc(2 * qkv_rows * tokens);
+    uint16_t *attn = calloc(q_rows * padded, 2), *mlp = calloc(inter * padded, 2);
+    uint16_t *normed = calloc(hidden * padded * threads, 2);
+    float *scores = malloc(sizeof(float) * z.heads * tokens * most), *cs = malloc(sizeof(float) * dim * tokens);
+    int status = -1;
+    if (!h || !qkv || !attn || !mlp || !normed || !scores || !cs) goto done;
+    for (int64_t t = 0; t < tokens; t++) {
+        memcpy(h + t * hidden, embed + ids[t] * hidden, 2 * hidden);
+        for (int64_t i = 0; i < half; i++) { /* float32 angles, scaled, then bf16: the model's cos and sin */
+            const float angle = (float)(position + t) * inv_freq[i];
+            cs[t * dim + i] = from_bf16(to_bf16(cosf(angle) * rope_scaling));
+            cs[t * dim + half + i] = from_bf16(to_bf16(sinf(angle) * rope_scaling));
+        }
+    }
+    #pragma omp parallel
+    {
+        uint16_t *x = normed + hidden * padded * omp_get_thread_num(); /* each thread's own copy of a norm */
+        float sums[2][MOST_TOKENS];
+        for (int64_t layer = 0; layer < z.layers; layer++) {
+            const int64_t *at = table + TABLE_WIDTH * layer;
+            const uint16_t *wq = (const uint16_t *)at[Q], *wk = (const uint16_t *)at[K], *wv = (const uint16_t *)at[V];
+            const uint16_t *wo = (const uint16_t *)at[O], *wg = (const uint16_t *)at[GATE];
+            const uint16_t *wu = (const uint16_t *)at[UP], *wd = (const uint16_t *)at[DOWN];
+            uint16_t *keys = (uint16_t *)at[KEYS], *values = (uint16_t *)at[VALUES];
+            for (int64_t t = 0; t < tokens; t++)
+                rms_norm(h + t * hidden, (const uint16_t *)at[NORM_IN], x + t * hidden, hidden, eps);
+            #pragma omp for schedule(static)
+            for (int64_t n = 0; n < qkv_rows; n++) {
+                const uint16_t *row = n < q_rows ? wq + n * hidden
+                                      : n < q_rows + kv_rows ? wk + (n - q_rows) * hidden
+                                                             : wv + (n - q_rows - kv_rows) * hidden;
+                dots(padded, row, x, hidden, hidden, sums[0]);
+                for (int64_t t = 0; t < tokens; t++) qkv[t * qkv_rows + n] = to_bf16(sums[0][t]);
+            }
+            #pragma omp for schedule(static)
+            for (int64_t item = 0; item < tokens * (z.heads + z.kv_heads); item++) {
+                /* a query rotated; or a key rotated and written, and its value written */
+                const int64_t t = item / (z.heads + z.kv_heads), g = item % (z.heads + z.kv_heads);
+                uint16_t *own = qkv + t * qkv_rows;
+                if (g < z.heads) {
+                    rotate(own + g * dim, own + g * dim, cs + t * dim, half);
+                    continue;
+                }
+                const int64_t kv = g - z.heads, to = ((slot * z.kv_heads + kv) * z.capacity + column + t) * dim;
+                rotate(own + q_rows + kv * dim, keys + to, cs + t * dim, half);
+                memcpy(values + to, own + q_rows + kv_rows + kv * dim, 2 * dim);
+            }
+            #pragma omp for schedule(static)
+            for (int64_t item = 0; item < tokens * z.heads; item++) {
+                const int64_t t = item / z.heads, q = item % z.heads;
+                const int64_t from = (slot * z.kv_heads + q / group) * z.capacity * dim;
+                attend_head(qkv + t * qkv_rows + q * dim, keys + from, values + from, attn + t * q_rows + q * dim,
+                            scores + item * most, column + t + 1, dim, scale);
+            }
+            #pragma omp for schedule(static)
+            for (int64_t n = 0; n < hidden; n++) {
+                dots(padded, wo + n * q_rows, attn, q_rows, q_rows, sums[0]);
+                for (int64_t t = 0; t < tokens; t++) h[t * hidden + n] = add_bf16(h[t * hidden + n], sums[0][t]);
+            }
+            for (int64_t t = 0; t < tokens; t++)
+                rms_norm(h + t * hidden, (const uint16_t *)at[NORM_POST], x + t * hidden, hidden, eps);
+            #pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) { /* 16 rows of gate and of up, then their SiLU product */
+                float gate[MOST_TOKENS][16], up[MOST_TOKENS][16];
+                const int64_t first = 16 * b;
+                const __mmask16 m = first_lanes(inter - first);
+                for (int64_t k = 0; k < 16 && first + k < inter; k++) {
+                    dots(padded, wg + (first + k) * hidden, x, hidden, hidden, sums[0]);
+                    dots(padded, wu + (first + k) * hidden, x, hidden, hidden, sums[1]);
+                    for (int64_t t = 0; t < tokens; t++) gate[t][k] = sums[0][t], up[t][k] = sums[1][t];
+                }
+                for (int64_t t = 0; t < tokens; t++) {
+                    const __m512 g16 = round_bf16_ps(_mm512_maskz_loadu_ps(m, gate[t]));
+                    const __m512 u16 = round_bf16_ps(_mm512_maskz_loadu_ps(m, up[t]));
+                    store_lanes(mlp + t * inter, first, m, silu_times(g16, u16), 1);
+                }
+            }
+            #pragma omp for schedule(static)
+            for (int64_t n = 0; n < hidden; n++) {
+                dots(padded, wd + n * inter, mlp, inter, inter, sums[0]);
+                for (int64_t t = 0; t < tokens; t++) h[t * hidden + n] = add_bf16(h[t * hidden + n], sums[0][t]);
+            }
+        }
+        rms_norm(h + last * hidden, final_norm, x, hidden, eps);
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < z.vocab; n++) logits[n] = to_bf16(dot_bf16(head + n * hidden, x, hidden));
+    }
+    status = 0;
+done:
+    free(h), free(qkv), free(attn), free(mlp), free(normed), free(scores), free(cs);
+    return status;
+}
+
+/* one_row(table, embed, final_norm, head, inv_freq, logits, ids, tokens, position, slot, column, layers,
+   hidden, heads, kv_heads, head_dim, intermediate, vocab, slots, capacity, eps, scale, rope_scaling):
+   the sizes and ids checked here, by value, since the kernel reads and writes where the
+   addresses point. */
+PyObject *one_row_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 23) {
+        PyErr_SetString(PyExc_TypeError, "one_row takes 23 arguments");
+        return NULL;
+    }
+    void *pointers[7];
+    long long v[13];
+    for (int i = 0; i < 7; i++) pointers[i] = PyLong_AsVoidPtr(args[i]);
+    for (int i = 0; i < 13; i++) v[i] = PyLong_AsLongLong(args[7 + i]);
+    const double eps = PyFloat_AsDouble(args[20]), scale = PyFloat_AsDouble(args[21]);
+    const double rope_scaling = PyFloat_AsDouble(args[22]);
+    if (PyErr_Occurred()) return NULL;
+    const long long tokens = v[0], position = v[1], slot = v[2], column = v[3];
+    const Sizes z = {v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12]};
+    const int64_t *ids = pointers[6];
+    if (z.layers < 1 || z.hidden < 1 || z.heads < 1 || z.kv_heads < 1 || z.heads % z.kv_heads || z.head_dim % 32 ||
+        z.head_dim < 32 || z.head_dim > 256 || z.intermediate < 1 || z.vocab < 1) {
+        PyErr_SetString(PyExc_ValueError, "one_row: heads, head size or layer sizes it does not compute");
+        return NULL;
+    }
+    if (tokens < 1 || tokens > MOST_TOKENS || position < 0 || slot < 0 || slot >= z.slots || column < 0 ||
+        column + tokens > z.capacity) {
+        PyErr_Format(PyExc_ValueError, "one_row: %lld tokens (1 to %d) at slot %lld, column %lld are outside the "
+                     "%lld slots of %lld columns", tokens, MOST_TOKENS, slot, column, (long long)z.slots,
+                     (long long)z.capacity);
+        return NULL;
+    }
+    for (long long t = 0; t < tokens; t++)
+        if (ids[t] < 0 || ids[t] >= z.vocab) {
+            PyErr_Format(PyExc_ValueError, "one_row: token %lld is outside the vocabulary's %lld", (long long)ids[t],
+                         (long long)z.vocab);
+            return NULL;
+        }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = one_row(pointers[0], pointers[1], pointers[2], pointers[3], pointers[4], pointers[5], ids, tokens,
+                     position, slot, column, z, (float)eps, (float)scale, (float)rope_scaling);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}

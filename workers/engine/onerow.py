@@ -1,0 +1,144 @@
+"""A batch of one row in one kernel call: a single user's step (its decode token, or the short
+rest of its prompt that a cached prefix leaves, up to 8 tokens) through every layer of a
+Llama-family model, its final norm and its output head (C: `onerow.c`, built with preheat's
+other CPU kernels, preheat.workers.engine.cpukernels), in bfloat16 where the CPU has
+AVX512-BF16.
+
+**Why our own code for this step.** A single user's decode step reads every weight once for
+one token: its floor is the weights' bytes over the memory's bandwidth (10.1 ms for the real
+SmolLM2-135M in bf16 on 2 Zen 4 cores, `preheat bench limit`). transformers' modeling code,
+compiled whole (preheat.workers.engine.compiled), ran it at 13.4-15 ms: 241 ops dispatched
+from Python (7 products and an attention a layer), and between two of them the second
+OpenMP thread, idle longer than libgomp spins, fell asleep, so the next op waited 35-40 µs
+for it. A user's turn of 8 tokens after a cached system prompt took 38 ms through oneDNN's
+products. llama.cpp runs a step as one graph on a thread pool whose phases meet at barriers;
+so does this: one parallel region, the threads splitting each product's rows (each row read
+once for every token), six barriers a layer, the GIL released for the whole step.
+
+**transformers is the ground truth.** Each op rounds to bf16 where transformers' eager bf16
+op rounds (the norms, the rotation, each product, the residual sums), so its tokens are
+eager transformers' up to the order of float32 sums (tests/workers/engine/test_onerow.py).
+It runs only where it was proven to be the model it computes: a Llama or Mistral decoder
+(their layer classes), SiLU, no bias, no sliding window, a rotary embedding of fixed
+frequencies, every weight bf16 of the expected shape. Anything else (float32, a step with an
+adapter, two rows, a longer chunk, another architecture) runs the compiled graph, and
+`OneRowKernel.of` says why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from preheat.workers.engine import cpukernels
+from preheat.workers.engine.raggedkv import RaggedKV, Segment
+
+MOST_TOKENS = 8  # onerow.c's: a step of one row feeding more runs the compiled graph
+LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer"}  # transformers' classes whose forward the kernel computes
+STATIC_ROPE = {"default", "linear", "llama3"}  # rotary embeddings whose frequencies do not change with the length
+# The order of a layer's row of addresses (onerow.c's enum).
+WEIGHTS = (
+    "input_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+class OneRowKernel:
+    """The one-row step of one resident model. Holds its weights (so the addresses it
+    passes stay valid) and the last batch's KV buffers it was given."""
+
+    def __init__(self, model, weights: list[list[torch.Tensor]], sizes: dict, eps: float, scale: float) -> None:
+        inner = model.model
+        self.embed, self.norm, self.head = inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight
+        self.inv_freq = inner.rotary_emb.inv_freq.detach().float().contiguous()
+        self.rope_scaling = float(inner.rotary_emb.attention_scaling)
+        self.weights, self.sizes, self.eps, self.scale = weights, sizes, eps, scale
+        self.table = torch.zeros((len(weights), len(WEIGHTS) + 2), dtype=torch.int64)
+        for layer, tensors in enumerate(weights):
+            self.table[layer, : len(WEIGHTS)] = torch.tensor([t.data_ptr() for t in tensors])
+        self._buffers: list[torch.Tensor] = []  # the keys and values whose addresses the table holds
+        self._like = torch.empty((1, sizes["kv_heads"], 1, sizes["head_dim"]), dtype=torch.bfloat16)
+
+    @classmethod
+    def of(cls, model) -> tuple[OneRowKernel | None, str | None]:
+        """The kernel of `model`, or (None, why it does not compute it)."""
+        if not cpukernels.available():
+            return None, f"preheat's CPU kernels do not run here ({cpukernels.why_not_built()})"
+        config, inner = model.config, getattr(model, "model", None)
+        layers = list(getattr(inner, "layers", []))
+        if not layers or any(type(layer).__name__ not in LAYERS for layer in layers):
+            return None, f"{config.model_type} layers are not a Llama-family decoder's"
+        rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if getattr(config, "hidden_act", None) != "silu" or rope not in STATIC_ROPE:
+            return None, f"activation {config.hidden_act!r} or rotary embedding {rope!r} is not computed"
+        if getattr(config, "sliding_window", None) is not None or len(layers) != config.num_hidden_layers:
+            return None, "a sliding window, or layers the config does not count"
+        attention = layers[0].self_attn
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        dim, hidden = attention.head_dim, config.hidden_size
+        if dim % 32 or dim > 256 or heads % kv_heads:
+            return None, f"head size {dim} (a multiple of 32, at most 256) or {heads}/{kv_heads} heads"
+        inter, vocab = config.intermediate_size, model.lm_head.weight.shape[0]
+        shapes = [(hidden,), (heads * dim, hidden), (kv_heads * dim, hidden), (kv_heads * dim, hidden)]
+        shapes += [(hidden, heads * dim), (hidden,), (inter, hidden), (inter, hidden), (hidden, inter)]
+        weights = []
+        for layer in layers:
+            modules = [layer.get_submodule(path) for path in WEIGHTS]
+            if any(getattr(module, "bias", None) is not None for module in modules):
+                return None, "a layer with a bias"
+            weights.append([module.weight.detach() for module in modules])
+        eps = {float(layer.get_submodule(path).variance_epsilon) for layer in layers for path in WEIGHTS[::5]}
+        scale = {float(layer.self_attn.scaling) for layer in layers}
+        ends = [inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight]
+        if not all(_bf16(t, shape) for tensors in weights for t, shape in zip(tensors, shapes, strict=True)) or not all(
+            _bf16(t, shape) for t, shape in zip(ends, [(vocab, hidden), (hidden,), (vocab, hidden)], strict=True)
+        ):
+            return None, "weights that are not bf16, contiguous and of the config's shapes"
+        if len(eps) != 1 or len(scale) != 1 or float(inner.norm.variance_epsilon) not in eps:
+            return None, "norms or attention scales that differ from layer to layer"
+        if inner.rotary_emb.inv_freq.shape != (dim // 2,):
+            return None, "a rotary embedding over part of the head"
+        sizes = {"layers": len(layers), "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": dim}
+        sizes |= {"intermediate": inter, "vocab": vocab}
+        return cls(model, weights, sizes, eps.pop(), scale.pop()), None
+
+    @staticmethod
+    def covers(segments: list[Segment]) -> bool:
+        """Whether a step of these segments is one row's of at most MOST_TOKENS ids."""
+        return len(segments) == 1 and len(segments[0].ids) <= MOST_TOKENS
+
+    def __call__(self, kv: RaggedKV, segment: Segment) -> torch.Tensor:
+        """The logits after `segment`'s last id, [1, vocab] bf16; its keys and values written
+        into its slot (the step's layout set on `kv`, as a step's pass sets it)."""
+        slot, column = kv.one_row(segment, self._like)
+        held = [tensor for pair in kv.buffers for tensor in pair]
+        if len(held) != len(self._buffers) or any(a is not b for a, b in zip(held, self._buffers, strict=True)):
+            shape = (*kv.capacity[:1], self.sizes["kv_heads"], kv.capacity[1], self.sizes["head_dim"])
+            if not all(_bf16(tensor, shape) for tensor in held):
+                raise ValueError(f"the one-row step takes bf16 KV buffers of {shape}, got {_described(held)}")
+            self.table[:, len(WEIGHTS) :] = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in kv.buffers])
+            self._buffers = held
+        logits = torch.empty((1, self.sizes["vocab"]), dtype=torch.bfloat16)
+        ids = torch.tensor(segment.ids, dtype=torch.int64)
+        z, (slots, capacity) = self.sizes, kv.capacity
+        cpukernels.one_row(
+            self.table.data_ptr(), self.embed.data_ptr(), self.norm.data_ptr(), self.head.data_ptr(),
+            self.inv_freq.data_ptr(), logits.data_ptr(), ids.data_ptr(), len(segment.ids), segment.start, slot, column,
+            z["layers"], z["hidden"], z["heads"], z["kv_heads"], z["head_dim"], z["intermediate"], z["vocab"],
+            slots, capacity, self.eps, self.scale, self.rope_scaling,
+        )  # fmt: skip
+        return logits
+
+
+def _bf16(tensor: torch.Tensor, shape: tuple) -> bool:
+    return tensor.dtype is torch.bfloat16 and tensor.is_cpu and tensor.is_contiguous() and tuple(tensor.shape) == shape
+
+
+def _described(tensors: list[torch.Tensor]) -> str:
+    return ", ".join(sorted({f"{tuple(t.shape)} {t.dtype}" for t in tensors}))
