@@ -24,7 +24,7 @@ from preheat.api.sampling import SamplingParams
 from preheat.core.catalog import Catalog, load_catalog
 from preheat.workers.adapters import AdapterCollector, Adapters
 from preheat.workers.engine.chat import Messages, render, system_prompt_of
-from preheat.workers.engine.compilestore import CompileStore
+from preheat.workers.engine.compilestore import CompileStore, probe_ahead
 from preheat.workers.engine.kvcache import CacheBudget, KVCacheManager
 from preheat.workers.engine.prefixes import Prefixes
 from preheat.workers.engine.prefixstore import PrefixStore
@@ -190,6 +190,8 @@ class WorkerRuntime:
                 ask, self.asleep_at_start = self.asleep_at_start, None
                 self.sleeps.start_asleep(ask())
             awake = [name for name in self.catalog.models if name not in self.sleeps.asleep]
+            if awake:  # inductor's CPU probe on a thread of its own, while the weights are read
+                probe_ahead(self.config.compile, self.config.device)
             self.resident_models.preload_once([self.source(name) for name in awake], max_parallel)
 
     # The fleet's plan -------------------------------------------------------------

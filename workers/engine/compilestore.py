@@ -31,7 +31,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from preheat.workers.engine.device import cpu_flags
+from preheat.workers.engine.device import cpu_flags, pick_placement
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,35 @@ class CompileStore:
             shutil.rmtree(temporary, ignore_errors=True)
             return None
         return entry
+
+
+def probe_ahead(mode: str, preference: str) -> threading.Thread | None:
+    """Start what inductor asks before it loads a graph on the CPU, on a thread of its own, so
+    that it runs while the weights are read: the CPU's vector ISA, proven by compiling and
+    loading a probe for each candidate in child processes (1.3 s of a 3.5 s restore of the
+    real model's graphs, 2 cores). inductor keeps the answer for the process. Its modules are
+    imported here, on the caller's thread: two threads importing one package could deadlock.
+    `mode` and `preference`: PREHEAT_COMPILE and PREHEAT_DEVICE (nothing to do unless steps
+    are compiled on the CPU)."""
+    import torch
+
+    from preheat.workers.engine.compiled import why_not_compiled
+
+    if mode != "auto" or preference == "cuda" or pick_placement(preference).device.type != "cpu":
+        return None
+    if why_not_compiled(torch.device("cpu")) is not None:
+        return None
+    from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
+
+    def probe() -> None:
+        try:
+            cpu_vec_isa.valid_vec_isa_list()
+        except Exception as exc:  # the restore probes again, and says what fails
+            log.debug("inductor's ISA probe ahead failed: %s", exc)
+
+    thread = threading.Thread(target=probe, name="preheat-isa-probe", daemon=True)
+    thread.start()
+    return thread
 
 
 def snapshot() -> set[str]:

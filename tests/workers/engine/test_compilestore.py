@@ -22,3 +22,23 @@ def test_the_identity_names_transformers_and_the_engine_code_a_graph_bakes_in():
     other = dict(key, engine="0" * 16)
     store = compilestore.CompileStore(Path("/nonexistent"))
     assert store.entry(other) != store.entry(key)
+
+
+def test_inductors_isa_probe_runs_ahead_only_where_steps_are_compiled_on_the_cpu():
+    """At start, while the weights are read, the probe inductor runs before loading a graph is
+    done on a thread of its own, and kept for the process; not where nothing compiles on a CPU."""
+    from torch._inductor import cpu_vec_isa
+
+    assert compilestore.probe_ahead("off", "auto") is None
+    assert compilestore.probe_ahead("auto", "cuda") is None
+    thread = compilestore.probe_ahead("auto", "cpu")
+    if thread is None:  # no C++ compiler here: nothing compiles, nothing to probe
+        from preheat.workers.engine.compiled import why_not_compiled
+
+        assert why_not_compiled(torch.device("cpu")) is not None
+        return
+    thread.join(120)
+    assert not thread.is_alive()
+    probed = cpu_vec_isa.valid_vec_isa_list.cache_info()
+    cpu_vec_isa.valid_vec_isa_list()
+    assert probed.currsize == 1 and cpu_vec_isa.valid_vec_isa_list.cache_info().hits == probed.hits + 1
