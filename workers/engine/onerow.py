@@ -1,5 +1,5 @@
 """A batch of one row in one kernel call: a single user's step (its decode token, or the short
-rest of its prompt that a cached prefix leaves, up to 8 tokens) through every layer of a
+rest of its prompt that a cached prefix leaves, up to 16 tokens) through every layer of a
 Llama-family model, its final norm and its output head (C: `onerow.c`, built with preheat's
 other CPU kernels, preheat.workers.engine.cpukernels), in bfloat16 where the CPU has
 AVX512-BF16.
@@ -13,7 +13,8 @@ OpenMP thread, idle longer than libgomp spins, fell asleep, so the next op waite
 for it. A user's turn of 8 tokens after a cached system prompt took 38 ms through oneDNN's
 products. llama.cpp runs a step as one graph on a thread pool whose phases meet at barriers;
 so does this: one parallel region, the threads splitting each product's rows (each row read
-once for every token), six barriers a layer, the GIL released for the whole step.
+once for every token; past 8 tokens two rows at a time, so the products and not the loads
+set the pace), six barriers a layer, the GIL released for the whole step.
 
 **transformers is the ground truth.** Each op rounds to bf16 where transformers' eager bf16
 op rounds (the norms, the rotation, each product, the residual sums), so its tokens are
@@ -32,7 +33,7 @@ import torch
 from preheat.workers.engine import cpukernels
 from preheat.workers.engine.raggedkv import RaggedKV, Segment
 
-MOST_TOKENS = 8  # onerow.c's: a step of one row feeding more runs the compiled graph
+MOST_TOKENS = 16  # onerow.c's: a step of one row feeding more runs the compiled graph
 LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer"}  # transformers' classes whose forward the kernel computes
 STATIC_ROPE = {"default", "linear", "llama3"}  # rotary embeddings whose frequencies do not change with the length
 # The order of a layer's row of addresses (onerow.c's enum).
