@@ -86,7 +86,9 @@ class Sampler:
         """The next token from a [vocab] row of raw logits, given every id so far."""
         import torch
 
-        scores = logits.float().unsqueeze(0)  # a new tensor: the caller's logits stay as they are
+        # A copy in float32 whatever the logits' dtype: a processor may write in place, and the
+        # caller's logits (the step's own, a view) stay as they are.
+        scores = logits.to(torch.float32, copy=True).unsqueeze(0)
         if self.processors:
             input_ids = torch.tensor([ids], dtype=torch.long, device=scores.device)
             for processor in self.processors:
