@@ -9,7 +9,9 @@ layout says is no tensor). Two shapes cover every step the batch runs: a step th
 token** (a single user decoding: its own graph, every size static) and a step that feeds **two
 or more** (rows decoding together, pre-fill chunks beside them: one graph, the number of
 tokens and of rows symbolic). So a burst of users never meets a shape that was not compiled at
-start, and nothing is padded.
+start, and nothing is padded. Where the batch is one row feeding few tokens, a Llama-family
+model in bf16 runs the step in one call of preheat's kernel instead, and has no one-token
+graph (preheat.workers.engine.onerow).
 
 **Linear layers on the CPU.** A one-token step reads every weight once for one row: its
 linear layers are written as a reduction (`(x * w).sum(-1)`), which inductor turns into loops
@@ -299,7 +301,7 @@ class CompiledSteps:
 
     def _run(self, kv: RaggedKV, segments: list[Segment], adapters=None, stack: Stacked | None = None):
         if self._one_row(segments, adapters):
-            with torch.inference_mode():
+            with _STEP_LOCK, torch.inference_mode():  # the kernel's table of addresses is one per model
                 return self.one_row(kv, segments[0])
         kind = self.kind(segments, adapters)
         # Every input an inference tensor, as the graphs were compiled on (a guard checks it).
