@@ -9,9 +9,9 @@ layout says is no tensor). Two shapes cover every step the batch runs: a step th
 token** (a single user decoding: its own graph, every size static) and a step that feeds **two
 or more** (rows decoding together, pre-fill chunks beside them: one graph, the number of
 tokens and of rows symbolic). So a burst of users never meets a shape that was not compiled at
-start, and nothing is padded. Where the batch is one row feeding few tokens, a Llama-family
-model in bf16 runs the step in one call of preheat's kernel instead, and has no one-token
-graph (preheat.workers.engine.onerow).
+start, and nothing is padded. Where a step feeds few tokens, a Llama-family model in bf16
+runs it in one call of preheat's kernel instead, and has no one-token graph
+(preheat.workers.engine.smallstep).
 
 **Linear layers on the CPU.** A one-token step reads every weight once for one row: its
 linear layers are written as a reduction (`(x * w).sum(-1)`), which inductor turns into loops
@@ -43,8 +43,8 @@ import torch
 
 from preheat.workers.engine import attention, cpukernels
 from preheat.workers.engine.lorastack import AdapterStack, Stacked, Targets, kind_and_layer, step_columns
-from preheat.workers.engine.onerow import OneRowKernel
 from preheat.workers.engine.raggedkv import RaggedKV, Segment
+from preheat.workers.engine.smallstep import SmallStepKernel
 
 log = logging.getLogger(__name__)
 
@@ -271,9 +271,9 @@ class CompiledSteps:
         self._graphs: dict[str, object] = {}
         self.made = {"compiled": 0, "loaded": 0}  # graphs, by how each was made
         self._refused: set[str] = set()  # kinds whose graph refused a step's inputs (logged)
-        # A batch of one row's step in one kernel call, where it computes this model
-        # (preheat.workers.engine.onerow): the "one" kind then has no graph.
-        self.one_row: OneRowKernel | None = None
+        # A step of few tokens in one kernel call, where it computes this model
+        # (preheat.workers.engine.smallstep): the "one" kind then has no graph.
+        self.small_step: SmallStepKernel | None = None
         configure_dynamo()
 
     @staticmethod
@@ -285,7 +285,7 @@ class CompiledSteps:
         """The graph that runs this step (its segments' `adapters`: a LoraWeights or None
         each), or None: it runs eager."""
         kind = self.kind(segments, adapters)
-        if not self.ready or (kind not in self._graphs and not self._one_row(segments, adapters)):
+        if not self.ready or (kind not in self._graphs and not self._small(segments, adapters)):
             return None
         if adapters is None or all(adapter is None for adapter in adapters):
             return self._run
@@ -294,15 +294,15 @@ class CompiledSteps:
             return None
         return lambda kv, segments: self._run(kv, segments, adapters, self.stack.for_step(present))
 
-    def _one_row(self, segments: list[Segment], adapters) -> bool:
-        """Whether this step is the one-row kernel's: one row, few ids, no adapter."""
+    def _small(self, segments: list[Segment], adapters) -> bool:
+        """Whether this step is the small-step kernel's: few ids, no adapter."""
         plain = adapters is None or all(adapter is None for adapter in adapters)
-        return self.one_row is not None and plain and self.one_row.covers(segments)
+        return self.small_step is not None and plain and self.small_step.covers(segments)
 
-    def _run(self, kv: RaggedKV, segments: list[Segment], adapters=None, stack: Stacked | None = None):
-        if self._one_row(segments, adapters):
+    def _run(self, kv: RaggedKV, segments: list[Segment], adapters=None, stack: Stacked | None = None, small=True):
+        if small and self._small(segments, adapters):
             with _STEP_LOCK, torch.inference_mode():  # the kernel's table of addresses is one per model
-                return self.one_row(kv, segments[0])
+                return self.small_step(kv, segments)
         kind = self.kind(segments, adapters)
         # Every input an inference tensor, as the graphs were compiled on (a guard checks it).
         with _STEP_LOCK, torch.inference_mode():
@@ -382,9 +382,9 @@ class CompiledSteps:
         started = time.perf_counter()
         if self.device.type == "cpu" and not self._replaced:
             self._replaced = pack_linear_layers(self.model, self.name)
-            self.one_row, why_not = OneRowKernel.of(self.model)
+            self.small_step, why_not = SmallStepKernel.of(self.model)
             if why_not:
-                log.info("model %s: a single user's step runs as a graph, not one kernel call: %s", self.name, why_not)
+                log.info("model %s: small steps run as graphs, not one kernel call: %s", self.name, why_not)
         stand_ins = self._stand_in_adapters() if self.stack is not None else None
         try:
             for _ in range(3):
@@ -393,7 +393,10 @@ class CompiledSteps:
                 for step in ([(0, (1,))], [(0, (2,)), (1, (1, 2, 3))], [(2, (4, 5))]):
                     segments = [Segment(slot, scratch.lengths[slot], ids) for slot, ids in step]
                     rows = None if adapters is None else [adapters[i % 2] for i in range(len(segments))]
-                    self._run(scratch, segments, rows, self.stack.for_step(_distinct(rows)) if rows else None)
+                    stack = self.stack.for_step(_distinct(rows)) if rows else None
+                    # The kernel runs a lone token (no one-token graph); the many-token graph is
+                    # made here whatever the kernel covers: a larger step may come.
+                    self._run(scratch, segments, rows, stack, small=len(step) == 1 == len(step[0][1]))
                     scratch.stepped()
         except Exception:
             self.release()
@@ -422,7 +425,7 @@ class CompiledSteps:
     def release(self) -> None:
         """The graphs no longer used and the packed weights freed (a level-2 sleep, a failed compile)."""
         self.ready = False
-        self._graphs, self.one_row = {}, None
+        self._graphs, self.small_step = {}, None
         unpack_linear_layers(self._replaced)
         self._replaced = []
 

@@ -271,12 +271,12 @@ static PyObject *add_lora(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
-PyObject *one_row_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs); /* onerow.c */
+PyObject *small_step_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs); /* smallstep.c */
 
 static PyMethodDef methods[] = {{"matvec_bf16", (PyCFunction)(void (*)(void))call, METH_FASTCALL, NULL},
                                 {"attention_bf16", (PyCFunction)(void (*)(void))attend, METH_FASTCALL, NULL},
                                 {"lora_add", (PyCFunction)(void (*)(void))add_lora, METH_FASTCALL, NULL},
-                                {"one_row", (PyCFunction)(void (*)(void))one_row_step, METH_FASTCALL, NULL},
+                                {"small_step", (PyCFunction)(void (*)(void))small_step_call, METH_FASTCALL, NULL},
                                 {NULL, NULL, 0, NULL}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "preheat_cpukernels", NULL, -1, methods};
 PyMODINIT_FUNC PyInit_preheat_cpukernels(void) { return PyModule_Create(&module); }

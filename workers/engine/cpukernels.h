@@ -1,4 +1,4 @@
-/* What preheat's CPU kernels share (cpukernels.c, onerow.c): bf16 and float32 lanes, the
+/* What preheat's CPU kernels share (cpukernels.c, smallstep.c): bf16 and float32 lanes, the
    bf16 rounding the model's own ops make, one row's dot product and one head's attention. */
 #ifndef PREHEAT_CPUKERNELS_H
 #define PREHEAT_CPUKERNELS_H

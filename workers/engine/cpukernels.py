@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 # The kernels, C with CPython entry points: one module of these sources and the header they share.
-SOURCES = (Path(__file__).with_suffix(".c"), Path(__file__).with_name("onerow.c"))
+SOURCES = (Path(__file__).with_suffix(".c"), Path(__file__).with_name("smallstep.c"))
 HEADER = Path(__file__).with_suffix(".h")
 KEPT = Path.home() / ".cache" / "preheat" / "kernels"  # built kernels, each beside its digest
 
@@ -303,13 +303,13 @@ def lora_add(
     return out
 
 
-def one_row(*args) -> None:
-    """A Llama-family decoder's step for one row (`onerow.c`): what preheat.workers.engine.onerow
-    passes, its addresses proven there, its sizes and ids in C."""
+def small_step(*args) -> None:
+    """A Llama-family decoder's small step (`smallstep.c`): what preheat.workers.engine.smallstep
+    passes, its addresses proven there, its sizes, ids and places in C."""
     kernels = _built()[0]
     if kernels is None:
-        raise RuntimeError(f"the one-row step's kernel does not run here: {why_not_built()}")
-    kernels.one_row(*args)
+        raise RuntimeError(f"the small step's kernel does not run here: {why_not_built()}")
+    kernels.small_step(*args)
 
 
 @functools.cache

@@ -248,16 +248,21 @@ class RaggedKV:
         }
 
     @torch.inference_mode()  # the buffers are made in the pass: inference tensors
-    def one_row(self, segment: Segment, like: torch.Tensor) -> tuple[int, int]:
-        """A step that feeds one row, computed outside the model's forward
-        (preheat.workers.engine.onerow): its layout set, room made for its new positions and
-        every layer's buffers made (heads, head size and dtype of `like`, a layer's key tensor).
-        Returns (slot, the column its first new position goes to). Layers without a window only."""
-        self.layout = Layout(self, [segment])
-        self._reserve(len(self.lengths), self.columns(segment.slot, None, after=len(segment.ids)))
+    def small_step(self, segments: list[Segment], like: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+        """A step computed outside the model's forward (preheat.workers.engine.smallstep): its
+        layout set, room made for the new positions and every layer's buffers made (heads, head
+        size and dtype of `like`, a layer's key tensor). Returns each fed token's [slot, column,
+        position] and the packed index of each segment's last token. Layers without a window only."""
+        self.layout = Layout(self, segments)
+        self._reserve(len(self.lengths), max(self.columns(s.slot, None, after=len(s.ids)) for s in segments))
         for index in range(len(self.buffers)):
             self._buffers(index, like)
-        return segment.slot, self.columns(segment.slot, None)
+        where = [
+            [segment.slot, self.columns(segment.slot, None) + k, segment.start + k]
+            for segment in segments
+            for k in range(len(segment.ids))
+        ]
+        return where, [first + len(segment.ids) - 1 for first, segment in zip(self.layout.first, segments, strict=True)]
 
     def stepped(self) -> None:
         """After the step's pass: every row holds what it fed."""

@@ -308,10 +308,11 @@ def test_rows_of_the_base_and_three_adapters_run_through_the_compiled_graphs_and
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_bf16_one_token_step_runs_in_one_kernel_call_or_through_preheats_products(dev_model, arch):
     """In bfloat16 on a CPU with AVX512-BF16, a lone decoding row's step is one kernel call
-    where the kernel computes the model (a Llama: preheat.workers.engine.onerow; no graph, no
-    op per layer), else its graph, whose linear layers are preheat's bf16 product, one call
-    each (a Qwen2: its biases). Either way its logits are the eager step's up to bf16 rounding;
-    a step of two rows runs the many-token graph."""
+    where the kernel computes the model (a Llama: preheat.workers.engine.smallstep; no graph,
+    no op per layer), else its graph, whose linear layers are preheat's bf16 product, one call
+    each (a Qwen2: its biases). Either way its logits are the eager step's up to bf16 rounding.
+    A step of two rows is the kernel's too while it feeds few tokens; past that, the
+    many-token graph's (compiled at start, never on a request's path)."""
     import torch
 
     from preheat.workers.engine import compiled, cpukernels
@@ -335,16 +336,20 @@ def test_a_bf16_one_token_step_runs_in_one_kernel_call_or_through_preheats_produ
         got = runner.step(kv, last).float()
     ops = {event.key: event.count for event in profile.key_averages()}
     linears = sum(isinstance(module, compiled._CompiledLinear) for module in resident.model.modules())
-    kernel = runner.compiled.one_row is not None
+    kernel = runner.compiled.small_step is not None
     assert kernel == (arch == "llama") and kernel == ("one" not in runner.compiled._graphs)
     assert ops.get("preheat::matvec_bf16", 0) == (0 if kernel else linears) and linears > 0, ops
     assert ("preheat::ragged_attention" in ops) != kernel
     assert got.argmax(-1).tolist() == eager.argmax(-1).tolist()
     assert (got - eager).abs().max() <= 0.02 * eager.abs().max(), (got - eager).abs().max()
-    two = [last[0], Segment(kv.add(None, 4), 0, (ids[0], ids[1]))]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        assert runner.step(kv, two).shape[0] == 2
-    assert "preheat::ragged_attention" in {event.key for event in profile.key_averages()}
+    made = dict(runner.compiled.made)
+    for fed, small in ((2, kernel), (len(ids), False)):  # a second row feeding a chunk: small, then large
+        before, two = kv.snapshot(), [last[0], Segment(kv.add(None, len(ids)), 0, tuple(ids[:fed]))]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            assert runner.step(kv, two).shape[0] == 2
+        assert ("preheat::ragged_attention" in {event.key for event in profile.key_averages()}) != small
+        kv.remove(two[1].slot), kv.restore(before)
+    assert runner.compiled.made == made  # nothing compiled on a step's path
     runner.release()
     assert runner.compiled is None
 

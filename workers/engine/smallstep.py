@@ -1,8 +1,8 @@
-"""A batch of one row in one kernel call: a single user's step (its decode token, or the short
-rest of its prompt that a cached prefix leaves, up to 16 tokens) through every layer of a
-Llama-family model, its final norm and its output head (C: `onerow.c`, built with preheat's
-other CPU kernels, preheat.workers.engine.cpukernels), in bfloat16 where the CPU has
-AVX512-BF16.
+"""A small step in one kernel call: up to 16 tokens (a single user's decode token, the short
+rest of a prompt that a cached prefix leaves, a few users decoding together, or these at
+once) through every layer of a Llama-family model, its final norm and its output head for
+each row's last token (C: `smallstep.c`, built with preheat's other CPU kernels,
+preheat.workers.engine.cpukernels), in bfloat16 where the CPU has AVX512-BF16.
 
 **Why our own code for this step.** A single user's decode step reads every weight once for
 one token: its floor is the weights' bytes over the memory's bandwidth (10.1 ms for the real
@@ -14,16 +14,17 @@ for it. A user's turn of 8 tokens after a cached system prompt took 38 ms throug
 products. llama.cpp runs a step as one graph on a thread pool whose phases meet at barriers;
 so does this: one parallel region, the threads splitting each product's rows (each row read
 once for every token; past 8 tokens two rows at a time, so the products and not the loads
-set the pace), six barriers a layer, the GIL released for the whole step.
+set the pace), six barriers a layer, the GIL released for the whole step. Each token carries
+its own slot, column and position, so a chunk's tokens and different rows' tokens are alike.
 
 **transformers is the ground truth.** Each op rounds to bf16 where transformers' eager bf16
 op rounds (the norms, the rotation, each product, the residual sums), so its tokens are
-eager transformers' up to the order of float32 sums (tests/workers/engine/test_onerow.py).
+eager transformers' up to the order of float32 sums (tests/workers/engine/test_smallstep.py).
 It runs only where it was proven to be the model it computes: a Llama or Mistral decoder
 (their layer classes), SiLU, no bias, no sliding window, a rotary embedding of fixed
 frequencies, every weight bf16 of the expected shape. Anything else (float32, a step with an
-adapter, two rows, a longer chunk, another architecture) runs the compiled graph, and
-`OneRowKernel.of` says why.
+adapter, more tokens, another architecture) runs the compiled graph, and `SmallStepKernel.of`
+says why.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ import torch
 from preheat.workers.engine import cpukernels
 from preheat.workers.engine.raggedkv import RaggedKV, Segment
 
-MOST_TOKENS = 16  # onerow.c's: a step of one row feeding more runs the compiled graph
+MOST_TOKENS = 16  # smallstep.c's: a step feeding more runs the compiled graph
 LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer"}  # transformers' classes whose forward the kernel computes
 STATIC_ROPE = {"default", "linear", "llama3"}  # rotary embeddings whose frequencies do not change with the length
-# The order of a layer's row of addresses (onerow.c's enum).
+# The order of a layer's row of addresses (smallstep.c's enum).
 WEIGHTS = (
     "input_layernorm",
     "self_attn.q_proj",
@@ -50,8 +51,8 @@ WEIGHTS = (
 )
 
 
-class OneRowKernel:
-    """The one-row step of one resident model. Holds its weights (so the addresses it
+class SmallStepKernel:
+    """The small step of one resident model. Holds its weights (so the addresses it
     passes stay valid) and the last batch's KV buffers it was given."""
 
     def __init__(self, model, weights: list[list[torch.Tensor]], sizes: dict, eps: float, scale: float) -> None:
@@ -67,7 +68,7 @@ class OneRowKernel:
         self._like = torch.empty((1, sizes["kv_heads"], 1, sizes["head_dim"]), dtype=torch.bfloat16)
 
     @classmethod
-    def of(cls, model) -> tuple[OneRowKernel | None, str | None]:
+    def of(cls, model) -> tuple[SmallStepKernel | None, str | None]:
         """The kernel of `model`, or (None, why it does not compute it)."""
         if not cpukernels.available():
             return None, f"preheat's CPU kernels do not run here ({cpukernels.why_not_built()})"
@@ -111,28 +112,29 @@ class OneRowKernel:
 
     @staticmethod
     def covers(segments: list[Segment]) -> bool:
-        """Whether a step of these segments is one row's of at most MOST_TOKENS ids."""
-        return len(segments) == 1 and len(segments[0].ids) <= MOST_TOKENS
+        """Whether a step of these segments feeds at most MOST_TOKENS ids in all."""
+        return sum(len(segment.ids) for segment in segments) <= MOST_TOKENS
 
-    def __call__(self, kv: RaggedKV, segment: Segment) -> torch.Tensor:
-        """The logits after `segment`'s last id, [1, vocab] bf16; its keys and values written
-        into its slot (the step's layout set on `kv`, as a step's pass sets it)."""
-        slot, column = kv.one_row(segment, self._like)
+    def __call__(self, kv: RaggedKV, segments: list[Segment]) -> torch.Tensor:
+        """The logits after each segment's last id, [segments, vocab] bf16; their keys and
+        values written into their slots (the step's layout set on `kv`, as a step's pass sets it)."""
+        where, keep = kv.small_step(segments, self._like)
         held = [tensor for pair in kv.buffers for tensor in pair]
         if len(held) != len(self._buffers) or any(a is not b for a, b in zip(held, self._buffers, strict=True)):
             shape = (*kv.capacity[:1], self.sizes["kv_heads"], kv.capacity[1], self.sizes["head_dim"])
             if not all(_bf16(tensor, shape) for tensor in held):
-                raise ValueError(f"the one-row step takes bf16 KV buffers of {shape}, got {_described(held)}")
+                raise ValueError(f"the small step takes bf16 KV buffers of {shape}, got {_described(held)}")
             self.table[:, len(WEIGHTS) :] = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in kv.buffers])
             self._buffers = held
-        logits = torch.empty((1, self.sizes["vocab"]), dtype=torch.bfloat16)
-        ids = torch.tensor(segment.ids, dtype=torch.int64)
+        logits = torch.empty((len(keep), self.sizes["vocab"]), dtype=torch.bfloat16)
+        ids = torch.tensor([i for segment in segments for i in segment.ids], dtype=torch.int64)
+        where, keep = torch.tensor(where, dtype=torch.int64), torch.tensor(keep, dtype=torch.int64)
         z, (slots, capacity) = self.sizes, kv.capacity
-        cpukernels.one_row(
+        cpukernels.small_step(
             self.table.data_ptr(), self.embed.data_ptr(), self.norm.data_ptr(), self.head.data_ptr(),
-            self.inv_freq.data_ptr(), logits.data_ptr(), ids.data_ptr(), len(segment.ids), segment.start, slot, column,
-            z["layers"], z["hidden"], z["heads"], z["kv_heads"], z["head_dim"], z["intermediate"], z["vocab"],
-            slots, capacity, self.eps, self.scale, self.rope_scaling,
+            self.inv_freq.data_ptr(), logits.data_ptr(), ids.data_ptr(), where.data_ptr(), ids.shape[0],
+            keep.data_ptr(), keep.shape[0], z["layers"], z["hidden"], z["heads"], z["kv_heads"], z["head_dim"],
+            z["intermediate"], z["vocab"], slots, capacity, self.eps, self.scale, self.rope_scaling,
         )  # fmt: skip
         return logits
 

@@ -1,9 +1,9 @@
-/* A Llama-family decoder's step for one row in one call (preheat.workers.engine.onerow): its
-   next 1 to 16 tokens (a single user's decode token, or the short rest of a prompt a cached
-   prefix leaves) through every layer, then the final norm and the output head for the last
-   one, in one OpenMP parallel region whose phases meet at barriers, the GIL released. Each
-   weight row is read once for all the tokens. Each op rounds to bf16 where transformers'
-   eager bf16 op does (a product, a sum, a norm, a rotation). */
+/* A Llama-family decoder's small step in one call (preheat.workers.engine.smallstep): 1 to 16
+   tokens (a single user's decode token, the short rest of a prompt a cached prefix leaves, a
+   few users decoding together, or these at once) through every layer, then the final norm and
+   the output head for each row's last token, in one OpenMP parallel region whose phases meet at
+   barriers, the GIL released. Each weight row is read once for all the tokens. Each op rounds
+   to bf16 where transformers' eager bf16 op does (a product, a sum, a norm, a rotation). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <omp.h>
@@ -130,17 +130,22 @@ static inline void residual_pair(uint16_t *h, int64_t pair, int64_t rows, int64_
 
 /* The step. table [layers, TABLE_WIDTH]: each layer's addresses (weights bf16 row-major as
    nn.Linear keeps them; keys and values the layer's [slots, kv_heads, capacity, head_dim]).
-   ids[t] sits at position + t; its key and value go to (slot, column + t), and its query
-   sees columns 0..column + t. logits [vocab] bf16: the last token's. Returns 0, or -1 out of
-   memory. */
-static int one_row(const int64_t *table, const uint16_t *embed, const uint16_t *final_norm, const uint16_t *head,
-                   const float *inv_freq, uint16_t *logits, const int64_t *ids, int64_t tokens, int64_t position,
-                   int64_t slot, int64_t column, Sizes z, float eps, float scale, float rope_scaling) {
+   Token t (ids[t]) sits at position where[t][2] of the row in slot where[t][0]; its key and
+   value go to column where[t][1] of that slot, and its query sees the slot's columns 0 to
+   where[t][1] (a row's earlier tokens of the step are written first). logits [kept, vocab]
+   bf16: those of the tokens keep[0..kept). Returns 0, or -1 out of memory. */
+static int small_step(const int64_t *table, const uint16_t *embed, const uint16_t *final_norm, const uint16_t *head,
+                      const float *inv_freq, uint16_t *logits, const int64_t *ids, const int64_t (*where)[3],
+                      int64_t tokens, const int64_t *keep, int64_t kept, Sizes z, float eps, float scale,
+                      float rope_scaling) {
     const int64_t hidden = z.hidden, dim = z.head_dim, half = dim / 2, q_rows = z.heads * dim;
     const int64_t kv_rows = z.kv_heads * dim, qkv_rows = q_rows + 2 * kv_rows, group = z.heads / z.kv_heads;
-    const int64_t most = column + tokens, inter = z.intermediate, blocks = (inter + 15) / 16, last = tokens - 1;
+    const int64_t inter = z.intermediate, blocks = (inter + 15) / 16;
+    int64_t most = 1; /* the most columns a token sees */
+    for (int64_t t = 0; t < tokens; t++) most = where[t][1] + 1 > most ? where[t][1] + 1 : most;
     /* two or three tokens padded to four (each sum one chain: too short to hide the latency), more to GROUPs */
     const int64_t padded = tokens == 1 ? 1 : tokens <= 4 ? 4 : (tokens + GROUP - 1) / GROUP * GROUP;
+    const int64_t padded_kept = kept == 1 ? 1 : kept <= 4 ? 4 : (kept + GROUP - 1) / GROUP * GROUP;
     const int threads = omp_get_max_threads();
     /* Token-major; the products' inputs padded with zero tokens up to `padded`. */
     uint16_t *h = malloc(2 * hidden * tokens), *qkv = malloc(2 * qkv_rows * tokens);
@@ -152,7 +157,7 @@ static int one_row(const int64_t *table, const uint16_t *embed, const uint16_t *
     for (int64_t t = 0; t < tokens; t++) {
         memcpy(h + t * hidden, embed + ids[t] * hidden, 2 * hidden);
         for (int64_t i = 0; i < half; i++) { /* float32 angles, scaled, then bf16: the model's cos and sin */
-            const float angle = (float)(position + t) * inv_freq[i];
+            const float angle = (float)where[t][2] * inv_freq[i];
             cs[t * dim + i] = from_bf16(to_bf16(cosf(angle) * rope_scaling));
             cs[t * dim + half + i] = from_bf16(to_bf16(sinf(angle) * rope_scaling));
         }
@@ -192,16 +197,16 @@ static int one_row(const int64_t *table, const uint16_t *embed, const uint16_t *
                     rotate(own + g * dim, own + g * dim, cs + t * dim, half);
                     continue;
                 }
-                const int64_t kv = g - z.heads, to = ((slot * z.kv_heads + kv) * z.capacity + column + t) * dim;
+                const int64_t kv = g - z.heads, to = ((where[t][0] * z.kv_heads + kv) * z.capacity + where[t][1]) * dim;
                 rotate(own + q_rows + kv * dim, keys + to, cs + t * dim, half);
                 memcpy(values + to, own + q_rows + kv_rows + kv * dim, 2 * dim);
             }
             #pragma omp for schedule(static)
             for (int64_t item = 0; item < tokens * z.heads; item++) {
                 const int64_t t = item / z.heads, q = item % z.heads;
-                const int64_t from = (slot * z.kv_heads + q / group) * z.capacity * dim;
+                const int64_t from = (where[t][0] * z.kv_heads + q / group) * z.capacity * dim;
                 attend_head(qkv + t * qkv_rows + q * dim, keys + from, values + from, attn + t * q_rows + q * dim,
-                            scores + item * most, column + t + 1, dim, scale);
+                            scores + item * most, where[t][1] + 1, dim, scale);
             }
             #pragma omp for schedule(static)
             for (int64_t pair = 0; pair < (hidden + 1) / 2; pair++)
@@ -227,9 +232,16 @@ static int one_row(const int64_t *table, const uint16_t *embed, const uint16_t *
             for (int64_t pair = 0; pair < (hidden + 1) / 2; pair++)
                 residual_pair(h, pair, hidden, padded, tokens, wd, mlp, inter, sums);
         }
-        rms_norm(h + last * hidden, final_norm, x, hidden, eps);
+        /* the kept tokens' final norms, packed (rows past `kept` stay zeros: padded_kept <= padded) */
+        memset(x, 0, 2 * hidden * padded);
+        for (int64_t k = 0; k < kept; k++) rms_norm(h + keep[k] * hidden, final_norm, x + k * hidden, hidden, eps);
         #pragma omp for schedule(static)
-        for (int64_t n = 0; n < z.vocab; n++) logits[n] = to_bf16(dot_bf16(head + n * hidden, x, hidden));
+        for (int64_t pair = 0; pair < (z.vocab + 1) / 2; pair++) {
+            const int64_t n0 = 2 * pair, n1 = n0 + 1 < z.vocab ? n0 + 1 : n0;
+            pair_dots(padded_kept, head + n0 * hidden, head + n1 * hidden, x, hidden, hidden, sums);
+            for (int64_t k = 0; k < kept; k++)
+                logits[k * z.vocab + n0] = to_bf16(sums[0][k]), logits[k * z.vocab + n1] = to_bf16(sums[1][k]);
+        }
     }
     status = 0;
 done:
@@ -237,47 +249,57 @@ done:
     return status;
 }
 
-/* one_row(table, embed, final_norm, head, inv_freq, logits, ids, tokens, position, slot, column, layers,
-   hidden, heads, kv_heads, head_dim, intermediate, vocab, slots, capacity, eps, scale, rope_scaling):
-   the sizes and ids checked here, by value, since the kernel reads and writes where the
-   addresses point. */
-PyObject *one_row_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* small_step(table, embed, final_norm, head, inv_freq, logits, ids, where, tokens, keep, kept, layers, hidden,
+   heads, kv_heads, head_dim, intermediate, vocab, slots, capacity, eps, scale, rope_scaling): the sizes, ids,
+   places and kept tokens checked here, by value, since the kernel reads and writes where the addresses
+   point. */
+PyObject *small_step_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 23) {
-        PyErr_SetString(PyExc_TypeError, "one_row takes 23 arguments");
+        PyErr_SetString(PyExc_TypeError, "small_step takes 23 arguments");
         return NULL;
     }
-    void *pointers[7];
-    long long v[13];
-    for (int i = 0; i < 7; i++) pointers[i] = PyLong_AsVoidPtr(args[i]);
-    for (int i = 0; i < 13; i++) v[i] = PyLong_AsLongLong(args[7 + i]);
+    void *pointers[9];
+    long long v[11];
+    const int pointer_at[9] = {0, 1, 2, 3, 4, 5, 6, 7, 9}, size_at[11] = {8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19};
+    for (int i = 0; i < 9; i++) pointers[i] = PyLong_AsVoidPtr(args[pointer_at[i]]);
+    for (int i = 0; i < 11; i++) v[i] = PyLong_AsLongLong(args[size_at[i]]);
     const double eps = PyFloat_AsDouble(args[20]), scale = PyFloat_AsDouble(args[21]);
     const double rope_scaling = PyFloat_AsDouble(args[22]);
     if (PyErr_Occurred()) return NULL;
-    const long long tokens = v[0], position = v[1], slot = v[2], column = v[3];
-    const Sizes z = {v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12]};
-    const int64_t *ids = pointers[6];
+    const long long tokens = v[0], kept = v[1];
+    const Sizes z = {v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10]};
+    const int64_t *ids = pointers[6], (*where)[3] = pointers[7], *keep = pointers[8];
     if (z.layers < 1 || z.hidden < 1 || z.heads < 1 || z.kv_heads < 1 || z.heads % z.kv_heads || z.head_dim % 32 ||
         z.head_dim < 32 || z.head_dim > 256 || z.intermediate < 1 || z.vocab < 1) {
-        PyErr_SetString(PyExc_ValueError, "one_row: heads, head size or layer sizes it does not compute");
+        PyErr_SetString(PyExc_ValueError, "small_step: heads, head size or layer sizes it does not compute");
         return NULL;
     }
-    if (tokens < 1 || tokens > MOST_TOKENS || position < 0 || slot < 0 || slot >= z.slots || column < 0 ||
-        column + tokens > z.capacity) {
-        PyErr_Format(PyExc_ValueError, "one_row: %lld tokens (1 to %d) at slot %lld, column %lld are outside the "
-                     "%lld slots of %lld columns", tokens, MOST_TOKENS, slot, column, (long long)z.slots,
-                     (long long)z.capacity);
+    if (tokens < 1 || tokens > MOST_TOKENS || kept < 1 || kept > tokens) {
+        PyErr_Format(PyExc_ValueError, "small_step: %lld tokens (1 to %d), %lld of them kept", tokens, MOST_TOKENS,
+                     kept);
         return NULL;
     }
-    for (long long t = 0; t < tokens; t++)
-        if (ids[t] < 0 || ids[t] >= z.vocab) {
-            PyErr_Format(PyExc_ValueError, "one_row: token %lld is outside the vocabulary's %lld", (long long)ids[t],
-                         (long long)z.vocab);
+    for (long long t = 0; t < tokens; t++) {
+        const int64_t slot = where[t][0], column = where[t][1], position = where[t][2];
+        if (ids[t] < 0 || ids[t] >= z.vocab || slot < 0 || slot >= z.slots || column < 0 || column >= z.capacity ||
+            position < 0) {
+            PyErr_Format(PyExc_ValueError, "small_step: token %lld (id %lld, slot %lld, column %lld, position %lld) "
+                         "is outside the vocabulary's %lld ids, the %lld slots or the %lld columns", t,
+                         (long long)ids[t], (long long)slot, (long long)column, (long long)position,
+                         (long long)z.vocab, (long long)z.slots, (long long)z.capacity);
+            return NULL;
+        }
+    }
+    for (long long k = 0; k < kept; k++)
+        if (keep[k] < 0 || keep[k] >= tokens) {
+            PyErr_Format(PyExc_ValueError, "small_step: kept token %lld is not one of the %lld", (long long)keep[k],
+                         tokens);
             return NULL;
         }
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = one_row(pointers[0], pointers[1], pointers[2], pointers[3], pointers[4], pointers[5], ids, tokens,
-                     position, slot, column, z, (float)eps, (float)scale, (float)rope_scaling);
+    status = small_step(pointers[0], pointers[1], pointers[2], pointers[3], pointers[4], pointers[5], ids, where,
+                        tokens, keep, kept, z, (float)eps, (float)scale, (float)rope_scaling);
     Py_END_ALLOW_THREADS
     if (status != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;

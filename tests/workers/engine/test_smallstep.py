@@ -1,9 +1,9 @@
-"""A batch of one row in one kernel call (preheat.workers.engine.onerow): the same top token as
+"""A small step in one kernel call (preheat.workers.engine.smallstep): the same top token as
 transformers' eager bf16 step position after position (or, at a near-tie, one eager scores
 within bf16's rounding of it), its keys and values written where the eager step writes them,
-for a decode token and for a chunk of a prompt, on the real model too; what it does not
-compute is refused with the reason, never run. A compiled runner's one-row step on the
-production path: tests/workers/engine/test_compiled.py."""
+for a decode token, a chunk of a prompt, and several rows at once, on the real model too;
+what it does not compute is refused with the reason, never run. A compiled runner's small
+step on the production path: tests/workers/engine/test_compiled.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from preheat.workers.engine import cpukernels
-from preheat.workers.engine.onerow import MOST_TOKENS, OneRowKernel
 from preheat.workers.engine.raggedkv import Segment
+from preheat.workers.engine.smallstep import MOST_TOKENS, SmallStepKernel
 from tests.conftest import support_request
 
 pytestmark = pytest.mark.skipif(not cpukernels.available(), reason="preheat's CPU kernels do not run here")
@@ -24,16 +24,26 @@ def _resident(model_dir, name: str, dtype: str = "bfloat16"):
     return ResidentModels("cpu", dtype_preference=dtype).ensure(ModelSource(name, str(model_dir)))[0]
 
 
-def _beside_eager(resident, kernel, kv, segment: Segment):
+def _written(kv, segments) -> list[torch.Tensor]:
+    """Every layer's keys and values at the columns the segments feed."""
+    return [
+        buffer[s.slot, :, kv.lengths[s.slot] : kv.lengths[s.slot] + len(s.ids)].clone()
+        for pair in kv.buffers
+        for buffer in pair
+        for s in segments
+    ]
+
+
+def _beside_eager(resident, kernel, kv, segment: Segment | list[Segment]):
     """(eager logits, the kernel's, eager's keys and values written, the kernel's): each step
     from the same KV, the kernel's kept."""
-    before, slot = kv.snapshot(), segment.slot
-    columns = slice(kv.lengths[slot], kv.lengths[slot] + len(segment.ids))
-    eager = resident.runner.step(kv, [segment]).float()
-    eager_kv = [(k[slot, :, columns].clone(), v[slot, :, columns].clone()) for k, v in kv.buffers]
+    segments = segment if isinstance(segment, list) else [segment]
+    before = kv.snapshot()
+    eager = resident.runner.step(kv, segments).float()
+    eager_kv = _written(kv, segments)
     kv.restore(before)
-    got = kernel(kv, segment).float()
-    got_kv = [(k[slot, :, columns].clone(), v[slot, :, columns].clone()) for k, v in kv.buffers]
+    got = kernel(kv, segments).float()
+    got_kv = _written(kv, segments)
     kv.stepped()
     return eager, got, eager_kv, got_kv
 
@@ -64,14 +74,16 @@ def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _agrees(eager, got, eager_kv, got_kv) -> None:
-    assert _eagers_best(eager, got) and _relative(got, eager) <= 0.02
-    for (k, v), (k_got, v_got) in zip(eager_kv, got_kv, strict=True):
-        assert _relative(k_got, k) <= 0.02 and _relative(v_got, v) <= 0.02
+    assert got.shape == eager.shape
+    for row_eager, row_got in zip(eager, got, strict=True):
+        assert _eagers_best(row_eager, row_got) and _relative(row_got, row_eager) <= 0.02
+    for written, written_got in zip(eager_kv, got_kv, strict=True):
+        assert _relative(written_got, written) <= 0.02
 
 
 def test_a_decode_tokens_logits_keys_and_values_are_the_eager_steps(tiny_model):
     resident = _resident(tiny_model, "one-row")
-    kernel, why_not = OneRowKernel.of(resident.model)
+    kernel, why_not = SmallStepKernel.of(resident.model)
     assert why_not is None and kernel is not None
     prompt = support_request(resident, "Where is my parcel?")[1][0].tolist()
     steps = _decode_beside_eager(resident, kernel, prompt, 12)
@@ -85,7 +97,7 @@ def test_a_prompts_chunks_after_a_cached_head_are_the_eager_steps(tiny_model, ch
     """A prompt's rest in chunks (what a cached prefix leaves), each chunk one call: every
     token's keys and values, and the logits after its last token, eager's."""
     resident = _resident(tiny_model, "one-row-chunks")
-    kernel, _ = OneRowKernel.of(resident.model)
+    kernel, _ = SmallStepKernel.of(resident.model)
     prompt = support_request(resident, "Summarise: the launch moved to March.")[1][0].tolist()
     head = len(prompt) - sum(chunks)
     kv = resident.runner.new_batch()
@@ -98,30 +110,49 @@ def test_a_prompts_chunks_after_a_cached_head_are_the_eager_steps(tiny_model, ch
     assert kv.lengths[slot] == len(prompt)
 
 
+def test_rows_decoding_and_a_chunk_together_are_the_eager_steps(tiny_model):
+    """Several rows in one step (three decoding at different lengths, one feeding a chunk of
+    its prompt): each row's logits, keys and values eager's."""
+    resident = _resident(tiny_model, "small-step-rows")
+    kernel, _ = SmallStepKernel.of(resident.model)
+    prompts = [support_request(resident, text)[1][0].tolist() for text in ("Hello", "Where is my parcel?", "Hi")]
+    kv = resident.runner.new_batch()
+    slots = [kv.add(None, len(prompt) + 8) for prompt in prompts]
+    for slot, prompt in zip(slots, prompts, strict=True):
+        resident.runner.step(kv, [Segment(slot, 0, tuple(prompt[: len(prompt) - 1 - slot]))])
+        kv.stepped()
+    for _ in range(3):
+        segments = [Segment(slot, kv.lengths[slot], (7 + slot,)) for slot in slots]
+        segments[-1] = Segment(
+            slots[-1], kv.lengths[slots[-1]], tuple(prompts[-1][kv.lengths[slots[-1]] :][:2]) or (9,)
+        )
+        _agrees(*_beside_eager(resident, kernel, kv, segments))
+
+
 @pytest.mark.parametrize("dtype, arch, reason", [("float32", "llama", "bf16"), ("bfloat16", "qwen2", "Llama")])
 def test_what_the_kernel_does_not_compute_it_refuses_and_says_why(dev_model, dtype, arch, reason):
     resident = _resident(dev_model(arch), f"refused-{arch}-{dtype}", dtype)
-    kernel, why_not = OneRowKernel.of(resident.model)
+    kernel, why_not = SmallStepKernel.of(resident.model)
     assert kernel is None and reason in why_not, why_not
 
 
 def test_ids_chunks_and_buffers_it_does_not_hold_are_refused_before_anything_is_written(tiny_model):
     resident = _resident(tiny_model, "one-row-guards")
-    kernel, _ = OneRowKernel.of(resident.model)
+    kernel, _ = SmallStepKernel.of(resident.model)
     kv = resident.runner.new_batch()
     slot = kv.add(None, 40)
-    kernel(kv, Segment(slot, 0, (5,)))
+    kernel(kv, [Segment(slot, 0, (5,))])
     kv.stepped()
     keys = kv.buffers[0][0][slot, :, 1:].clone()
-    with pytest.raises(ValueError, match="token 1000000"):
-        kernel(kv, Segment(slot, 1, (5, 1_000_000)))
+    with pytest.raises(ValueError, match="id 1000000"):
+        kernel(kv, [Segment(slot, 1, (5, 1_000_000))])
     with pytest.raises(ValueError, match=f"{MOST_TOKENS + 1} tokens"):
-        kernel(kv, Segment(slot, 1, (5,) * (MOST_TOKENS + 1)))
+        kernel(kv, [Segment(slot, 1, (5,) * (MOST_TOKENS + 1))])
     assert torch.equal(kv.buffers[0][0][slot, :, 1:], keys)
-    assert not OneRowKernel.covers([Segment(slot, 1, (5,) * (MOST_TOKENS + 1))])
+    assert not SmallStepKernel.covers([Segment(slot, 1, (5,) * 9), Segment(slot + 1, 0, (5,) * 8)])
     kv.buffers[0][0] = kv.buffers[0][0].float()  # a layer's keys of another dtype
     with pytest.raises(ValueError, match="bf16 KV buffers"):
-        kernel(kv, Segment(slot, 1, (5,)))
+        kernel(kv, [Segment(slot, 1, (5,))])
 
 
 @pytest.mark.slow
@@ -130,7 +161,7 @@ def test_on_the_real_model_the_kernel_agrees_with_transformers_bf16_and_float32(
     at the others, and float32 transformers' at nearly every one (bf16 changes rounding; the
     bench reports the figure)."""
     resident = _resident(real_model, "one-row-real")
-    kernel, why_not = OneRowKernel.of(resident.model)
+    kernel, why_not = SmallStepKernel.of(resident.model)
     assert kernel is not None, why_not
     prompt = support_request(resident, "Where is my parcel?")[1][0].tolist()
     steps = _decode_beside_eager(resident, kernel, prompt, 24)
