@@ -295,14 +295,17 @@ class CompiledSteps:
         return lambda kv, segments: self._run(kv, segments, adapters, self.stack.for_step(present))
 
     def _small(self, segments: list[Segment], adapters) -> bool:
-        """Whether this step is the small-step kernel's: few ids, no adapter."""
+        """Whether this step is the small-step kernel's: few ids, and any adapters stacked in bf16."""
+        if self.small_step is None or not self.small_step.covers(segments):
+            return False
         plain = adapters is None or all(adapter is None for adapter in adapters)
-        return self.small_step is not None and plain and self.small_step.covers(segments)
+        return plain or (self.stack is not None and self.stack.targets.dtype is torch.bfloat16)
 
     def _run(self, kv: RaggedKV, segments: list[Segment], adapters=None, stack: Stacked | None = None, small=True):
         if small and self._small(segments, adapters):
+            lora = (stack, step_columns([len(s.ids) for s in segments], adapters, stack)) if stack is not None else None
             with _STEP_LOCK, torch.inference_mode():  # the kernel's table of addresses is one per model
-                return self.small_step(kv, segments)
+                return self.small_step(kv, segments, lora)
         kind = self.kind(segments, adapters)
         # Every input an inference tensor, as the graphs were compiled on (a guard checks it).
         with _STEP_LOCK, torch.inference_mode():

@@ -116,15 +116,67 @@ static inline uint16_t add_bf16(uint16_t residual, float product) {
     return to_bf16(from_bf16(residual) + from_bf16(to_bf16(product)));
 }
 
+/* The step's LoRA adapters (preheat.workers.engine.lorastack): per adapted kind (q, k, v, o,
+   gate, up, down) the stacks A [layers, width, in] and B [layers, width, out] (bf16, B scaled),
+   or none; each token's (first column, rank), rank 0 for the base's. delta [kind][token][out]:
+   each token's own adapter's (A x) B, float32, added to the product before its rounding. */
+enum { LQ, LK, LV, LO, LGATE, LUP, LDOWN, KINDS };
+typedef struct {
+    const uint16_t *a[KINDS], *b[KINDS];
+    int64_t width, most_rank;
+    const int64_t (*columns)[2];
+    float *h, *delta[KINDS]; /* h [tokens][KINDS][most_rank] */
+} Lora;
+
+/* A group of kinds that read one input (x [tokens, in], `stride` apart): the shrinks (A x, a
+   token and kind an item), a barrier, then the expands (64 outputs of a token and kind an
+   item), each split over the threads; the caller's product phase adds the deltas. */
+static void lora_phases(const Lora *l, const int *kinds, int count, int64_t layer, const uint16_t *x, int64_t in,
+                        const int64_t *outs, int64_t tokens) {
+    #pragma omp for schedule(static)
+    for (int64_t item = 0; item < tokens * count; item++) {
+        const int64_t t = item / count, kind = kinds[item % count], first = l->columns[t][0];
+        const int64_t rank = l->a[kind] ? l->columns[t][1] : 0;
+        float *h = l->h + (t * KINDS + kind) * l->most_rank;
+        for (int64_t j = 0; j < rank; j++) h[j] = dot_bf16(l->a[kind] + (layer * l->width + first + j) * in, x + t * in, in);
+    }
+    int64_t blocks = 0;
+    for (int i = 0; i < count; i++) blocks += (outs[i] + 63) / 64;
+    #pragma omp for schedule(static)
+    for (int64_t item = 0; item < tokens * blocks; item++) {
+        const int64_t t = item / blocks;
+        int64_t block = item % blocks, i = 0;
+        while (block >= (outs[i] + 63) / 64) block -= (outs[i] + 63) / 64, i++;
+        const int kind = kinds[i];
+        const int64_t out = outs[i], o = 64 * block, first = l->columns[t][0];
+        const int64_t rank = l->a[kind] ? l->columns[t][1] : 0;
+        const float *h = l->h + (t * KINDS + kind) * l->most_rank;
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t j = 0; j < rank; j++) {
+            const uint16_t *row = l->b[kind] + (layer * l->width + first + j) * out;
+            for (int u = 0; u < 4; u++)
+                acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(h[j]), load_lanes(row, o + 16 * u, first_lanes(out - o - 16 * u), 1), acc[u]);
+        }
+        for (int u = 0; u < 4; u++) _mm512_mask_storeu_ps(l->delta[kind] + t * out + o + 16 * u, first_lanes(out - o - 16 * u), acc[u]);
+    }
+}
+
+/* A product's value for token t and output n, rounded as the graph's product then its adapter's
+   delta are (`preheat::packed_linear_lora`): the product rounded, the delta added, rounded again. */
+static inline float with_delta(float product, const Lora *l, int kind, int64_t t, int64_t out, int64_t n) {
+    return l->columns ? from_bf16(to_bf16(product)) + l->delta[kind][t * out + n] : product;
+}
+
 /* Rows 2 * pair and the next (of `rows`) of a product whose output is added to the residual h
-   ([tokens, rows]): w [rows, k_len], its input x [tokens, k_len]. */
+   ([tokens, rows]): w [rows, k_len], its input x [tokens, k_len]; `kind` its adapters'. */
 static inline void residual_pair(uint16_t *h, int64_t pair, int64_t rows, int64_t padded, int64_t tokens,
-                                 const uint16_t *w, const uint16_t *x, int64_t k_len, float sums[2][MOST_TOKENS]) {
+                                 const uint16_t *w, const uint16_t *x, int64_t k_len, float sums[2][MOST_TOKENS],
+                                 const Lora *l, int kind) {
     const int64_t n0 = 2 * pair, n1 = n0 + 1 < rows ? n0 + 1 : n0;
     pair_dots(padded, w + n0 * k_len, w + n1 * k_len, x, k_len, k_len, sums);
     for (int64_t t = 0; t < tokens; t++) {
-        h[t * rows + n0] = add_bf16(h[t * rows + n0], sums[0][t]);
-        if (n1 != n0) h[t * rows + n1] = add_bf16(h[t * rows + n1], sums[1][t]);
+        h[t * rows + n0] = add_bf16(h[t * rows + n0], with_delta(sums[0][t], l, kind, t, rows, n0));
+        if (n1 != n0) h[t * rows + n1] = add_bf16(h[t * rows + n1], with_delta(sums[1][t], l, kind, t, rows, n1));
     }
 }
 
@@ -137,7 +189,7 @@ static inline void residual_pair(uint16_t *h, int64_t pair, int64_t rows, int64_
 static int small_step(const int64_t *table, const uint16_t *embed, const uint16_t *final_norm, const uint16_t *head,
                       const float *inv_freq, uint16_t *logits, const int64_t *ids, const int64_t (*where)[3],
                       int64_t tokens, const int64_t *keep, int64_t kept, Sizes z, float eps, float scale,
-                      float rope_scaling) {
+                      float rope_scaling, Lora *l) {
     const int64_t hidden = z.hidden, dim = z.head_dim, half = dim / 2, q_rows = z.heads * dim;
     const int64_t kv_rows = z.kv_heads * dim, qkv_rows = q_rows + 2 * kv_rows, group = z.heads / z.kv_heads;
     const int64_t inter = z.intermediate, blocks = (inter + 15) / 16;
@@ -152,8 +204,16 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
     uint16_t *attn = calloc(q_rows * padded, 2), *mlp = calloc(inter * padded, 2);
     uint16_t *normed = calloc(hidden * padded * threads, 2);
     float *scores = malloc(sizeof(float) * z.heads * tokens * most), *cs = malloc(sizeof(float) * dim * tokens);
+    const int64_t outs[KINDS] = {q_rows, kv_rows, kv_rows, hidden, inter, inter, hidden};
+    int64_t delta_size = 0;
+    for (int k = 0; k < KINDS; k++) delta_size += outs[k] * tokens;
+    float *lora_h = l->columns ? calloc(tokens * KINDS * (l->most_rank + 1), sizeof(float)) : NULL;
+    float *deltas = l->columns ? calloc(delta_size, sizeof(float)) : NULL;
+    for (int64_t k = 0, at = 0; deltas && k < KINDS; at += outs[k] * tokens, k++) l->delta[k] = deltas + at;
+    l->h = lora_h;
+    static const int QKV[3] = {LQ, LK, LV}, OUT[1] = {LO}, GATE_UP[2] = {LGATE, LUP}, DOWN_ONLY[1] = {LDOWN};
     int status = -1;
-    if (!h || !qkv || !attn || !mlp || !normed || !scores || !cs) goto done;
+    if (!h || !qkv || !attn || !mlp || !normed || !scores || !cs || (l->columns && (!lora_h || !deltas))) goto done;
     for (int64_t t = 0; t < tokens; t++) {
         memcpy(h + t * hidden, embed + ids[t] * hidden, 2 * hidden);
         for (int64_t i = 0; i < half; i++) { /* float32 angles, scaled, then bf16: the model's cos and sin */
@@ -174,6 +234,7 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
             uint16_t *keys = (uint16_t *)at[KEYS], *values = (uint16_t *)at[VALUES];
             for (int64_t t = 0; t < tokens; t++)
                 rms_norm(h + t * hidden, (const uint16_t *)at[NORM_IN], x + t * hidden, hidden, eps);
+            if (l->columns) lora_phases(l, QKV, 3, layer, x, hidden, outs, tokens);
             #pragma omp for schedule(static)
             for (int64_t pair = 0; pair < (qkv_rows + 1) / 2; pair++) { /* q, k and v's rows as one matrix */
                 const int64_t n0 = 2 * pair, n1 = n0 + 1 < qkv_rows ? n0 + 1 : n0;
@@ -185,8 +246,12 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                                                      : wv + (n - q_rows - kv_rows) * hidden;
                 }
                 pair_dots(padded, rows[0], rows[1], x, hidden, hidden, sums);
-                for (int64_t t = 0; t < tokens; t++)
-                    qkv[t * qkv_rows + n0] = to_bf16(sums[0][t]), qkv[t * qkv_rows + n1] = to_bf16(sums[1][t]);
+                for (int i = 0; i < 2; i++) {
+                    const int64_t n = i ? n1 : n0, kind = n < q_rows ? LQ : n < q_rows + kv_rows ? LK : LV;
+                    const int64_t row = kind == LQ ? n : kind == LK ? n - q_rows : n - q_rows - kv_rows;
+                    for (int64_t t = 0; t < tokens; t++)
+                        qkv[t * qkv_rows + n] = to_bf16(with_delta(sums[i][t], l, kind, t, outs[kind], row));
+                }
             }
             #pragma omp for schedule(static)
             for (int64_t item = 0; item < tokens * (z.heads + z.kv_heads); item++) {
@@ -208,11 +273,13 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                 attend_head(qkv + t * qkv_rows + q * dim, keys + from, values + from, attn + t * q_rows + q * dim,
                             scores + item * most, where[t][1] + 1, dim, scale);
             }
+            if (l->columns) lora_phases(l, OUT, 1, layer, attn, q_rows, outs + LO, tokens);
             #pragma omp for schedule(static)
             for (int64_t pair = 0; pair < (hidden + 1) / 2; pair++)
-                residual_pair(h, pair, hidden, padded, tokens, wo, attn, q_rows, sums);
+                residual_pair(h, pair, hidden, padded, tokens, wo, attn, q_rows, sums, l, LO);
             for (int64_t t = 0; t < tokens; t++)
                 rms_norm(h + t * hidden, (const uint16_t *)at[NORM_POST], x + t * hidden, hidden, eps);
+            if (l->columns) lora_phases(l, GATE_UP, 2, layer, x, hidden, outs + LGATE, tokens);
             #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) { /* 16 rows of gate and of up, then their SiLU product */
                 float gate[MOST_TOKENS][16], up[MOST_TOKENS][16];
@@ -220,7 +287,10 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                 const __mmask16 m = first_lanes(inter - first);
                 for (int64_t k = 0; k < 16 && first + k < inter; k++) { /* a gate row and its up row as a pair */
                     pair_dots(padded, wg + (first + k) * hidden, wu + (first + k) * hidden, x, hidden, hidden, sums);
-                    for (int64_t t = 0; t < tokens; t++) gate[t][k] = sums[0][t], up[t][k] = sums[1][t];
+                    for (int64_t t = 0; t < tokens; t++) {
+                        gate[t][k] = with_delta(sums[0][t], l, LGATE, t, inter, first + k);
+                        up[t][k] = with_delta(sums[1][t], l, LUP, t, inter, first + k);
+                    }
                 }
                 for (int64_t t = 0; t < tokens; t++) {
                     const __m512 g16 = round_bf16_ps(_mm512_maskz_loadu_ps(m, gate[t]));
@@ -228,9 +298,10 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                     store_lanes(mlp + t * inter, first, m, silu_times(g16, u16), 1);
                 }
             }
+            if (l->columns) lora_phases(l, DOWN_ONLY, 1, layer, mlp, inter, outs + LDOWN, tokens);
             #pragma omp for schedule(static)
             for (int64_t pair = 0; pair < (hidden + 1) / 2; pair++)
-                residual_pair(h, pair, hidden, padded, tokens, wd, mlp, inter, sums);
+                residual_pair(h, pair, hidden, padded, tokens, wd, mlp, inter, sums, l, LDOWN);
         }
         /* the kept tokens' final norms, packed (rows past `kept` stay zeros: padded_kept <= padded) */
         memset(x, 0, 2 * hidden * padded);
@@ -245,30 +316,33 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
     }
     status = 0;
 done:
-    free(h), free(qkv), free(attn), free(mlp), free(normed), free(scores), free(cs);
+    free(h), free(qkv), free(attn), free(mlp), free(normed), free(scores), free(cs), free(lora_h), free(deltas);
     return status;
 }
 
 /* small_step(table, embed, final_norm, head, inv_freq, logits, ids, where, tokens, keep, kept, layers, hidden,
-   heads, kv_heads, head_dim, intermediate, vocab, slots, capacity, eps, scale, rope_scaling): the sizes, ids,
-   places and kept tokens checked here, by value, since the kernel reads and writes where the addresses
-   point. */
+   heads, kv_heads, head_dim, intermediate, vocab, slots, capacity, eps, scale, rope_scaling, stacks, width,
+   columns): `stacks` [KINDS][2] the adapters' A and B (0: a kind none adapts), `columns` [tokens][2] (0: no
+   adapters). The sizes, ids, places, kept tokens and adapters' columns checked here, by value, since the
+   kernel reads and writes where the addresses point. */
 PyObject *small_step_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 23) {
-        PyErr_SetString(PyExc_TypeError, "small_step takes 23 arguments");
+    if (nargs != 26) {
+        PyErr_SetString(PyExc_TypeError, "small_step takes 26 arguments");
         return NULL;
     }
-    void *pointers[9];
-    long long v[11];
-    const int pointer_at[9] = {0, 1, 2, 3, 4, 5, 6, 7, 9}, size_at[11] = {8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19};
-    for (int i = 0; i < 9; i++) pointers[i] = PyLong_AsVoidPtr(args[pointer_at[i]]);
-    for (int i = 0; i < 11; i++) v[i] = PyLong_AsLongLong(args[size_at[i]]);
+    void *pointers[11];
+    long long v[12];
+    const int pointer_at[11] = {0, 1, 2, 3, 4, 5, 6, 7, 9, 23, 25};
+    const int size_at[12] = {8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 24};
+    for (int i = 0; i < 11; i++) pointers[i] = PyLong_AsVoidPtr(args[pointer_at[i]]);
+    for (int i = 0; i < 12; i++) v[i] = PyLong_AsLongLong(args[size_at[i]]);
     const double eps = PyFloat_AsDouble(args[20]), scale = PyFloat_AsDouble(args[21]);
     const double rope_scaling = PyFloat_AsDouble(args[22]);
     if (PyErr_Occurred()) return NULL;
-    const long long tokens = v[0], kept = v[1];
+    const long long tokens = v[0], kept = v[1], width = v[11];
     const Sizes z = {v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10]};
     const int64_t *ids = pointers[6], (*where)[3] = pointers[7], *keep = pointers[8];
+    const int64_t (*stacks)[2] = pointers[9], (*columns)[2] = pointers[10];
     if (z.layers < 1 || z.hidden < 1 || z.heads < 1 || z.kv_heads < 1 || z.heads % z.kv_heads || z.head_dim % 32 ||
         z.head_dim < 32 || z.head_dim > 256 || z.intermediate < 1 || z.vocab < 1) {
         PyErr_SetString(PyExc_ValueError, "small_step: heads, head size or layer sizes it does not compute");
@@ -296,10 +370,22 @@ PyObject *small_step_call(PyObject *self, PyObject *const *args, Py_ssize_t narg
                          tokens);
             return NULL;
         }
+    Lora lora = {.columns = columns, .width = width, .most_rank = 0};
+    for (long long t = 0; columns && t < tokens; t++) {
+        const int64_t first = columns[t][0], rank = columns[t][1];
+        if (first < 0 || rank < 0 || first + rank > width) {
+            PyErr_Format(PyExc_ValueError, "small_step: token %lld's adapter columns (%lld from %lld) are outside the "
+                         "stacks' %lld", t, (long long)rank, (long long)first, (long long)width);
+            return NULL;
+        }
+        lora.most_rank = rank > lora.most_rank ? rank : lora.most_rank;
+    }
+    for (int k = 0; columns && k < KINDS; k++)
+        lora.a[k] = (const uint16_t *)stacks[k][0], lora.b[k] = stacks[k][0] ? (const uint16_t *)stacks[k][1] : NULL;
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = small_step(pointers[0], pointers[1], pointers[2], pointers[3], pointers[4], pointers[5], ids, where,
-                        tokens, keep, kept, z, (float)eps, (float)scale, (float)rope_scaling);
+                        tokens, keep, kept, z, (float)eps, (float)scale, (float)rope_scaling, &lora);
     Py_END_ALLOW_THREADS
     if (status != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;

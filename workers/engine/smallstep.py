@@ -16,15 +16,18 @@ so does this: one parallel region, the threads splitting each product's rows (ea
 once for every token; past 8 tokens two rows at a time, so the products and not the loads
 set the pace), six barriers a layer, the GIL released for the whole step. Each token carries
 its own slot, column and position, so a chunk's tokens and different rows' tokens are alike.
+Rows under LoRA adapters run here too: each token's own adapter's shrink and expand, split
+over the threads before each product (eight more barriers a layer), its delta added to the
+product's rounded value and rounded again, as `preheat::packed_linear_lora` does in the graph.
 
 **transformers is the ground truth.** Each op rounds to bf16 where transformers' eager bf16
 op rounds (the norms, the rotation, each product, the residual sums), so its tokens are
 eager transformers' up to the order of float32 sums (tests/workers/engine/test_smallstep.py).
 It runs only where it was proven to be the model it computes: a Llama or Mistral decoder
 (their layer classes), SiLU, no bias, no sliding window, a rotary embedding of fixed
-frequencies, every weight bf16 of the expected shape. Anything else (float32, a step with an
-adapter, more tokens, another architecture) runs the compiled graph, and `SmallStepKernel.of`
-says why.
+frequencies, every weight bf16 of the expected shape. Anything else (float32, adapters' stacks
+not in bf16, more tokens, another architecture) runs the compiled graph, and
+`SmallStepKernel.of` says why.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from preheat.workers.engine.raggedkv import RaggedKV, Segment
 MOST_TOKENS = 16  # smallstep.c's: a step feeding more runs the compiled graph
 LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer"}  # transformers' classes whose forward the kernel computes
 STATIC_ROPE = {"default", "linear", "llama3"}  # rotary embeddings whose frequencies do not change with the length
+# What LoRA adapters may adapt, in smallstep.c's order (LQ ... LDOWN): indices into WEIGHTS.
+ADAPTED = (1, 2, 3, 4, 6, 7, 8)
 # The order of a layer's row of addresses (smallstep.c's enum).
 WEIGHTS = (
     "input_layernorm",
@@ -65,6 +70,10 @@ class SmallStepKernel:
         for layer, tensors in enumerate(weights):
             self.table[layer, : len(WEIGHTS)] = torch.tensor([t.data_ptr() for t in tensors])
         self._buffers: list[torch.Tensor] = []  # the keys and values whose addresses the table holds
+        # Each weight's kind as the adapters' stacks name it ("model.layers.*.self_attn.q_proj").
+        first = next(name for name, module in model.named_modules() if module is inner.layers[0])
+        self.kinds = [f"{first.rsplit('.', 1)[0]}.*.{path}" for path in WEIGHTS]
+        self._stacks: tuple | None = None
         self._like = torch.empty((1, sizes["kv_heads"], 1, sizes["head_dim"]), dtype=torch.bfloat16)
 
     @classmethod
@@ -115,9 +124,12 @@ class SmallStepKernel:
         """Whether a step of these segments feeds at most MOST_TOKENS ids in all."""
         return sum(len(segment.ids) for segment in segments) <= MOST_TOKENS
 
-    def __call__(self, kv: RaggedKV, segments: list[Segment]) -> torch.Tensor:
+    def __call__(self, kv: RaggedKV, segments: list[Segment], adapters=None) -> torch.Tensor:
         """The logits after each segment's last id, [segments, vocab] bf16; their keys and
-        values written into their slots (the step's layout set on `kv`, as a step's pass sets it)."""
+        values written into their slots (the step's layout set on `kv`, as a step's pass sets it).
+        `adapters`: (the step's stacks, each token's columns) where its rows have LoRA adapters
+        (preheat.workers.engine.lorastack), each token's added to every product it adapts."""
+        stacks, width, columns = self._adapters(*adapters) if adapters is not None else (None, 0, None)
         where, keep = kv.small_step(segments, self._like)
         held = [tensor for pair in kv.buffers for tensor in pair]
         if len(held) != len(self._buffers) or any(a is not b for a, b in zip(held, self._buffers, strict=True)):
@@ -135,8 +147,32 @@ class SmallStepKernel:
             self.inv_freq.data_ptr(), logits.data_ptr(), ids.data_ptr(), where.data_ptr(), ids.shape[0],
             keep.data_ptr(), keep.shape[0], z["layers"], z["hidden"], z["heads"], z["kv_heads"], z["head_dim"],
             z["intermediate"], z["vocab"], slots, capacity, self.eps, self.scale, self.rope_scaling,
+            0 if stacks is None else stacks.data_ptr(), width, 0 if columns is None else columns.data_ptr(),
         )  # fmt: skip
         return logits
+
+    def _adapters(self, stacked, columns: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """The step's stacks as smallstep.c reads them: [kinds, 2] addresses of each adapted
+        kind's A and B (0 where none adapts it), their width, the columns; each stack proven
+        bf16 and of its kind's shape first."""
+        width, layers = None, self.sizes["layers"]
+        stacks = torch.zeros((len(ADAPTED), 2), dtype=torch.int64)
+        for k, index in enumerate(ADAPTED):
+            kind = self.kinds[index]
+            if kind not in stacked.a:
+                continue
+            a, b = stacked.a[kind], stacked.b[kind]
+            out, inner = self.weights[0][index].shape
+            width = a.shape[1] if width is None else width
+            if not (_bf16(a, (layers, width, inner)) and _bf16(b, (layers, width, out))):
+                raise ValueError(
+                    f"the small step takes bf16 stacks of {kind} like its weights, got {_described([a, b])}"
+                )
+            stacks[k] = torch.tensor([a.data_ptr(), b.data_ptr()])
+        if columns.dtype is not torch.int64 or columns.shape != (columns.shape[0], 2) or not columns.is_contiguous():
+            raise ValueError(f"the small step takes [tokens, 2] int64 adapter columns, got {_described([columns])}")
+        self._stacks = (stacked, columns)  # alive while the kernel reads their addresses
+        return stacks, width or 0, columns
 
 
 def _bf16(tensor: torch.Tensor, shape: tuple) -> bool:

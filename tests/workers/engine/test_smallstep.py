@@ -34,15 +34,22 @@ def _written(kv, segments) -> list[torch.Tensor]:
     ]
 
 
-def _beside_eager(resident, kernel, kv, segment: Segment | list[Segment]):
+def _beside_eager(resident, kernel, kv, segment: Segment | list[Segment], adapters=None):
     """(eager logits, the kernel's, eager's keys and values written, the kernel's): each step
-    from the same KV, the kernel's kept."""
+    from the same KV, the kernel's kept. `adapters`: each segment's LoraWeights or None."""
+    from preheat.workers.engine.lorastack import Stacked, Targets, step_columns
+
     segments = segment if isinstance(segment, list) else [segment]
+    lora = None
+    if adapters is not None:
+        present = tuple({id(a): a for a in adapters if a is not None}.values())
+        stacked = Stacked.of(present, Targets.of(resident.model), kv.device)
+        lora = (stacked, step_columns([len(s.ids) for s in segments], adapters, stacked))
     before = kv.snapshot()
-    eager = resident.runner.step(kv, segments).float()
+    eager = resident.runner.step(kv, segments, adapters).float()
     eager_kv = _written(kv, segments)
     kv.restore(before)
-    got = kernel(kv, segments).float()
+    got = kernel(kv, segments, lora).float()
     got_kv = _written(kv, segments)
     kv.stepped()
     return eager, got, eager_kv, got_kv
@@ -127,6 +134,35 @@ def test_rows_decoding_and_a_chunk_together_are_the_eager_steps(tiny_model):
             slots[-1], kv.lengths[slots[-1]], tuple(prompts[-1][kv.lengths[slots[-1]] :][:2]) or (9,)
         )
         _agrees(*_beside_eager(resident, kernel, kv, segments))
+
+
+def test_rows_under_their_own_adapters_are_the_eager_steps(tiny_model, tmp_path):
+    """Rows under two adapters and the base in one small step, a chunk among them: each
+    token's own adapter added to every product it adapts, as the eager step's hooks (PEFT's
+    arithmetic) add it, and the base's row untouched by either."""
+    from preheat.cli.devadapter import make_adapter
+    from preheat.workers.engine.lora import read_adapter
+
+    resident = _resident(tiny_model, "small-step-lora")
+    kernel, _ = SmallStepKernel.of(resident.model)
+    adapters = [
+        read_adapter(
+            n, "small-step-lora", make_adapter(tiny_model, tmp_path / n, rank=r, seed=s), resident.model, max_rank=64
+        )
+        for n, r, s in (("a", 8, 1), ("b", 16, 2))
+    ]
+    prompts = [support_request(resident, text)[1][0].tolist() for text in ("Hello", "Where is my parcel?", "Hi")]
+    kv = resident.runner.new_batch()
+    slots = [kv.add(None, len(prompt) + 8) for prompt in prompts]
+    per_row = [adapters[0], None, adapters[1]]
+    for slot, prompt, adapter in zip(slots, prompts, per_row, strict=True):
+        resident.runner.step(kv, [Segment(slot, 0, tuple(prompt[:-2]))], [adapter])
+        kv.stepped()
+    for step in range(2):
+        segments = [Segment(slot, kv.lengths[slot], (7 + slot,)) for slot in slots]
+        if step == 0:  # the last row's prompt, two tokens
+            segments[-1] = Segment(slots[-1], kv.lengths[slots[-1]], tuple(prompts[-1][-2:]))
+        _agrees(*_beside_eager(resident, kernel, kv, segments, per_row))
 
 
 @pytest.mark.parametrize("dtype, arch, reason", [("float32", "llama", "bf16"), ("bfloat16", "qwen2", "Llama")])
