@@ -232,10 +232,7 @@ class RaggedKV:
         sequence at their own positions, the logits kept at each segment's last id."""
         ids = [i for segment in segments for i in segment.ids]
         positions = [segment.start + k for segment in segments for k in range(len(segment.ids))]
-        self.layout = Layout(self, segments)
-        last = torch.tensor([self.layout.first[i] + len(s.ids) - 1 for i, s in enumerate(segments)])
-        needed = max(self.columns(s.slot, None, after=len(s.ids)) for s in segments)
-        self._reserve(len(self.lengths), needed)
+        last = torch.tensor(self._begin(segments))
         device = self.device
         return {
             "input_ids": torch.tensor([ids], dtype=torch.long, device=device),
@@ -253,8 +250,7 @@ class RaggedKV:
         layout set, room made for the new positions and every layer's buffers made (heads, head
         size and dtype of `like`, a layer's key tensor). Returns each fed token's [slot, column,
         position] and the packed index of each segment's last token. Layers without a window only."""
-        self.layout = Layout(self, segments)
-        self._reserve(len(self.lengths), max(self.columns(s.slot, None, after=len(s.ids)) for s in segments))
+        last = self._begin(segments)
         for index in range(len(self.buffers)):
             self._buffers(index, like)
         where = [
@@ -262,7 +258,14 @@ class RaggedKV:
             for segment in segments
             for k in range(len(segment.ids))
         ]
-        return where, [first + len(segment.ids) - 1 for first, segment in zip(self.layout.first, segments, strict=True)]
+        return where, last
+
+    def _begin(self, segments: list[Segment]) -> list[int]:
+        """A step's layout set and room made for what it feeds; the packed index of each
+        segment's last id (whose logits the step keeps)."""
+        self.layout = Layout(self, segments)
+        self._reserve(len(self.lengths), max(self.columns(s.slot, None, after=len(s.ids)) for s in segments))
+        return [first + len(segment.ids) - 1 for first, segment in zip(self.layout.first, segments, strict=True)]
 
     def stepped(self) -> None:
         """After the step's pass: every row holds what it fed."""

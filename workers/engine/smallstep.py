@@ -73,7 +73,6 @@ class SmallStepKernel:
         # Each weight's kind as the adapters' stacks name it ("model.layers.*.self_attn.q_proj").
         first = next(name for name, module in model.named_modules() if module is inner.layers[0])
         self.kinds = [f"{first.rsplit('.', 1)[0]}.*.{path}" for path in WEIGHTS]
-        self._stacks: tuple | None = None
         self._like = torch.empty((1, sizes["kv_heads"], 1, sizes["head_dim"]), dtype=torch.bfloat16)
 
     @classmethod
@@ -129,7 +128,8 @@ class SmallStepKernel:
         values written into their slots (the step's layout set on `kv`, as a step's pass sets it).
         `adapters`: (the step's stacks, each token's columns) where its rows have LoRA adapters
         (preheat.workers.engine.lorastack), each token's added to every product it adapts."""
-        stacks, width, columns = self._adapters(*adapters) if adapters is not None else (None, 0, None)
+        tokens = sum(len(segment.ids) for segment in segments)
+        stacks, width, columns = self._adapters(*adapters, tokens) if adapters is not None else (None, 0, None)
         where, keep = kv.small_step(segments, self._like)
         held = [tensor for pair in kv.buffers for tensor in pair]
         if len(held) != len(self._buffers) or any(a is not b for a, b in zip(held, self._buffers, strict=True)):
@@ -151,10 +151,10 @@ class SmallStepKernel:
         )  # fmt: skip
         return logits
 
-    def _adapters(self, stacked, columns: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    def _adapters(self, stacked, columns: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int, torch.Tensor]:
         """The step's stacks as smallstep.c reads them: [kinds, 2] addresses of each adapted
-        kind's A and B (0 where none adapts it), their width, the columns; each stack proven
-        bf16 and of its kind's shape first."""
+        kind's A and B (0 where none adapts it), their width, the columns (a row for each of
+        the step's `tokens`: the kernel reads that many); each proven first."""
         width, layers = None, self.sizes["layers"]
         stacks = torch.zeros((len(ADAPTED), 2), dtype=torch.int64)
         for k, index in enumerate(ADAPTED):
@@ -169,9 +169,8 @@ class SmallStepKernel:
                     f"the small step takes bf16 stacks of {kind} like its weights, got {_described([a, b])}"
                 )
             stacks[k] = torch.tensor([a.data_ptr(), b.data_ptr()])
-        if columns.dtype is not torch.int64 or columns.shape != (columns.shape[0], 2) or not columns.is_contiguous():
-            raise ValueError(f"the small step takes [tokens, 2] int64 adapter columns, got {_described([columns])}")
-        self._stacks = (stacked, columns)  # alive while the kernel reads their addresses
+        if columns.dtype is not torch.int64 or columns.shape != (tokens, 2) or not columns.is_contiguous():
+            raise ValueError(f"the small step takes [{tokens}, 2] int64 adapter columns, got {_described([columns])}")
         return stacks, width or 0, columns
 
 

@@ -184,6 +184,11 @@ def test_ids_chunks_and_buffers_it_does_not_hold_are_refused_before_anything_is_
         kernel(kv, [Segment(slot, 1, (5, 1_000_000))])
     with pytest.raises(ValueError, match=f"{MOST_TOKENS + 1} tokens"):
         kernel(kv, [Segment(slot, 1, (5,) * (MOST_TOKENS + 1))])
+    from preheat.workers.engine.lorastack import Stacked, Targets
+
+    stacked = Stacked.of((), Targets.of(resident.model), kv.device)
+    with pytest.raises(ValueError, match=r"\[2, 2\] int64 adapter columns"):  # a row short: never read past it
+        kernel(kv, [Segment(slot, 1, (5, 6))], (stacked, torch.zeros((1, 2), dtype=torch.int64)))
     assert torch.equal(kv.buffers[0][0][slot, :, 1:], keys)
     assert not SmallStepKernel.covers([Segment(slot, 1, (5,) * 9), Segment(slot + 1, 0, (5,) * 8)])
     kv.buffers[0][0] = kv.buffers[0][0].float()  # a layer's keys of another dtype
