@@ -46,14 +46,21 @@ def pick_loader(preference: str, placement: Placement, path: str = "") -> str:
     return preference
 
 
+# The model's own modules, as its code defines them: transformers 5.x swaps layers for Hub
+# kernels by default where the `kernels` package is installed (seen on a CUDA host: a load
+# that fetched from the Hub, which no worker reaches). preheat's steps replace the attention
+# and the linear layers themselves, and nothing is fetched at run time.
+_AS_IS = {"use_kernels": False}
+
+
 def load_weights(path: str, placement: Placement, loader: str, onto: dict, pinned: dict):
     """The model at `path` with its weights in `placement.dtype` (moved to the device by the caller)."""
     from transformers import AutoModelForCausalLM
 
     if is_gguf(path):
-        return AutoModelForCausalLM.from_pretrained(**gguf_source(path), dtype=placement.dtype, **onto)
+        return AutoModelForCausalLM.from_pretrained(**gguf_source(path), **_AS_IS, dtype=placement.dtype, **onto)
     if loader == "transformers":
-        return AutoModelForCausalLM.from_pretrained(path, dtype=placement.dtype, **onto, **pinned)
+        return AutoModelForCausalLM.from_pretrained(path, **_AS_IS, dtype=placement.dtype, **onto, **pinned)
     return _streamed(path, placement, pinned)
 
 
@@ -109,7 +116,7 @@ def _streamed(path: str, placement: Placement, pinned: dict):
             state[name] = tensor
     # transformers takes a state dict only without a path; the config and the generation
     # defaults are read from the folder here instead.
-    model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=placement.dtype)
+    model = model_class.from_pretrained(None, config=config, state_dict=state, **_AS_IS, dtype=placement.dtype)
     if (Path(path) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model

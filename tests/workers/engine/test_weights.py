@@ -53,3 +53,20 @@ def test_a_loader_asked_for_and_not_installed_leaves_the_model_unavailable_with_
         registry.ensure(ModelSource("m", str(tiny_model)))
     assert "PREHEAT_WEIGHT_LOADER=runai-streamer" in registry.unavailable["m"] and not registry.resident
     assert weights.pick_loader("auto", CPU) == "transformers"
+
+
+@pytest.mark.parametrize("loader", ["transformers", "runai-streamer"])
+def test_every_loader_keeps_the_models_own_modules_never_hub_kernels(monkeypatch, tiny_model, loader):
+    # transformers 5.x kernelizes a loaded model by default wherever the `kernels` package is
+    # installed (a CUDA host's image), fetching layers from the Hub: each loader says no.
+    from transformers import PreTrainedModel
+
+    decided, kernelize = [], PreTrainedModel.set_use_kernels
+
+    def recorded(model, use_kernels, *args, **kwargs):
+        decided.append(use_kernels)
+        return kernelize(model, use_kernels, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "set_use_kernels", recorded)
+    ResidentModels("cpu", loader).ensure(ModelSource("m", str(tiny_model)))
+    assert decided == [False]
