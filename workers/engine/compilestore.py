@@ -39,6 +39,7 @@ FORMAT = "preheat-compiled/1"
 MANIFEST = "manifest.json"
 _PROCESS_FOLDER: list[Path] = []  # inductor's cache folder of this process (set once)
 _LOCK = threading.Lock()
+_PROBES: list[threading.Thread] = []  # inductor's ISA probe, started ahead (probe_ahead)
 
 
 def process_folder() -> Path:
@@ -143,12 +144,14 @@ class CompileStore:
                 raise ValueError(f"{name} is not what was written (its SHA-256 differs)")
         return files
 
-    def publish(self, key: dict[str, str], before: set[str]) -> Path | None:
-        """The files this process's folder gained since `before` (one model's compile), stored
-        as the entry of `key`. Best effort: a full disk is a log line, never raised."""
+    def publish(self, key: dict[str, str], before: set[str], replace: bool = False) -> Path | None:
+        """The files this process's folder gained since `before` (one model's restore and
+        compile), stored as the entry of `key`; an entry already there is kept, or with
+        `replace` swapped for this one whole (a reader that loses the race compiles). Best
+        effort: a full disk is a log line, never raised."""
         folder, entry = process_folder(), self.entry(key)
         added = sorted(snapshot() - before)
-        if not added or (entry / MANIFEST).is_file():
+        if not added or ((entry / MANIFEST).is_file() and not replace):
             return None
         temporary = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
         try:
@@ -159,6 +162,10 @@ class CompileStore:
                 shutil.copyfile(folder / name, target)
                 files[name] = _sha256(target)
             (temporary / MANIFEST).write_text(json.dumps({"identity": key, "files": files}, indent=1))
+            if entry.exists():  # a directory is renamed over an empty one only
+                aside = entry.with_name(f".{entry.name}.{os.getpid()}.old")
+                os.replace(entry, aside)
+                shutil.rmtree(aside, ignore_errors=True)
             os.replace(temporary, entry)
         except OSError as exc:
             log.warning("compiled graphs not stored in %s: %s", self.folder, exc)
@@ -193,13 +200,26 @@ def probe_ahead(mode: str, preference: str) -> threading.Thread | None:
 
     thread = threading.Thread(target=probe, name="preheat-isa-probe", daemon=True)
     thread.start()
+    _PROBES.append(thread)
     return thread
+
+
+def probed() -> None:
+    """Once the probe started ahead is done: a compile or a load then finds its answer (else
+    it would probe again beside it), and the files it built are not taken for a graph's."""
+    while _PROBES:
+        _PROBES.pop().join()
 
 
 def snapshot() -> set[str]:
     """The files in this process's inductor folder now (relative names)."""
     folder = process_folder()
     return {str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file() and "lock" not in path.name}
+
+
+def libraries(names: set[str]) -> set[str]:
+    """The compiled kernels (shared libraries) among a folder's relative `names`."""
+    return {name for name in names if name.endswith(".so")}
 
 
 def _sha256(path: Path) -> str:

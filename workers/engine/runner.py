@@ -111,9 +111,11 @@ class ModelRunner:
             return self.compile_report
         buckets = "one,many/1" + ("+lora" if adapters else "")
         key = compilestore.identity(self.placement.device, self.placement.dtype, model_digest, buckets, self.name)
+        compilestore.probed()
+        before = compilestore.snapshot()
         if store is not None:
             store.restore(key)
-        before = compilestore.snapshot()
+        restored = compilestore.snapshot()
         folder = compilestore.graphs_folder(key)
         steps = CompiledSteps(self.name, self.model, self.placement.device, adapters=adapters, folder=folder)
         try:
@@ -125,17 +127,22 @@ class ModelRunner:
             return self.compile_report
         self.compiled = steps
         made = steps.made
-        if store is not None and made["compiled"]:
-            store.publish(key, before)
+        # Kernels a loaded graph needed and the entry did not hold (stored by a process whose
+        # compile named them otherwise) were built here: the entry is stored again with them,
+        # or every start would build them again while calling itself restored.
+        made["kernels built"] = len(compilestore.libraries(compilestore.snapshot() - restored))
+        if store is not None and (made["compiled"] or made["kernels built"]):
+            store.publish(key, before, replace=not made["compiled"])
         source = "compiled" if made["compiled"] else "restored"
         self.compile_report = CompileReport(source, ms)
         log.info(
-            "model %s: steps %s in %.0f ms (graphs: %d compiled, %d loaded)",
+            "model %s: steps %s in %.0f ms (graphs: %d compiled, %d loaded; kernels: %d built)",
             self.name,
             source,
             ms,
             made["compiled"],
             made["loaded"],
+            made["kernels built"],
         )
         return self.compile_report
 

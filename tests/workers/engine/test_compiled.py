@@ -170,7 +170,7 @@ RESTART = textwrap.dedent(
     scheduler.close()
     made = resident.runner.compiled.made
     print(json.dumps({"source": report.source, "compiled": made["compiled"], "loaded": made["loaded"],
-                      "tokens": answer.token_ids}))
+                      "built": made["kernels built"], "tokens": answer.token_ids}))
     """
 )
 
@@ -191,8 +191,25 @@ def test_a_restart_restores_the_graphs_and_a_damaged_or_foreign_artefact_is_refu
     cold = _start(tiny_model, folder)
     assert (cold["source"], cold["compiled"], cold["loaded"]) == ("compiled", 2, 0)
     warm = _start(tiny_model, folder)  # a restarted worker: both graphs loaded from the store, nothing traced
-    assert (warm["source"], warm["compiled"], warm["loaded"]) == ("restored", 0, 2)
+    assert (warm["source"], warm["compiled"], warm["loaded"], warm["built"]) == ("restored", 0, 2, 0)
     assert warm["tokens"] == cold["tokens"]
+
+    # An entry whole by its manifest that lacks a kernel its graphs load (stored by a process
+    # that named that kernel otherwise): the load builds it, and the entry is stored again
+    # with it, so the next start builds nothing.
+    [entry] = [path for path in folder.iterdir() if path.is_dir()]
+    manifest = json.loads((entry / "manifest.json").read_text())
+    kernel = next(name for name in sorted(manifest["files"]) if name.endswith(".so"))
+    for name in (kernel, kernel.removesuffix(".so") + ".cpp"):
+        manifest["files"].pop(name, None)
+        (entry / "files" / name).unlink(missing_ok=True)
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    mended = _start(tiny_model, folder)
+    assert (mended["source"], mended["compiled"], mended["loaded"], mended["built"]) == ("restored", 0, 2, 1)
+    assert mended["tokens"] == cold["tokens"]
+    assert kernel in json.loads((entry / "manifest.json").read_text())["files"]
+    again = _start(tiny_model, folder)
+    assert (again["source"], again["built"], again["tokens"]) == ("restored", 0, cold["tokens"])
 
     # A damaged or foreign entry is refused and removed before a file is copied into
     # inductor's cache: the next start finds the store empty and compiles, as the cold start
