@@ -11,17 +11,12 @@ or more** (rows decoding together, pre-fill chunks beside them: one graph, the n
 tokens and of rows symbolic). So a burst of users never meets a shape that was not compiled at
 start, and nothing is padded. Where a step feeds few tokens, a Llama-family model in bf16
 runs it in one call of preheat's kernel instead, and has no one-token graph
-(preheat.workers.engine.smallstep).
+(preheat.workers.engine.smallstep). The linear layers are preheat's (preheat.workers.engine.linears).
 
-**Linear layers on the CPU.** A one-token step reads every weight once for one row: its
-linear layers are written as a reduction (`(x * w).sum(-1)`), which inductor turns into loops
-that stream float32 weights at memory speed (torch's GEMV for one row runs at a third of it
-here: 8 GB/s against 24-29); bfloat16 weights, where the CPU multiplies bf16 pairs itself,
-go through preheat's own kernel instead (preheat.workers.engine.cpukernels: twice the loops'
-speed). A step of many rows uses oneDNN with the weights pre-packed for
-it (`preheat::packed_linear`, an opaque op: a packed tensor cannot be a graph input). The
-packed copies cost a second copy of the linear weights in memory, released with the graphs
-(a sleep). On CUDA both are cuBLAS.
+**How a graph is kept.** On the CPU a kind of step without adapter rows is an AOTInductor
+package (preheat.workers.engine.aotgraph), loaded by torch's C++ loader with no inductor
+import; the adapters' kinds, CUDA, and any kind whose packaging fails are torch.compile's
+ahead-of-time graphs (`aot_compile`), saved and loaded by torch.compile's own API.
 
 **Honour or refuse.** `PREHEAT_COMPILE=off` runs every step eager; `auto` compiles where the
 device can (a C++ compiler on the CPU, Triton on CUDA) and, where it cannot or a compile
@@ -35,99 +30,20 @@ import logging
 import shutil
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from preheat.workers.engine import attention, cpukernels
-from preheat.workers.engine.lorastack import AdapterStack, Stacked, Targets, kind_and_layer, step_columns
+from preheat.workers.engine import aotgraph, attention
+from preheat.workers.engine.linears import STEP_ADAPTERS, pack_linear_layers, unpack_linear_layers
+from preheat.workers.engine.lorastack import AdapterStack, Stacked, Targets, step_columns
 from preheat.workers.engine.raggedkv import RaggedKV, Segment
 from preheat.workers.engine.smallstep import SmallStepKernel
 
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "off")
-_PACKED: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id -> (oneDNN-packed weight, bias)
-
-
-def packed_linear(x: torch.Tensor, weight_id: int, out_features: int) -> torch.Tensor:
-    """A linear layer through oneDNN with its weight packed ahead (`pack_linear_layers`)."""
-    packed, bias = _PACKED[weight_id]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def packed_linear_lora(
-    x: torch.Tensor, weight_id: int, out_features: int, a: torch.Tensor, b: torch.Tensor, columns: torch.Tensor
-) -> torch.Tensor:
-    """`packed_linear` and the step's adapters on its output in one op: each token's own
-    adapter's delta added in place (cpukernels.lora_add), straight after the product."""
-    y = packed_linear(x, weight_id, out_features)
-    return cpukernels.lora_add(x, y, a, b, columns, out=y)
-
-
-# torch.library's lower-level API, not `custom_op` (whose wrapper costs 7 us a call, 211 calls
-# a step). On a 2-core VM that wrapper, between two ops that both use the two threads, is
-# longer than the OpenMP team spins (GOMP_SPINCOUNT): the other thread sleeps, and the next
-# op waits 35-40 us for its wake-up. For the same reason a step's adapters are added inside
-# the linear layer's own op, not by an op of their own.
-_LIBRARY = torch.library.Library("preheat", "FRAGMENT")
-_LIBRARY.define("packed_linear(Tensor x, int weight_id, int out_features) -> Tensor")
-_LIBRARY.impl("packed_linear", packed_linear, "CPU")
-_LIBRARY.define(
-    "packed_linear_lora(Tensor x, int weight_id, int out_features, Tensor a, Tensor b, Tensor columns) -> Tensor"
-)
-_LIBRARY.impl("packed_linear_lora", packed_linear_lora, "CPU")
-
-
-@torch.library.register_fake("preheat::packed_linear")
-def _(x, weight_id, out_features):
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-@torch.library.register_fake("preheat::packed_linear_lora")
-def _(x, weight_id, out_features, a, b, columns):
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-class _StepAdapters:
-    """The LoRA adapters of the step running now, read by the graph as inputs (stacked:
-    preheat.workers.engine.lorastack). `on` is a constant of a graph: a step with adapters and
-    one without run different graphs, and the base's graph has no trace of LoRA."""
-
-    def __init__(self) -> None:
-        self.on = False
-        self.a: dict[str, torch.Tensor] = {}
-        self.b: dict[str, torch.Tensor] = {}
-        self.columns: torch.Tensor | None = None  # [tokens, 2]: each token's (first column, rank)
-
-    def set(self, stack: Stacked, columns: torch.Tensor) -> None:
-        self.on, self.a, self.b, self.columns = True, stack.a, stack.b, columns
-
-    def mark_dynamic(self, tokens: bool) -> None:
-        """Before a graph is compiled on these: the rank symbolic (one graph for any set of
-        adapters), and the number of tokens where the graph's is."""
-        for kind in self.a:
-            torch._dynamo.maybe_mark_dynamic(self.a[kind], 1)
-            torch._dynamo.maybe_mark_dynamic(self.b[kind], 1)
-        if tokens:
-            torch._dynamo.maybe_mark_dynamic(self.columns, 0)
-
-    def clear(self) -> None:
-        self.on, self.a, self.b, self.columns = False, {}, {}, None
-
-    def __reduce__(self):
-        # A saved graph keeps the globals it reads: pickled by value, a loaded graph would read
-        # the adapters of the step it was compiled on forever. By name, it reads this process's.
-        return (_step_adapters, ())
-
-
-STEP_ADAPTERS = _StepAdapters()
-
-
-def _step_adapters() -> _StepAdapters:
-    return STEP_ADAPTERS
 
 
 # One compiled step at a time in a process: every adapter graph reads its adapters from
@@ -151,70 +67,6 @@ def why_not_compiled(device: torch.device) -> str | None:
     return None
 
 
-class _CompiledLinear(torch.nn.Module):
-    """nn.Linear's forward, eager as transformers runs it; compiled, the shape's fastest way."""
-
-    def __init__(self, linear: torch.nn.Linear, weight_id: int, path: str) -> None:
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self.out_features, self.in_features = linear.out_features, linear.in_features
-        self.lora_kind, self.lora_layer = kind_and_layer(path) or (None, 0)  # where a step's adapters apply
-        # A graph holds the id as a constant: stable across processes (the model's name and
-        # the layer's), so a restarted worker's graph is the one stored.
-        self.weight_id = weight_id
-        # One row's product by preheat's bf16 kernel where it runs (a constant of the graph).
-        self.matvec = linear.weight.dtype == torch.bfloat16 and linear.weight.is_cpu and cpukernels.available()
-        if weight_id in _PACKED:
-            raise RuntimeError(f"packed weight {weight_id} is already in use (two models of one name?)")
-        self.repack()
-
-    def repack(self) -> None:
-        """The weight packed for oneDNN again (after a level-1 sleep gave the copy back)."""
-        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
-        _PACKED[self.weight_id] = (packed, self.bias.detach() if self.bias is not None else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        # The step's adapters, where it has some and this layer is one they apply to: each
-        # token through its own adapter's columns only (preheat.workers.engine.cpukernels).
-        step = STEP_ADAPTERS if STEP_ADAPTERS.on and self.lora_kind is not None else None
-        stacks = (step.a[self.lora_kind][self.lora_layer], step.b[self.lora_kind][self.lora_layer]) if step else None
-        if x.shape[-2] != 1:  # many rows: oneDNN, the adapters added inside the same op
-            if stacks is None:
-                return torch.ops.preheat.packed_linear(x, self.weight_id, self.out_features)
-            return torch.ops.preheat.packed_linear_lora(x, self.weight_id, self.out_features, *stacks, step.columns)
-        # One row: stream the weights (see the module's docstring).
-        if self.matvec:
-            y = torch.ops.preheat.matvec_bf16(x, self.weight)
-        else:
-            y = (x.unsqueeze(-2).float() * self.weight.float()).sum(-1)
-        y = (y if self.bias is None else y + self.bias.float()).to(x.dtype)
-        return y if stacks is None else torch.ops.preheat.lora_add(x, y, *stacks, step.columns)
-
-    def release(self) -> None:
-        _PACKED.pop(self.weight_id, None)
-
-
-def pack_linear_layers(model: torch.nn.Module, owner: str) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
-    """Every nn.Linear of the model (the output head too) made a _CompiledLinear; returns what
-    was replaced, to put back (`unpack_linear_layers`). `owner`: the model's name."""
-    replaced = []
-    for path, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                weight_id = zlib.crc32(f"{owner}/{path}.{name}".encode())
-                setattr(parent, name, _CompiledLinear(child, weight_id, f"{path}.{name}" if path else name))
-                replaced.append((parent, name, child))
-    return replaced
-
-
-def unpack_linear_layers(replaced: list[tuple[torch.nn.Module, str, torch.nn.Linear]]) -> None:
-    for parent, name, linear in replaced:
-        getattr(parent, name).release()
-        setattr(parent, name, linear)
-
-
 @dataclass(frozen=True)
 class CompileReport:
     """What a start or a wake did about the graphs: the history job's columns."""
@@ -222,6 +74,7 @@ class CompileReport:
     source: str  # compiled | restored | eager
     ms: float = 0.0
     reason: str | None = None  # why eager
+    kernels_built: int = 0  # kernel libraries a restore built that its entry lacked
 
 
 class GraphRefused(Exception):
@@ -322,25 +175,59 @@ class CompiledSteps:
                 with attention.running(kv):
                     graph = self._graphs.get(kind) or self._make(kind, (ids, positions, keep))
                     logits = graph(self._forward, ids, positions, keep)
+            except aotgraph.InputsRefused as exc:
+                self._refuse(kind, exc)
             except RuntimeError as exc:
                 if "GuardManager check failed" not in str(exc):
                     raise
-                if kind not in self._refused:  # once per kind: a steady mismatch would flood the log
-                    self._refused.add(kind)
-                    log.warning("model %s: a %s step its graph refused runs eager (%s)", self.name, kind, exc)
-                raise GraphRefused(kind) from exc
+                self._refuse(kind, exc)
             finally:
                 STEP_ADAPTERS.clear()
         return logits[: len(segments)]
 
+    def _refuse(self, kind: str, exc: Exception):
+        if kind not in self._refused:  # once per kind: a steady mismatch would flood the log
+            self._refused.add(kind)
+            log.warning("model %s: a %s step its graph refused runs eager (%s)", self.name, kind, exc)
+        raise GraphRefused(kind) from exc
+
     def _make(self, kind: str, args: tuple) -> object:
         """The graph of `kind`, loaded from `folder` or compiled ahead on `args` (a step of
-        that kind, run by `compile`) and saved there."""
-        path = self.folder / f"{kind}.graph" if self.folder is not None else None
-        graph = self._load(kind, path) if path is not None and path.is_file() else None
+        that kind, run by `compile`) and saved there: a package where the kind is packaged
+        and that works, else torch.compile's graph."""
+        graph = self._package(kind, args) if self.folder is not None and self._packaged(kind) else None
         if graph is None:
-            graph = self._compile(kind, args, path)
+            path = self.folder / f"{kind}.graph" if self.folder is not None else None
+            graph = self._load(kind, path) if path is not None and path.is_file() else None
+            graph = graph or self._compile(kind, args, path)
         self._graphs[kind] = graph
+        return graph
+
+    def _packaged(self, kind: str) -> bool:
+        """Whether `kind` is kept as an AOTInductor package (preheat.workers.engine.aotgraph)."""
+        return self.device.type == "cpu" and not kind.endswith("+lora")
+
+    def _package(self, kind: str, args: tuple) -> aotgraph.PackagedGraph | None:
+        """The package of `kind` loaded from `folder`, or exported and compiled on `args`;
+        None where either fails (said once): the kind is then torch.compile's."""
+        path, one_token = self.folder / f"{kind}.pt2", kind.startswith("one")
+        if path.is_file():
+            try:
+                graph = aotgraph.PackagedGraph(path, self.model, one_token)
+                self.made["loaded"] += 1
+                return graph
+            except Exception as exc:  # whatever torch's loader raises, the answer is a compile
+                log.warning("model %s: the saved %s package does not load (%s): compiling", self.name, kind, exc)
+                path.unlink(missing_ok=True)
+        try:
+            graph = aotgraph.package(self._forward, tuple(tensor.clone() for tensor in args), one_token, path)
+        except Exception as exc:  # export or inductor: the kind keeps torch.compile's graph
+            log.warning(
+                "model %s: its %s step is not packaged (%s): a torch.compile graph", self.name, kind, error_line(exc)
+            )
+            path.unlink(missing_ok=True)
+            return None
+        self.made["compiled"] += 1
         return graph
 
     def _load(self, kind: str, path: Path):
@@ -447,6 +334,11 @@ class CompiledSteps:
             getattr(parent, name).repack()
         self.ready = True
         return (time.perf_counter() - started) * 1000
+
+
+def error_line(exc: Exception) -> str:
+    """An exception as one log line: its type and its message's first line."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def _distinct(adapters) -> tuple:

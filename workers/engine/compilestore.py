@@ -83,7 +83,7 @@ def identity(device, dtype, model_digest: str, shapes: str, owner: str) -> dict[
 # preheat's modules whose code a graph holds once compiled (the linear layers, the traced
 # forward, the adapters' stacks): a graph stored by another version of them would run that
 # version's code, so their source is part of the identity.
-GRAPH_CODE = ("compiled.py", "lorastack.py", "attention.py", "cpukernels.py")
+GRAPH_CODE = ("compiled.py", "aotgraph.py", "linears.py", "lorastack.py", "attention.py", "cpukernels.py")
 
 
 @functools.cache
@@ -144,14 +144,14 @@ class CompileStore:
                 raise ValueError(f"{name} is not what was written (its SHA-256 differs)")
         return files
 
-    def publish(self, key: dict[str, str], before: set[str], replace: bool = False) -> Path | None:
+    def publish(self, key: dict[str, str], before: set[str]) -> Path | None:
         """The files this process's folder gained since `before` (one model's restore and
-        compile), stored as the entry of `key`; an entry already there is kept, or with
-        `replace` swapped for this one whole (a reader that loses the race compiles). Best
-        effort: a full disk is a log line, never raised."""
+        compile: what the entry held and what it lacked), stored as the entry of `key`, an
+        entry already there swapped for it whole (a reader that loses that race compiles).
+        Best effort: a full disk is a log line, never raised."""
         folder, entry = process_folder(), self.entry(key)
         added = sorted(snapshot() - before)
-        if not added or ((entry / MANIFEST).is_file() and not replace):
+        if not added:
             return None
         temporary = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
         try:

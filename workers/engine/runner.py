@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from preheat.workers.engine import attention, compilestore, lora
-from preheat.workers.engine.compiled import CompiledSteps, CompileReport, GraphRefused, why_not_compiled
+from preheat.workers.engine.compiled import CompiledSteps, CompileReport, GraphRefused, error_line, why_not_compiled
 from preheat.workers.engine.device import Placement, out_of_memory_as_error
 from preheat.workers.engine.raggedkv import RaggedKV, Segment, batchable
 
@@ -121,20 +121,20 @@ class ModelRunner:
         try:
             ms = steps.compile(scratch)
         except Exception as exc:
-            reason = f"compiling failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            reason = f"compiling failed ({error_line(exc)})"
             log.warning("model %s runs its steps eager: %s", self.name, reason)
             self.compile_report = CompileReport("eager", reason=reason)
             return self.compile_report
         self.compiled = steps
         made = steps.made
-        # Kernels a loaded graph needed and the entry did not hold (stored by a process whose
-        # compile named them otherwise) were built here: the entry is stored again with them,
-        # or every start would build them again while calling itself restored.
-        made["kernels built"] = len(compilestore.libraries(compilestore.snapshot() - restored))
-        if store is not None and (made["compiled"] or made["kernels built"]):
-            store.publish(key, before, replace=not made["compiled"])
+        # What the entry lacked was made here: a graph (compiled), or kernels a loaded graph
+        # calls (stored by a process whose compile named them otherwise, built as it loaded).
+        # The entry is stored again with them, or every start would make them again.
+        built = len(compilestore.libraries(compilestore.snapshot() - restored))
+        if store is not None and (made["compiled"] or built):
+            store.publish(key, before)
         source = "compiled" if made["compiled"] else "restored"
-        self.compile_report = CompileReport(source, ms)
+        self.compile_report = CompileReport(source, ms, kernels_built=built)
         log.info(
             "model %s: steps %s in %.0f ms (graphs: %d compiled, %d loaded; kernels: %d built)",
             self.name,
@@ -142,7 +142,7 @@ class ModelRunner:
             ms,
             made["compiled"],
             made["loaded"],
-            made["kernels built"],
+            built,
         )
         return self.compile_report
 
