@@ -183,14 +183,14 @@ class WorkerRuntime:
             log.error("template %s could not be pre-filled: %s", template, exc)
 
     def load_models(self, max_parallel: int = 4) -> None:
-        """Every catalog model resident (in parallel), nothing pre-filled: what a worker
-        starts on before its gate is set up. Once: a second call waits for the first."""
+        """Every catalog model resident (in parallel), nothing pre-filled, before the gate is set up; once."""
         with self._starting:
             if self.asleep_at_start is not None:
                 ask, self.asleep_at_start = self.asleep_at_start, None
                 self.sleeps.start_asleep(ask())
             awake = [name for name in self.catalog.models if name not in self.sleeps.asleep]
-            if awake:  # inductor's CPU probe on a thread of its own, while the weights are read
+            # inductor's CPU probe beside the weights' read, where adapter steps (graphs) need it (compiled.py)
+            if any(name in self.adapters.slots for name in awake):
                 probe_ahead(self.config.compile, self.config.device)
             self.resident_models.preload_once([self.source(name) for name in awake], max_parallel)
 

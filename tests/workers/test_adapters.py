@@ -120,3 +120,24 @@ def test_the_catalog_refuses_adapters_that_cannot_be_named(tmp_path, tiny_model,
     )
     with pytest.raises(ConfigError, match="'nope' is no adapter of model 'tiny'"):
         load_catalog(other)
+
+
+def test_inductors_probe_runs_ahead_only_for_a_model_whose_adapter_steps_need_it(
+    tmp_path, tiny_model, adapter_dirs, monkeypatch
+):
+    """A restore loads packages without inductor; only a model with adapters (their steps are
+    torch.compile graphs) has a restore that probes the CPU, so only there it runs ahead."""
+    import preheat.workers.runtime as runtime_module
+
+    probed = []
+    monkeypatch.setattr(runtime_module, "probe_ahead", lambda mode, device: probed.append((mode, device)))
+    plain = tmp_path / "plain.toml"
+    plain.write_text(f'[models.tiny]\npath = "{tiny_model}"\n')
+    for catalog, expected in ((plain, []), (adapter_catalog(tmp_path, tiny_model, adapter_dirs), [("auto", "cpu")])):
+        runtime = WorkerRuntime(load_catalog(catalog), RuntimeConfig("cpu", compile="auto"))
+        try:
+            runtime.load_models()
+        finally:
+            runtime.close()
+        assert probed == expected, catalog
+        probed.clear()
