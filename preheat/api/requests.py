@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from preheat.api.sampling import DECODING_FIELDS, MAX_TOP_LOGPROBS, SamplingError, SamplingParams
-from preheat.core.text import not_text_at
+from preheat.core.text import not_text_at, shown
 
 MAX_TOKENS_LIMIT = 4096
 DEFAULT_MAX_TOKENS = 64
@@ -139,7 +139,7 @@ def int_field(fields: dict, name: str, default: int | None, low: int, high: int)
     if value is None:
         return default
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise SamplingError(name, f"must be an integer from {low} to {high} (got {value!r})")
+        raise SamplingError(name, f"must be an integer from {low} to {high} (got {shown(value)})")
     return value
 
 
@@ -148,7 +148,7 @@ def _bool_field(fields: dict, name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise SamplingError(name, f"must be true or false (got {value!r})")
+        raise SamplingError(name, f"must be true or false (got {shown(value)})")
     return value
 
 
@@ -268,11 +268,11 @@ def _text_of(content, where: str) -> str:
         if not isinstance(part, dict):
             raise invalid(f"{where}.content[{j}]", "must be a content part (an object)")
         if part.get("type") != "text":
-            raise refuse(f"{where}.content[{j}].type", f"only text parts are served (got {part.get('type')!r})")
+            raise refuse(f"{where}.content[{j}].type", f"only text parts are served (got {shown(part.get('type'))})")
         if extra := sorted(set(part) - {"type", "text"}):
             raise refuse(f"{where}.content[{j}].{extra[0]}", "not served (text parts only)")
         if not isinstance(part.get("text"), str):
-            raise invalid(f"{where}.content[{j}].text", f"must be a string (got {part.get('text')!r})")
+            raise invalid(f"{where}.content[{j}].text", f"must be a string (got {shown(part.get('text'))})")
     return "".join(part["text"] for part in content)
 
 
@@ -294,7 +294,7 @@ def parse_chat(body: dict, *, model_optional: bool = False) -> Ask:
         turn = {"role": role, "content": _text_of(message.get("content"), f"messages[{i}]")}
         if "name" in message:
             if not isinstance(message["name"], str) or not message["name"]:
-                raise invalid(f"messages[{i}].name", f"must be a non-empty string (got {message['name']!r})")
+                raise invalid(f"messages[{i}].name", f"must be a non-empty string (got {shown(message['name'])})")
             turn["name"] = message["name"]
         parsed.append(turn)
     if parsed[-1]["role"] != "user":

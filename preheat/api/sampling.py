@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from preheat.core.text import shown
+
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
 
@@ -75,16 +77,16 @@ def _check_number(name: str, value, low: float, high: float, *, low_open: bool =
     if value is None:
         return
     if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise SamplingError(name, f"must be a number (got {value!r})")
+        raise SamplingError(name, f"must be a number (got {shown(value)})")
     if value < low or value > high or (low_open and value == low):
-        raise SamplingError(name, f"must be in {'(' if low_open else '['}{low:g}, {high:g}] (got {value!r})")
+        raise SamplingError(name, f"must be in {'(' if low_open else '['}{low:g}, {high:g}] (got {shown(value)})")
 
 
 def _check_int(name: str, value, low: int, high: int) -> None:
     if value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise SamplingError(name, f"must be an integer from {low} to {high} (got {value!r})")
+        raise SamplingError(name, f"must be an integer from {low} to {high} (got {shown(value)})")
 
 
 @dataclass(frozen=True)

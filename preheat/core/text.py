@@ -34,3 +34,10 @@ def safe_name(name: str) -> str:
     """`name` (a worker's nodename, say "gpu0@node-3") with every character but
     [A-Za-z0-9._-] as '_': what a queue name, a file name and the filesystem broker allow."""
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+def shown(value, limit: int = 60) -> str:
+    """`value` as an error message quotes it: its repr, cut to `limit` characters, so a huge
+    or hostile value makes one short line, never a copy of itself."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
