@@ -138,11 +138,20 @@ class CompileStore:
         files = manifest["files"]
         for name, digest in files.items():
             path = entry / "files" / name
-            if Path(name).is_absolute() or ".." in Path(name).parts:
+            if not _inside(name):
                 raise ValueError(f"{name} is outside the entry")
             if _sha256(path) != digest:
                 raise ValueError(f"{name} is not what was written (its SHA-256 differs)")
         return files
+
+    @staticmethod
+    def _listed(entry: Path) -> set[str]:
+        """The names an entry's manifest lists that lie inside the entry; none if unreadable."""
+        try:
+            names = json.loads((entry / MANIFEST).read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return set()
+        return {name for name in names if _inside(name)}
 
     def publish(self, key: dict[str, str], before: set[str]) -> Path | None:
         """The files this process's folder gained since `before` (one model's restore and
@@ -150,9 +159,12 @@ class CompileStore:
         entry already there swapped for it whole (a reader that loses that race compiles).
         Best effort: a full disk is a log line, never raised."""
         folder, entry = process_folder(), self.entry(key)
-        added = sorted(snapshot() - before)
+        added = snapshot() - before
         if not added:
             return None
+        # The entry's own files this process already held before (a wake's restore copies
+        # none): kept, so the entry stored again is never smaller than the one it replaces.
+        added = sorted(added | {name for name in self._listed(entry) if (folder / name).is_file()})
         temporary = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
         try:
             files = {}
@@ -215,6 +227,11 @@ def snapshot() -> set[str]:
     """The files in this process's inductor folder now (relative names)."""
     folder = process_folder()
     return {str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file() and "lock" not in path.name}
+
+
+def _inside(name: str) -> bool:
+    """Whether a manifest's file `name` stays inside its folder (untrusted: it came from disk)."""
+    return not Path(name).is_absolute() and ".." not in Path(name).parts
 
 
 def libraries(names: set[str]) -> set[str]:

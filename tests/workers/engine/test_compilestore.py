@@ -4,6 +4,7 @@ so a graph stored by another transformers or another preheat engine is never loa
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -42,3 +43,28 @@ def test_inductors_isa_probe_runs_ahead_only_where_steps_are_compiled_on_the_cpu
     probed = cpu_vec_isa.valid_vec_isa_list.cache_info()
     cpu_vec_isa.valid_vec_isa_list()
     assert probed.currsize == 1 and cpu_vec_isa.valid_vec_isa_list.cache_info().hits == probed.hits + 1
+
+
+def test_an_entry_stored_again_keeps_the_files_it_held_and_never_lists_a_path_outside(tmp_path):
+    """A wake in the same process restores nothing (its folder holds the entry's files): what it
+    makes is stored beside them, not instead of them. Names a manifest lists outside the folder
+    are never taken in."""
+    folder = compilestore.process_folder()
+    key = compilestore.identity(torch.device("cpu"), torch.float32, "keep-test", "one,many/1", "keep")
+    held = f"graphs/{compilestore._digest(key)}/one.pt2"
+    (folder / held).parent.mkdir(parents=True, exist_ok=True)
+    (folder / held).write_bytes(b"held")
+    store = compilestore.CompileStore(tmp_path / "store")
+    store.publish(key, set())  # the first entry: what this process made
+    entry = store.entry(key)
+    manifest = json.loads((entry / "manifest.json").read_text())
+    manifest["files"]["../outside"] = "0" * 64
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+
+    before = compilestore.snapshot()  # the wake starts here: nothing to copy, all held
+    made = f"graphs/{compilestore._digest(key)}/many.pt2"
+    (folder / made).write_bytes(b"made")
+    store.publish(key, before)
+    files = json.loads((entry / "manifest.json").read_text())["files"]
+    assert set(files) >= {held, made} and "../outside" not in files
+    assert store.restore(key)
