@@ -153,7 +153,7 @@ def test_limit_puts_each_step_beside_its_bound_a_long_context_reading_its_kv_too
     assert rows[1, 1024]["bandwidth_limit_ms"] > rows[1, 64]["bandwidth_limit_ms"]
 
 
-@pytest.mark.parametrize("bench_name", ["start", "load"])
+@pytest.mark.parametrize("bench_name", ["start", "load", "agreement"])
 def test_an_unknown_compile_mode_is_refused_before_anything_runs(embedded_stack, bench_name):
     refused = embedded_stack.cli_here("bench", bench_name, "--compile", "max")
     assert refused.returncode == 2 and "--compile must be auto or off, got 'max'" in refused.stderr
@@ -235,6 +235,38 @@ def test_lora_puts_adapters_beside_the_base_and_a_warmed_adapter_beside_a_cold_o
         "first request to an adapter warmed ahead",
         "16 users over 4 adapters",
     ]
+
+
+def test_agreement_scores_each_dtype_against_float32_transformers_and_float32_is_exact(embedded_stack, tmp_path):
+    out = tmp_path / "agreement.json"
+    args = ("--model", "tiny", "--prompts", "3", "--max-tokens", "6", "--compile", "off", "--json", str(out))
+    done = bench(embedded_stack, "agreement", *args, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "agreement with transformers float32" in done.stdout
+    rows = {(r["server"], r["dtype"], r["batching"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {
+        ("preheat", "bfloat16", "together"),
+        ("preheat", "bfloat16", "alone"),
+        ("transformers", "bfloat16", "alone"),
+        ("preheat", "float32", "together"),
+        ("preheat", "float32", "alone"),
+    }
+    for row in rows.values():
+        assert row["prompts"] == 3 and 3 <= row["positions"] <= 18 and 0.0 <= row["top1_agreement"] <= 1.0
+        assert row["max_logprob_gap"] >= row["mean_logprob_gap"] >= 0.0 and row["max_regret"] >= 0.0
+    for batching in ("together", "alone"):  # the control: preheat's float32 is transformers' float32
+        exact = rows["preheat", "float32", batching]
+        assert exact["top1_agreement"] == 1.0 and exact["identical_answers"] == 3 and exact["max_logprob_gap"] < 1e-3
+    assert rows["preheat", "float32", "together"]["same_as_alone"] == 3
+    assert "float32 must be exact: met" in done.stdout
+
+
+def test_agreement_refuses_an_unknown_dtype_before_anything_runs(embedded_stack):
+    refused = embedded_stack.cli_here("bench", "agreement", "--dtypes", "float32,int8")
+    assert (
+        refused.returncode == 2 and "--dtypes: expected a comma-separated list of float32, bfloat16" in refused.stderr
+    )
+    assert not (embedded_stack.home / "bench" / "agreement").exists()
 
 
 def test_load_refuses_an_unknown_mode(embedded_stack):

@@ -282,6 +282,31 @@ def limit_command(
     bench.main(shape=shape, json_path=json_path)
 
 
+@app.command("agreement")
+def agreement_command(
+    shape: str = typer.Option("real", "--model", help="real (SmolLM2-135M-Instruct), or a random 135m or tiny."),
+    dtypes: str = typer.Option("bfloat16,float32", help="preheat's dtypes to measure, comma-separated."),
+    prompts: int = typer.Option(16, min=1, max=256, help="Chat prompts (the catalog's system prompts, varied users)."),
+    max_tokens: int = typer.Option(32, min=1, max=1024, help="Greedy tokens of each answer."),
+    compile_mode: str = typer.Option("auto", "--compile", help="preheat's PREHEAT_COMPILE: auto or off."),
+    json_path: Path = typer.Option(None, "--json", help="Default: HOME/bench/agreement/agreement.json."),
+) -> None:
+    """preheat's greedy answers against transformers in float32, per position: top-1
+    agreement and log-probability gaps (teacher-forced), and whole answers compared, with the
+    requests batched together and alone."""
+    from preheat.cli.bench import agreement as bench
+
+    _check_compile_mode(compile_mode)
+    bench.main(
+        shape=shape,
+        dtypes=dtypes,
+        prompts=prompts,
+        max_tokens=max_tokens,
+        compile_mode=compile_mode,
+        json_path=json_path,
+    )
+
+
 @app.command("lora")
 def lora_command(
     shape: str = typer.Option("real", "--model", help="real (SmolLM2-135M-Instruct), or a random 135m or tiny."),
