@@ -132,6 +132,10 @@ def fail_line(message: str) -> None:
 
 
 def main() -> None:
+    # A command that runs the engine in this process (a bench, `serve`) runs it as a worker
+    # does: the workers' OpenMP settings, which take effect only if set before torch loads.
+    import preheat.workers  # noqa: F401
+
     clicks = _click_exceptions()
     try:
         check_arguments_are_text(sys.argv[1:])

@@ -3,6 +3,7 @@ only: the figures' size is the benchmark's business, not a test's."""
 
 import json
 import subprocess
+import sys
 
 import pytest
 from transformers import AutoTokenizer
@@ -136,6 +137,23 @@ def test_start_refuses_an_unknown_shape(embedded_stack):
     assert refused.returncode == 2 and "--shapes: expected a comma-separated list of real, 135m, tiny" in refused.stderr
 
 
+def test_a_bench_runs_the_engine_with_the_workers_openmp_settings_set_before_torch_loads(embedded_stack):
+    """libgomp reads GOMP_SPINCOUNT once, when torch loads it: a bench that imported torch
+    before preheat.workers set the workers' value measured another engine than a worker runs."""
+    probe = (
+        "import os, sys\n"
+        "os.environ.pop('GOMP_SPINCOUNT', None)\n"
+        "sys.argv = ['preheat', 'bench', 'limit', '--model', 'bogus']\n"
+        "from preheat.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "loaded = list(sys.modules)\n"
+        "print(loaded.index('preheat.workers') < loaded.index('torch'), os.environ['GOMP_SPINCOUNT'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], env=embedded_stack.env, capture_output=True, text=True)
+    assert "--model must be one of" in done.stderr  # the bench's module was loaded, torch with it
+    assert done.stdout.split() == ["True", "1000"], done.stdout + done.stderr
+
+
 def test_limit_puts_each_step_beside_its_bound_a_long_context_reading_its_kv_too(embedded_stack, tmp_path):
     out = tmp_path / "limit.json"
     done = bench(embedded_stack, "limit", "--model", "tiny", "--json", str(out))
@@ -143,6 +161,7 @@ def test_limit_puts_each_step_beside_its_bound_a_long_context_reading_its_kv_too
     assert "a decode step against the hardware" in done.stdout and "one row: preheat's step" in done.stdout
     report = json.loads(out.read_text())
     assert report["steps"] == "eager"  # PREHEAT_COMPILE=off, as every stack here
+    assert report["step_gomp_spincount"] == "1000"  # the workers' (preheat/workers/__init__.py)
     rows = {(row["rows"], row["context"]): row for row in report["rows"]}
     assert list(rows) == [(1, 64), (16, 64), (1, 1024)]
     for row in rows.values():

@@ -9,13 +9,22 @@
 - **A long context (one row).** The same step after 1,024 ids: it reads the row's keys and
   values too, so its limit is the weights and that KV over the bandwidth.
 - **preheat's step.** The production runner (`ModelRunner.step`, compiled as the worker
-  would: PREHEAT_COMPILE, PREHEAT_DTYPE), on rows that each pre-filled their context, then
-  decode steps timed one by one (median of 32).
+  would: PREHEAT_COMPILE, PREHEAT_DTYPE, and the workers' OpenMP spin), on rows that each
+  pre-filled their context, then decode steps timed one by one (median of 32).
+
+The limits are measured in a process of their own, its OpenMP threads spinning as long as
+libgomp's default (a worker's short spin, GOMP_SPINCOUNT, is set before torch loads and cannot
+change after): a tiny product called again and again then never waits for a sleeping thread,
+which is the hardware's number, not a setting's.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -51,6 +60,28 @@ def matmul_flops(rows: int, inner: int, outer: int, dtype: torch.dtype) -> float
     x, w = torch.randn(rows, inner, dtype=dtype), torch.randn(outer, inner, dtype=dtype)
     ms = _best_ms(lambda: torch.nn.functional.linear(x, w), 20)
     return 2 * rows * inner * outer / (ms / 1000)
+
+
+# In a process of its own (`hardware`): the memory bandwidth and each row count's matmul
+# throughput at the model's shapes, in its dtype.
+HARDWARE_SCRIPT = r"""
+import json, sys
+import torch
+from preheat.cli.bench.limit import bandwidth_gbs, matmul_flops
+hidden, intermediate, dtype, rows = int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3]), sys.argv[4:]
+print(json.dumps({"bandwidth_gbs": bandwidth_gbs(),
+                  "flops": {n: matmul_flops(int(n), hidden, intermediate, dtype) for n in rows}}))
+"""
+
+
+def hardware(hidden: int, intermediate: int, dtype: torch.dtype, rows: list[int]) -> tuple[float, dict[int, float]]:
+    """(memory bandwidth GB/s, matmul FLOP/s per row count), measured in a fresh process with
+    libgomp's default spin (see the module's docstring)."""
+    env = {name: value for name, value in os.environ.items() if name != "GOMP_SPINCOUNT"}
+    argv = [sys.executable, "-c", HARDWARE_SCRIPT, str(hidden), str(intermediate), str(dtype).removeprefix("torch.")]
+    done = subprocess.run([*argv, *map(str, rows)], capture_output=True, text=True, env=env, check=True)
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    return measured["bandwidth_gbs"], {int(n): flops for n, flops in measured["flops"].items()}
 
 
 def step_ms(runner, rows: int, context: int = 64) -> float:
@@ -94,12 +125,14 @@ def main(*, shape: str, json_path: Path | None) -> None:
     console.print(f"{shape} in {dtype}; steps {report.source}{f' ({report.reason})' if report.reason else ''}")
     weights = weight_bytes(resident.model)
     parameters = sum(p.numel() for p in resident.model.parameters())
-    bandwidth = bandwidth_gbs()
     config = resident.model.config.get_text_config()
     torch_dtype = next(resident.model.parameters()).dtype
+    bandwidth, throughput = hardware(
+        config.hidden_size, config.intermediate_size, torch_dtype, sorted({rows for rows, _ in STEPS})
+    )
     rows_out = []
     for rows, context in STEPS:
-        flops = matmul_flops(rows, config.hidden_size, config.intermediate_size, torch_dtype)
+        flops = throughput[rows]
         # Every weight once, and each row's keys and values of its context.
         read = weights + rows * context * resident.kv_bytes_per_token
         bound_bandwidth = read / (bandwidth * 1e9) * 1000
@@ -127,6 +160,8 @@ def main(*, shape: str, json_path: Path | None) -> None:
         "weight_bytes": weights,
         "parameters": parameters,
         "bandwidth_gbs": round(bandwidth, 1),
+        # The step's OpenMP spin (the workers'); the limits ran with libgomp's default.
+        "step_gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "libgomp's default"),
         "rows": rows_out,
         "verdicts": [
             f"one row: preheat's step {rows_out[0]['preheat_step_ms']} ms = {rows_out[0]['over_limit']}× the "
@@ -155,5 +190,8 @@ def main(*, shape: str, json_path: Path | None) -> None:
             f"{row['matmul_gflops']:,.1f}",
         )
     console.print(table)
-    console.print(f"memory bandwidth {bandwidth:.1f} GB/s; " + "; ".join(result["verdicts"]))
+    console.print(
+        f"memory bandwidth {bandwidth:.1f} GB/s; limits measured with libgomp's default spin, preheat's step with "
+        f"GOMP_SPINCOUNT={result['step_gomp_spincount']} (a worker's); " + "; ".join(result["verdicts"])
+    )
     write_report(result, json_path or folder / "limit.json", console)
