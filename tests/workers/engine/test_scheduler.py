@@ -146,16 +146,19 @@ def test_a_full_queue_is_refused_with_when_to_come_back(resident):
     scheduler = warm_scheduler(resident, known, BatchLimits(max_running=1, max_queued=1))
     prompt_ids = known[0].prompt_ids(resident, "hello")
     # It must still run when the third arrives: its end-of-turn ids are banned, so a sampled
-    # one cannot end it early and free the row (seen once in a full run).
+    # one cannot end it early and free the row; and its pieces' iterator is held, since an
+    # iterator dropped (`next(iter(running))`) ends its request, which freed the row before the
+    # third came now and then in a full run (the scheduler's thread was quicker).
     banned = tuple((token, -100.0) for token in sorted(resident.stop_token_ids))
     long_one = SamplingParams(max_tokens=3000, temperature=1.0, seed=1, logit_bias=banned)
     running = scheduler.submit(resident, prompt_ids, long_one)
-    next(iter(running))
+    pieces = iter(running)
+    next(pieces)
     queued = scheduler.submit(resident, prompt_ids, greedy(2))
     with pytest.raises(QueueFullError, match="PREHEAT_MAX_QUEUED_REQUESTS") as refused:
         scheduler.submit(resident, prompt_ids, greedy(2))
     assert 1 <= refused.value.retry_after_s <= 60
-    running.close()
+    pieces.close()
     assert len(queued.collect().token_ids) == 2
     scheduler.close()
 
@@ -266,10 +269,12 @@ def test_a_long_prompt_is_pre_filled_a_chunk_a_step_while_the_others_decode(resi
     long_ids = known[1].prompt_ids(resident, "Summarise: " + "the quarterly numbers went up. " * 12)
     before = scheduler.steps
     late = scheduler.submit(resident, long_ids, SamplingParams(max_tokens=6, temperature=0.0), use_cache=False)
-    first = next(iter(late))  # its first piece: all of its prompt computed, 8 ids an iteration
+    late_pieces = iter(late)  # held: an iterator dropped would end the request
+    first = next(late_pieces)  # its first piece: all of its prompt computed, 8 ids an iteration
     assert first.text is not None
     assert scheduler.steps - before >= long_ids.shape[-1] // 8 - 2  # a decode step between every chunk
     late_answer = late.collect()
+    assert late_answer.finish_reason != "abort"
     assert late_answer.token_ids == reference_generate(resident, long_ids, 6)[: len(late_answer.token_ids)]
     running.close()
     scheduler.close()
