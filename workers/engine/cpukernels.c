@@ -273,10 +273,14 @@ static PyObject *add_lora(PyObject *self, PyObject *const *args, Py_ssize_t narg
 
 PyObject *small_step_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs); /* smallstep.c */
 
+/* amx_ready(): whether the small step may run its products on AMX tiles here (amx.c). */
+static PyObject *tiles_ready(PyObject *self, PyObject *unused) { return PyBool_FromLong(amx_ready()); }
+
 static PyMethodDef methods[] = {{"matvec_bf16", (PyCFunction)(void (*)(void))call, METH_FASTCALL, NULL},
                                 {"attention_bf16", (PyCFunction)(void (*)(void))attend, METH_FASTCALL, NULL},
                                 {"lora_add", (PyCFunction)(void (*)(void))add_lora, METH_FASTCALL, NULL},
                                 {"small_step", (PyCFunction)(void (*)(void))small_step_call, METH_FASTCALL, NULL},
+                                {"amx_ready", tiles_ready, METH_NOARGS, NULL},
                                 {NULL, NULL, 0, NULL}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "preheat_cpukernels", NULL, -1, methods};
 PyMODINIT_FUNC PyInit_preheat_cpukernels(void) { return PyModule_Create(&module); }

@@ -122,4 +122,11 @@ static inline void attend_head(const uint16_t *qh, const uint16_t *kh, const uin
     for (int64_t c = 0; c < lanes; c++) store_lanes(oh, 16 * c, 0xFFFF, _mm512_mul_ps(acc[c], inverse), 1);
 }
 
+/* amx.c: products on AMX tiles, where the CPU has them (the small step's, past one token). */
+int amx_ready(void);
+void amx_configure(int64_t tokens);
+void amx_release(void);
+void pair_pack(const uint16_t *x, int64_t stride, int64_t tokens, int64_t k_len, uint16_t *xp);
+void amx_rows(const uint16_t *w0, const uint16_t *w1, int64_t k_len, const uint16_t *xp, int64_t tokens, float *out);
+
 #endif

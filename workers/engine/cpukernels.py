@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 # The kernels, C with CPython entry points: one module of these sources and the header they share.
-SOURCES = (Path(__file__).with_suffix(".c"), Path(__file__).with_name("smallstep.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpukernels.c", "smallstep.c", "amx.c"))
 HEADER = Path(__file__).with_suffix(".h")
 KEPT = Path.home() / ".cache" / "preheat" / "kernels"  # built kernels, each beside its digest
 
@@ -310,6 +310,13 @@ def small_step(*args) -> None:
     if kernels is None:
         raise RuntimeError(f"the small step's kernel does not run here: {why_not_built()}")
     kernels.small_step(*args)
+
+
+def amx_ready() -> bool:
+    """Whether the small step can run its products on AMX tiles here: the CPU has AMX-BF16 and
+    Linux granted this process its tile data (`amx.c`)."""
+    kernels = _built()[0]
+    return kernels is not None and kernels.amx_ready()
 
 
 @functools.cache

@@ -180,16 +180,28 @@ static inline void residual_pair(uint16_t *h, int64_t pair, int64_t rows, int64_
     }
 }
 
+/* The same on AMX tiles: rows 16 * block to the next 32 (16 where only 16 are left), their
+   input paired by `pair_pack` (xp); `out` room for 32 rows of sums. */
+static void residual_tiles(uint16_t *h, int64_t block, int64_t rows, int64_t tokens, const uint16_t *w,
+                           const uint16_t *xp, int64_t k_len, float *out, const Lora *l, int kind) {
+    const int64_t n0 = 16 * block, count = n0 + 32 <= rows ? 32 : 16;
+    amx_rows(w + n0 * k_len, count == 32 ? w + (n0 + 16) * k_len : NULL, k_len, xp, tokens, out);
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t t = 0; t < tokens; t++)
+            h[t * rows + n0 + i] = add_bf16(h[t * rows + n0 + i], with_delta(out[i * tokens + t], l, kind, t, rows, n0 + i));
+}
+
 /* The step. table [layers, TABLE_WIDTH]: each layer's addresses (weights bf16 row-major as
    nn.Linear keeps them; keys and values the layer's [slots, kv_heads, capacity, head_dim]).
    Token t (ids[t]) sits at position where[t][2] of the row in slot where[t][0]; its key and
    value go to column where[t][1] of that slot, and its query sees the slot's columns 0 to
    where[t][1] (a row's earlier tokens of the step are written first). logits [kept, vocab]
-   bf16: those of the tokens keep[0..kept). Returns 0, or -1 out of memory. */
+   bf16: those of the tokens keep[0..kept). With `tiles`, its products run on AMX tiles (amx.c:
+   granted and the sizes fit, as small_step_call proves). Returns 0, or -1 out of memory. */
 static int small_step(const int64_t *table, const uint16_t *embed, const uint16_t *final_norm, const uint16_t *head,
                       const float *inv_freq, uint16_t *logits, const int64_t *ids, const int64_t (*where)[3],
                       int64_t tokens, const int64_t *keep, int64_t kept, Sizes z, float eps, float scale,
-                      float rope_scaling, Lora *l) {
+                      float rope_scaling, Lora *l, int tiles) {
     const int64_t hidden = z.hidden, dim = z.head_dim, half = dim / 2, q_rows = z.heads * dim;
     const int64_t kv_rows = z.kv_heads * dim, qkv_rows = q_rows + 2 * kv_rows, group = z.heads / z.kv_heads;
     const int64_t inter = z.intermediate, blocks = (inter + 15) / 16;
@@ -199,6 +211,9 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
     const int64_t padded = tokens == 1 ? 1 : tokens <= 4 ? 4 : (tokens + GROUP - 1) / GROUP * GROUP;
     const int64_t padded_kept = kept == 1 ? 1 : kept <= 4 ? 4 : (kept + GROUP - 1) / GROUP * GROUP;
     const int threads = omp_get_max_threads();
+    const int64_t widest = inter > hidden ? (inter > q_rows ? inter : q_rows) : (hidden > q_rows ? hidden : q_rows);
+    uint16_t *pairs = tiles ? malloc(2 * widest * tokens * threads) : NULL;
+    float *tile_sums = tiles ? malloc(sizeof(float) * 32 * MOST_TOKENS * threads) : NULL;
     /* Token-major; the products' inputs padded with zero tokens up to `padded`. */
     uint16_t *h = malloc(2 * hidden * tokens), *qkv = malloc(2 * qkv_rows * tokens);
     uint16_t *attn = calloc(q_rows * padded, 2), *mlp = calloc(inter * padded, 2);
@@ -213,7 +228,9 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
     l->h = lora_h;
     static const int QKV[3] = {LQ, LK, LV}, OUT[1] = {LO}, GATE_UP[2] = {LGATE, LUP}, DOWN_ONLY[1] = {LDOWN};
     int status = -1;
-    if (!h || !qkv || !attn || !mlp || !normed || !scores || !cs || (l->columns && (!lora_h || !deltas))) goto done;
+    if (!h || !qkv || !attn || !mlp || !normed || !scores || !cs || (l->columns && (!lora_h || !deltas)) ||
+        (tiles && (!pairs || !tile_sums)))
+        goto done;
     for (int64_t t = 0; t < tokens; t++) {
         memcpy(h + t * hidden, embed + ids[t] * hidden, 2 * hidden);
         for (int64_t i = 0; i < half; i++) { /* float32 angles, scaled, then bf16: the model's cos and sin */
@@ -226,6 +243,9 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
     {
         uint16_t *x = normed + hidden * padded * omp_get_thread_num(); /* each thread's own copy of a norm */
         float sums[2][MOST_TOKENS];
+        uint16_t *xp = tiles ? pairs + widest * tokens * omp_get_thread_num() : NULL; /* its input, paired */
+        float *out = tiles ? tile_sums + 32 * MOST_TOKENS * omp_get_thread_num() : NULL;
+        if (tiles) amx_configure(tokens);
         for (int64_t layer = 0; layer < z.layers; layer++) {
             const int64_t *at = table + TABLE_WIDTH * layer;
             const uint16_t *wq = (const uint16_t *)at[Q], *wk = (const uint16_t *)at[K], *wv = (const uint16_t *)at[V];
@@ -235,6 +255,18 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
             for (int64_t t = 0; t < tokens; t++)
                 rms_norm(h + t * hidden, (const uint16_t *)at[NORM_IN], x + t * hidden, hidden, eps);
             if (l->columns) lora_phases(l, QKV, 3, layer, x, hidden, outs, tokens);
+            if (tiles) {
+                pair_pack(x, hidden, tokens, hidden, xp);
+                #pragma omp for schedule(static)
+                for (int64_t b = 0; b < qkv_rows / 16; b++) { /* 16 rows of q, k or v */
+                    const int64_t n = 16 * b, kind = n < q_rows ? LQ : n < q_rows + kv_rows ? LK : LV;
+                    const int64_t row = kind == LQ ? n : kind == LK ? n - q_rows : n - q_rows - kv_rows;
+                    amx_rows((kind == LQ ? wq : kind == LK ? wk : wv) + row * hidden, NULL, hidden, xp, tokens, out);
+                    for (int64_t i = 0; i < 16; i++)
+                        for (int64_t t = 0; t < tokens; t++)
+                            qkv[t * qkv_rows + n + i] = to_bf16(with_delta(out[i * tokens + t], l, kind, t, outs[kind], row + i));
+                }
+            } else
             #pragma omp for schedule(static)
             for (int64_t pair = 0; pair < (qkv_rows + 1) / 2; pair++) { /* q, k and v's rows as one matrix */
                 const int64_t n0 = 2 * pair, n1 = n0 + 1 < qkv_rows ? n0 + 1 : n0;
@@ -274,18 +306,33 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                             scores + item * most, where[t][1] + 1, dim, scale);
             }
             if (l->columns) lora_phases(l, OUT, 1, layer, attn, q_rows, outs + LO, tokens);
+            if (tiles) {
+                pair_pack(attn, q_rows, tokens, q_rows, xp);
+                #pragma omp for schedule(static)
+                for (int64_t pair = 0; pair < (hidden / 16 + 1) / 2; pair++)
+                    residual_tiles(h, 2 * pair, hidden, tokens, wo, xp, q_rows, out, l, LO);
+            } else
             #pragma omp for schedule(static)
             for (int64_t pair = 0; pair < (hidden + 1) / 2; pair++)
                 residual_pair(h, pair, hidden, padded, tokens, wo, attn, q_rows, sums, l, LO);
             for (int64_t t = 0; t < tokens; t++)
                 rms_norm(h + t * hidden, (const uint16_t *)at[NORM_POST], x + t * hidden, hidden, eps);
             if (l->columns) lora_phases(l, GATE_UP, 2, layer, x, hidden, outs + LGATE, tokens);
+            if (tiles) pair_pack(x, hidden, tokens, hidden, xp);
             #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) { /* 16 rows of gate and of up, then their SiLU product */
                 float gate[MOST_TOKENS][16], up[MOST_TOKENS][16];
                 const int64_t first = 16 * b;
                 const __mmask16 m = first_lanes(inter - first);
-                for (int64_t k = 0; k < 16 && first + k < inter; k++) { /* a gate row and its up row as a pair */
+                if (tiles) {
+                    amx_rows(wg + first * hidden, wu + first * hidden, hidden, xp, tokens, out);
+                    for (int64_t k = 0; k < 16; k++)
+                        for (int64_t t = 0; t < tokens; t++) {
+                            gate[t][k] = with_delta(out[k * tokens + t], l, LGATE, t, inter, first + k);
+                            up[t][k] = with_delta(out[(16 + k) * tokens + t], l, LUP, t, inter, first + k);
+                        }
+                }
+                for (int64_t k = 0; !tiles && k < 16 && first + k < inter; k++) { /* a gate row and its up row as a pair */
                     pair_dots(padded, wg + (first + k) * hidden, wu + (first + k) * hidden, x, hidden, hidden, sums);
                     for (int64_t t = 0; t < tokens; t++) {
                         gate[t][k] = with_delta(sums[0][t], l, LGATE, t, inter, first + k);
@@ -299,6 +346,12 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                 }
             }
             if (l->columns) lora_phases(l, DOWN_ONLY, 1, layer, mlp, inter, outs + LDOWN, tokens);
+            if (tiles) {
+                pair_pack(mlp, inter, tokens, inter, xp);
+                #pragma omp for schedule(static)
+                for (int64_t pair = 0; pair < (hidden / 16 + 1) / 2; pair++)
+                    residual_tiles(h, 2 * pair, hidden, tokens, wd, xp, inter, out, l, LDOWN);
+            } else
             #pragma omp for schedule(static)
             for (int64_t pair = 0; pair < (hidden + 1) / 2; pair++)
                 residual_pair(h, pair, hidden, padded, tokens, wd, mlp, inter, sums, l, LDOWN);
@@ -306,28 +359,42 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
         /* the kept tokens' final norms, packed (rows past `kept` stay zeros: padded_kept <= padded) */
         memset(x, 0, 2 * hidden * padded);
         for (int64_t k = 0; k < kept; k++) rms_norm(h + keep[k] * hidden, final_norm, x + k * hidden, hidden, eps);
+        const int64_t tiled = tiles ? z.vocab / 16 * 16 : 0; /* the head's rows on tiles; the rest by dots */
+        if (tiles) {
+            if (kept != tokens) amx_configure(kept);
+            pair_pack(x, hidden, kept, hidden, xp);
+            #pragma omp for schedule(static)
+            for (int64_t pair = 0; pair < (tiled / 16 + 1) / 2; pair++) {
+                const int64_t n0 = 32 * pair, count = n0 + 32 <= tiled ? 32 : 16;
+                amx_rows(head + n0 * hidden, count == 32 ? head + (n0 + 16) * hidden : NULL, hidden, xp, kept, out);
+                for (int64_t i = 0; i < count; i++)
+                    for (int64_t k = 0; k < kept; k++) logits[k * z.vocab + n0 + i] = to_bf16(out[i * kept + k]);
+            }
+        }
         #pragma omp for schedule(static)
-        for (int64_t pair = 0; pair < (z.vocab + 1) / 2; pair++) {
+        for (int64_t pair = tiled / 2; pair < (z.vocab + 1) / 2; pair++) {
             const int64_t n0 = 2 * pair, n1 = n0 + 1 < z.vocab ? n0 + 1 : n0;
             pair_dots(padded_kept, head + n0 * hidden, head + n1 * hidden, x, hidden, hidden, sums);
             for (int64_t k = 0; k < kept; k++)
                 logits[k * z.vocab + n0] = to_bf16(sums[0][k]), logits[k * z.vocab + n1] = to_bf16(sums[1][k]);
         }
+        if (tiles) amx_release();
     }
     status = 0;
 done:
     free(h), free(qkv), free(attn), free(mlp), free(normed), free(scores), free(cs), free(lora_h), free(deltas);
+    free(pairs), free(tile_sums);
     return status;
 }
 
 /* small_step(table, embed, final_norm, head, inv_freq, logits, ids, where, tokens, keep, kept, layers, hidden,
    heads, kv_heads, head_dim, intermediate, vocab, slots, capacity, eps, scale, rope_scaling, stacks, width,
-   columns): `stacks` [KINDS][2] the adapters' A and B (0: a kind none adapts), `columns` [tokens][2] (0: no
+   columns, tiles): `stacks` [KINDS][2] the adapters' A and B (0: a kind none adapts), `columns` [tokens][2] (0: no
    adapters). The sizes, ids, places, kept tokens and adapters' columns checked here, by value, since the
    kernel reads and writes where the addresses point. */
 PyObject *small_step_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 26) {
-        PyErr_SetString(PyExc_TypeError, "small_step takes 26 arguments");
+    if (nargs != 27) {
+        PyErr_SetString(PyExc_TypeError, "small_step takes 27 arguments");
         return NULL;
     }
     void *pointers[11];
@@ -338,6 +405,7 @@ PyObject *small_step_call(PyObject *self, PyObject *const *args, Py_ssize_t narg
     for (int i = 0; i < 12; i++) v[i] = PyLong_AsLongLong(args[size_at[i]]);
     const double eps = PyFloat_AsDouble(args[20]), scale = PyFloat_AsDouble(args[21]);
     const double rope_scaling = PyFloat_AsDouble(args[22]);
+    const int tiles = PyObject_IsTrue(args[26]);
     if (PyErr_Occurred()) return NULL;
     const long long tokens = v[0], kept = v[1], width = v[11];
     const Sizes z = {v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10]};
@@ -346,6 +414,14 @@ PyObject *small_step_call(PyObject *self, PyObject *const *args, Py_ssize_t narg
     if (z.layers < 1 || z.hidden < 1 || z.heads < 1 || z.kv_heads < 1 || z.heads % z.kv_heads || z.head_dim % 32 ||
         z.head_dim < 32 || z.head_dim > 256 || z.intermediate < 1 || z.vocab < 1) {
         PyErr_SetString(PyExc_ValueError, "small_step: heads, head size or layer sizes it does not compute");
+        return NULL;
+    }
+    /* tiles: 16 rows of a product a tile, 32 of its inputs a step (amx.c) */
+    const int64_t q_rows = z.heads * z.head_dim, kv_rows = z.kv_heads * z.head_dim;
+    if (tiles && !(amx_ready() && z.hidden % 32 == 0 && q_rows % 32 == 0 && z.intermediate % 32 == 0 &&
+                   kv_rows % 16 == 0)) {
+        PyErr_SetString(PyExc_ValueError, "small_step: tiles asked for, but AMX is not granted here or the sizes "
+                        "are not multiples of 32 inputs and 16 rows");
         return NULL;
     }
     if (tokens < 1 || tokens > MOST_TOKENS || kept < 1 || kept > tokens) {
@@ -385,7 +461,7 @@ PyObject *small_step_call(PyObject *self, PyObject *const *args, Py_ssize_t narg
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = small_step(pointers[0], pointers[1], pointers[2], pointers[3], pointers[4], pointers[5], ids, where,
-                        tokens, keep, kept, z, (float)eps, (float)scale, (float)rope_scaling, &lora);
+                        tokens, keep, kept, z, (float)eps, (float)scale, (float)rope_scaling, &lora, tiles);
     Py_END_ALLOW_THREADS
     if (status != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;

@@ -16,9 +16,12 @@ so does this: one parallel region, the threads splitting each product's rows (ea
 once for every token; past 8 tokens two rows at a time, so the products and not the loads
 set the pace), six barriers a layer, the GIL released for the whole step. Each token carries
 its own slot, column and position, so a chunk's tokens and different rows' tokens are alike.
-Rows under LoRA adapters run here too: each token's own adapter's shrink and expand, split
-over the threads before each product (eight more barriers a layer), its delta added to the
-product's rounded value and rounded again, as `preheat::packed_linear_lora` does in the graph.
+Where the CPU has AMX (and Linux grants this process its tile data), the products run on its
+tiles instead (`amx.c`: 16 weight rows against every token of the step in one instruction),
+so a step of 16 tokens costs little more than one. Rows under LoRA adapters run here too:
+each token's own adapter's shrink and expand, split over the threads before each product
+(eight more barriers a layer), its delta added to the product's rounded value and rounded
+again, as `preheat::packed_linear_lora` does in the graph.
 
 **transformers is the ground truth.** Each op rounds to bf16 where transformers' eager bf16
 op rounds (the norms, the rotation, each product, the residual sums), so its tokens are
@@ -74,6 +77,9 @@ class SmallStepKernel:
         first = next(name for name, module in model.named_modules() if module is inner.layers[0])
         self.kinds = [f"{first.rsplit('.', 1)[0]}.*.{path}" for path in WEIGHTS]
         self._like = torch.empty((1, sizes["kv_heads"], 1, sizes["head_dim"]), dtype=torch.bfloat16)
+        # Its products on AMX tiles where the CPU has them and the sizes fit (amx.c); else one
+        # AVX-512 bf16 dot product a row, token and 32 inputs.
+        self.tiles = cpukernels.amx_ready() and tiles_fit(sizes)
 
     @classmethod
     def of(cls, model) -> tuple[SmallStepKernel | None, str | None]:
@@ -148,6 +154,7 @@ class SmallStepKernel:
             keep.data_ptr(), keep.shape[0], z["layers"], z["hidden"], z["heads"], z["kv_heads"], z["head_dim"],
             z["intermediate"], z["vocab"], slots, capacity, self.eps, self.scale, self.rope_scaling,
             0 if stacks is None else stacks.data_ptr(), width, 0 if columns is None else columns.data_ptr(),
+            self.tiles,
         )  # fmt: skip
         return logits
 
@@ -172,6 +179,14 @@ class SmallStepKernel:
         if columns.dtype is not torch.int64 or columns.shape != (tokens, 2) or not columns.is_contiguous():
             raise ValueError(f"the small step takes [{tokens}, 2] int64 adapter columns, got {_described([columns])}")
         return stacks, width or 0, columns
+
+
+def tiles_fit(sizes: dict) -> bool:
+    """Whether AMX tiles (16 rows of a product, 32 of its inputs) cover every layer's products
+    whole: each product's inputs a multiple of 32, its rows of 16 (smallstep.c proves it again).
+    The output head's rows past the last 16 run as dot products."""
+    inputs = (sizes["hidden"], sizes["heads"] * sizes["head_dim"], sizes["intermediate"])
+    return all(n % 32 == 0 for n in inputs) and (sizes["kv_heads"] * sizes["head_dim"]) % 16 == 0
 
 
 def _bf16(tensor: torch.Tensor, shape: tuple) -> bool:

@@ -12,10 +12,27 @@ import torch
 
 from preheat.workers.engine import cpukernels
 from preheat.workers.engine.raggedkv import Segment
-from preheat.workers.engine.smallstep import MOST_TOKENS, SmallStepKernel
+from preheat.workers.engine.smallstep import MOST_TOKENS, SmallStepKernel, tiles_fit
 from tests.conftest import support_request
 
 pytestmark = pytest.mark.skipif(not cpukernels.available(), reason="preheat's CPU kernels do not run here")
+
+
+@pytest.fixture(params=["dots", "tiles"])
+def products(request) -> str:
+    """How the kernel computes its products: AVX-512 bf16 dot products (every host it runs on),
+    or AMX tiles (where the CPU has them: amx.c)."""
+    if request.param == "tiles" and not cpukernels.amx_ready():
+        pytest.skip("no AMX tiles on this CPU (or not granted to this process)")
+    return request.param
+
+
+def _kernel(resident, products: str) -> SmallStepKernel:
+    kernel, why_not = SmallStepKernel.of(resident.model)
+    assert why_not is None and kernel is not None
+    assert kernel.tiles == (cpukernels.amx_ready() and tiles_fit(kernel.sizes))
+    kernel.tiles = products == "tiles"
+    return kernel
 
 
 def _resident(model_dir, name: str, dtype: str = "bfloat16"):
@@ -88,10 +105,9 @@ def _agrees(eager, got, eager_kv, got_kv) -> None:
         assert _relative(written_got, written) <= 0.02
 
 
-def test_a_decode_tokens_logits_keys_and_values_are_the_eager_steps(tiny_model):
+def test_a_decode_tokens_logits_keys_and_values_are_the_eager_steps(tiny_model, products):
     resident = _resident(tiny_model, "one-row")
-    kernel, why_not = SmallStepKernel.of(resident.model)
-    assert why_not is None and kernel is not None
+    kernel = _kernel(resident, products)
     prompt = support_request(resident, "Where is my parcel?")[1][0].tolist()
     steps = _decode_beside_eager(resident, kernel, prompt, 12)
     for step in steps:
@@ -100,11 +116,11 @@ def test_a_decode_tokens_logits_keys_and_values_are_the_eager_steps(tiny_model):
 
 
 @pytest.mark.parametrize("chunks", [(2, 3), (7, 1), (MOST_TOKENS, 5)])
-def test_a_prompts_chunks_after_a_cached_head_are_the_eager_steps(tiny_model, chunks):
+def test_a_prompts_chunks_after_a_cached_head_are_the_eager_steps(tiny_model, chunks, products):
     """A prompt's rest in chunks (what a cached prefix leaves), each chunk one call: every
     token's keys and values, and the logits after its last token, eager's."""
     resident = _resident(tiny_model, "one-row-chunks")
-    kernel, _ = SmallStepKernel.of(resident.model)
+    kernel = _kernel(resident, products)
     prompt = support_request(resident, "Summarise: the launch moved to March.")[1][0].tolist()
     head = len(prompt) - sum(chunks)
     kv = resident.runner.new_batch()
@@ -117,11 +133,11 @@ def test_a_prompts_chunks_after_a_cached_head_are_the_eager_steps(tiny_model, ch
     assert kv.lengths[slot] == len(prompt)
 
 
-def test_rows_decoding_and_a_chunk_together_are_the_eager_steps(tiny_model):
+def test_rows_decoding_and_a_chunk_together_are_the_eager_steps(tiny_model, products):
     """Several rows in one step (three decoding at different lengths, one feeding a chunk of
     its prompt): each row's logits, keys and values eager's."""
     resident = _resident(tiny_model, "small-step-rows")
-    kernel, _ = SmallStepKernel.of(resident.model)
+    kernel = _kernel(resident, products)
     prompts = [support_request(resident, text)[1][0].tolist() for text in ("Hello", "Where is my parcel?", "Hi")]
     kv = resident.runner.new_batch()
     slots = [kv.add(None, len(prompt) + 8) for prompt in prompts]
@@ -136,7 +152,7 @@ def test_rows_decoding_and_a_chunk_together_are_the_eager_steps(tiny_model):
         _agrees(*_beside_eager(resident, kernel, kv, segments))
 
 
-def test_rows_under_their_own_adapters_are_the_eager_steps(tiny_model, tmp_path):
+def test_rows_under_their_own_adapters_are_the_eager_steps(tiny_model, tmp_path, products):
     """Rows under two adapters and the base in one small step, a chunk among them: each
     token's own adapter added to every product it adapts, as the eager step's hooks (PEFT's
     arithmetic) add it, and the base's row untouched by either."""
@@ -144,7 +160,7 @@ def test_rows_under_their_own_adapters_are_the_eager_steps(tiny_model, tmp_path)
     from preheat.workers.engine.lora import read_adapter
 
     resident = _resident(tiny_model, "small-step-lora")
-    kernel, _ = SmallStepKernel.of(resident.model)
+    kernel = _kernel(resident, products)
     adapters = [
         read_adapter(
             n, "small-step-lora", make_adapter(tiny_model, tmp_path / n, rank=r, seed=s), resident.model, max_rank=64
@@ -191,19 +207,24 @@ def test_ids_chunks_and_buffers_it_does_not_hold_are_refused_before_anything_is_
         kernel(kv, [Segment(slot, 1, (5, 6))], (stacked, torch.zeros((1, 2), dtype=torch.int64)))
     assert torch.equal(kv.buffers[0][0][slot, :, 1:], keys)
     assert not SmallStepKernel.covers([Segment(slot, 1, (5,) * 9), Segment(slot + 1, 0, (5,) * 8)])
+    kernel.tiles = True  # asked where AMX is not granted, or for sizes its tiles do not cover
+    if cpukernels.amx_ready():
+        kernel.sizes = {**kernel.sizes, "intermediate": kernel.sizes["intermediate"] - 16}
+    with pytest.raises(ValueError, match="tiles asked for"):
+        kernel(kv, [Segment(slot, 1, (5,))])
+    assert torch.equal(kv.buffers[0][0][slot, :, 1:], keys)
     kv.buffers[0][0] = kv.buffers[0][0].float()  # a layer's keys of another dtype
     with pytest.raises(ValueError, match="bf16 KV buffers"):
         kernel(kv, [Segment(slot, 1, (5,))])
 
 
 @pytest.mark.slow
-def test_on_the_real_model_the_kernel_agrees_with_transformers_bf16_and_float32(real_model):
+def test_on_the_real_model_the_kernel_agrees_with_transformers_bf16_and_float32(real_model, products):
     """SmolLM2-135M-Instruct: eager bf16's top token at nearly every position and its near-tie
     at the others, and float32 transformers' at nearly every one (bf16 changes rounding; the
     bench reports the figure)."""
     resident = _resident(real_model, "one-row-real")
-    kernel, why_not = SmallStepKernel.of(resident.model)
-    assert kernel is not None, why_not
+    kernel = _kernel(resident, products)
     prompt = support_request(resident, "Where is my parcel?")[1][0].tolist()
     steps = _decode_beside_eager(resident, kernel, prompt, 24)
     assert all(_eagers_best(eager, got) for eager, got, _, _ in steps)
