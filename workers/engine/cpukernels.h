@@ -124,6 +124,8 @@ static inline void attend_head(const uint16_t *qh, const uint16_t *kh, const uin
 
 /* amx.c: products on AMX tiles, where the CPU has them (the small step's, past one token). */
 int amx_ready(void);
+int64_t tile_stride(int64_t tokens);
+int64_t sums_stride(int64_t tokens);
 void amx_configure(int64_t tokens);
 void amx_release(void);
 void pair_pack(const uint16_t *x, int64_t stride, int64_t tokens, int64_t k_len, uint16_t *xp);

@@ -11,7 +11,8 @@
 
 #include "cpukernels.h"
 
-#define MOST_TOKENS 16 /* past it, oneDNN's products are as fast: compute, not memory, bounds them */
+#define MOST_TOKENS 16      /* dot products: past it, oneDNN's products are as fast (compute bounds them) */
+#define MOST_TILE_TOKENS 64 /* AMX tiles (amx.c): four groups of 16 tokens against a block of rows */
 #define GROUP 8         /* the tokens of a tile: two weight rows by GROUP tokens, 2 * GROUP sums in registers */
 
 enum { NORM_IN, Q, K, V, O, NORM_POST, GATE, UP, DOWN, KEYS, VALUES, TABLE_WIDTH };
@@ -63,7 +64,7 @@ static inline __attribute__((always_inline)) void dots_n(const int n, const uint
    bounds such a step); past it, both rows at once, GROUP tokens at a time, the rows still in
    the L1 cache for the next GROUP (16 tokens: 27 against 36 ms on the real model). */
 static inline void pair_dots(int64_t padded, const uint16_t *row0, const uint16_t *row1, const uint16_t *x,
-                             int64_t stride, int64_t k_len, float sums[2][MOST_TOKENS]) {
+                             int64_t stride, int64_t k_len, float sums[2][MOST_TILE_TOKENS]) {
     if (padded == 1) {
         sums[0][0] = dot_bf16(row0, x, k_len), sums[1][0] = dot_bf16(row1, x, k_len);
     } else if (padded == 4) {
@@ -170,7 +171,7 @@ static inline float with_delta(float product, const Lora *l, int kind, int64_t t
 /* Rows 2 * pair and the next (of `rows`) of a product whose output is added to the residual h
    ([tokens, rows]): w [rows, k_len], its input x [tokens, k_len]; `kind` its adapters'. */
 static inline void residual_pair(uint16_t *h, int64_t pair, int64_t rows, int64_t padded, int64_t tokens,
-                                 const uint16_t *w, const uint16_t *x, int64_t k_len, float sums[2][MOST_TOKENS],
+                                 const uint16_t *w, const uint16_t *x, int64_t k_len, float sums[2][MOST_TILE_TOKENS],
                                  const Lora *l, int kind) {
     const int64_t n0 = 2 * pair, n1 = n0 + 1 < rows ? n0 + 1 : n0;
     pair_dots(padded, w + n0 * k_len, w + n1 * k_len, x, k_len, k_len, sums);
@@ -180,15 +181,31 @@ static inline void residual_pair(uint16_t *h, int64_t pair, int64_t rows, int64_
     }
 }
 
+/* Token t's sums of 16 rows of a product on tiles, a lane a row (out: amx_rows', its rows
+   `stride` apart), gathered. */
+static inline __m512 token_sums(const float *out, int64_t stride, int64_t t) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)stride));
+    return _mm512_i32gather_ps(rows, out + t, 4);
+}
+
+/* `with_delta` for outputs n to n + 15 of token t at once. */
+static inline __m512 with_deltas(__m512 products, const Lora *l, int kind, int64_t t, int64_t out, int64_t n) {
+    return l->columns ? _mm512_add_ps(round_bf16_ps(products), _mm512_loadu_ps(l->delta[kind] + t * out + n)) : products;
+}
+
 /* The same on AMX tiles: rows 16 * block to the next 32 (16 where only 16 are left), their
    input paired by `pair_pack` (xp); `out` room for 32 rows of sums. */
 static void residual_tiles(uint16_t *h, int64_t block, int64_t rows, int64_t tokens, const uint16_t *w,
                            const uint16_t *xp, int64_t k_len, float *out, const Lora *l, int kind) {
-    const int64_t n0 = 16 * block, count = n0 + 32 <= rows ? 32 : 16;
+    const int64_t n0 = 16 * block, count = n0 + 32 <= rows ? 32 : 16, stride = sums_stride(tokens);
     amx_rows(w + n0 * k_len, count == 32 ? w + (n0 + 16) * k_len : NULL, k_len, xp, tokens, out);
-    for (int64_t i = 0; i < count; i++)
-        for (int64_t t = 0; t < tokens; t++)
-            h[t * rows + n0 + i] = add_bf16(h[t * rows + n0 + i], with_delta(out[i * tokens + t], l, kind, t, rows, n0 + i));
+    for (int64_t n = n0; n < n0 + count; n += 16)
+        for (int64_t t = 0; t < tokens; t++) {
+            const __m512 p = with_deltas(token_sums(out + (n - n0) * stride, stride, t), l, kind, t, rows, n);
+            const __m512 sum = _mm512_add_ps(load_lanes(h + t * rows, n, 0xFFFF, 1), round_bf16_ps(p));
+            store_lanes(h + t * rows, n, 0xFFFF, sum, 1); /* add_bf16's rounding, 16 rows at once */
+        }
 }
 
 /* The step. table [layers, TABLE_WIDTH]: each layer's addresses (weights bf16 row-major as
@@ -212,8 +229,9 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
     const int64_t padded_kept = kept == 1 ? 1 : kept <= 4 ? 4 : (kept + GROUP - 1) / GROUP * GROUP;
     const int threads = omp_get_max_threads();
     const int64_t widest = inter > hidden ? (inter > q_rows ? inter : q_rows) : (hidden > q_rows ? hidden : q_rows);
-    uint16_t *pairs = tiles ? malloc(2 * widest * tokens * threads) : NULL;
-    float *tile_sums = tiles ? malloc(sizeof(float) * 32 * MOST_TOKENS * threads) : NULL;
+    const int64_t columns = tiles ? tile_stride(tokens) : 0; /* a token pair's row in `pairs` (pair_pack) */
+    uint16_t *pairs = tiles ? malloc(2 * widest * columns * threads) : NULL;
+    float *tile_sums = tiles ? malloc(sizeof(float) * 32 * MOST_TILE_TOKENS * threads) : NULL;
     /* Token-major; the products' inputs padded with zero tokens up to `padded`. */
     uint16_t *h = malloc(2 * hidden * tokens), *qkv = malloc(2 * qkv_rows * tokens);
     uint16_t *attn = calloc(q_rows * padded, 2), *mlp = calloc(inter * padded, 2);
@@ -242,9 +260,9 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
     #pragma omp parallel
     {
         uint16_t *x = normed + hidden * padded * omp_get_thread_num(); /* each thread's own copy of a norm */
-        float sums[2][MOST_TOKENS];
-        uint16_t *xp = tiles ? pairs + widest * tokens * omp_get_thread_num() : NULL; /* its input, paired */
-        float *out = tiles ? tile_sums + 32 * MOST_TOKENS * omp_get_thread_num() : NULL;
+        float sums[2][MOST_TILE_TOKENS];
+        uint16_t *xp = tiles ? pairs + widest * columns * omp_get_thread_num() : NULL; /* its input, paired */
+        float *out = tiles ? tile_sums + 32 * MOST_TILE_TOKENS * omp_get_thread_num() : NULL;
         if (tiles) amx_configure(tokens);
         for (int64_t layer = 0; layer < z.layers; layer++) {
             const int64_t *at = table + TABLE_WIDTH * layer;
@@ -262,9 +280,10 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                     const int64_t n = 16 * b, kind = n < q_rows ? LQ : n < q_rows + kv_rows ? LK : LV;
                     const int64_t row = kind == LQ ? n : kind == LK ? n - q_rows : n - q_rows - kv_rows;
                     amx_rows((kind == LQ ? wq : kind == LK ? wk : wv) + row * hidden, NULL, hidden, xp, tokens, out);
-                    for (int64_t i = 0; i < 16; i++)
-                        for (int64_t t = 0; t < tokens; t++)
-                            qkv[t * qkv_rows + n + i] = to_bf16(with_delta(out[i * tokens + t], l, kind, t, outs[kind], row + i));
+                    for (int64_t t = 0; t < tokens; t++) {
+                        const __m512 sums16 = token_sums(out, sums_stride(tokens), t);
+                        store_lanes(qkv + t * qkv_rows, n, 0xFFFF, with_deltas(sums16, l, kind, t, outs[kind], row), 1);
+                    }
                 }
             } else
             #pragma omp for schedule(static)
@@ -321,16 +340,16 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
             if (tiles) pair_pack(x, hidden, tokens, hidden, xp);
             #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) { /* 16 rows of gate and of up, then their SiLU product */
-                float gate[MOST_TOKENS][16], up[MOST_TOKENS][16];
+                float gate[MOST_TILE_TOKENS][16], up[MOST_TILE_TOKENS][16];
                 const int64_t first = 16 * b;
                 const __mmask16 m = first_lanes(inter - first);
                 if (tiles) {
                     amx_rows(wg + first * hidden, wu + first * hidden, hidden, xp, tokens, out);
-                    for (int64_t k = 0; k < 16; k++)
-                        for (int64_t t = 0; t < tokens; t++) {
-                            gate[t][k] = with_delta(out[k * tokens + t], l, LGATE, t, inter, first + k);
-                            up[t][k] = with_delta(out[(16 + k) * tokens + t], l, LUP, t, inter, first + k);
-                        }
+                    const int64_t stride = sums_stride(tokens);
+                    for (int64_t t = 0; t < tokens; t++) {
+                        _mm512_storeu_ps(gate[t], with_deltas(token_sums(out, stride, t), l, LGATE, t, inter, first));
+                        _mm512_storeu_ps(up[t], with_deltas(token_sums(out + 16 * stride, stride, t), l, LUP, t, inter, first));
+                    }
                 }
                 for (int64_t k = 0; !tiles && k < 16 && first + k < inter; k++) { /* a gate row and its up row as a pair */
                     pair_dots(padded, wg + (first + k) * hidden, wu + (first + k) * hidden, x, hidden, hidden, sums);
@@ -367,8 +386,9 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
             for (int64_t pair = 0; pair < (tiled / 16 + 1) / 2; pair++) {
                 const int64_t n0 = 32 * pair, count = n0 + 32 <= tiled ? 32 : 16;
                 amx_rows(head + n0 * hidden, count == 32 ? head + (n0 + 16) * hidden : NULL, hidden, xp, kept, out);
-                for (int64_t i = 0; i < count; i++)
-                    for (int64_t k = 0; k < kept; k++) logits[k * z.vocab + n0 + i] = to_bf16(out[i * kept + k]);
+                for (int64_t n = n0; n < n0 + count; n += 16)
+                    for (int64_t k = 0; k < kept; k++)
+                        store_lanes(logits + k * z.vocab, n, 0xFFFF, token_sums(out + (n - n0) * sums_stride(kept), sums_stride(kept), k), 1);
             }
         }
         #pragma omp for schedule(static)
@@ -424,9 +444,9 @@ PyObject *small_step_call(PyObject *self, PyObject *const *args, Py_ssize_t narg
                         "are not multiples of 32 inputs and 16 rows");
         return NULL;
     }
-    if (tokens < 1 || tokens > MOST_TOKENS || kept < 1 || kept > tokens) {
-        PyErr_Format(PyExc_ValueError, "small_step: %lld tokens (1 to %d), %lld of them kept", tokens, MOST_TOKENS,
-                     kept);
+    const int most = tiles ? MOST_TILE_TOKENS : MOST_TOKENS;
+    if (tokens < 1 || tokens > most || kept < 1 || kept > tokens) {
+        PyErr_Format(PyExc_ValueError, "small_step: %lld tokens (1 to %d), %lld of them kept", tokens, most, kept);
         return NULL;
     }
     for (long long t = 0; t < tokens; t++) {

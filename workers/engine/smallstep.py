@@ -1,4 +1,4 @@
-"""A small step in one kernel call: up to 16 tokens (a single user's decode token, the short
+"""A small step in one kernel call: up to 16 tokens, 64 on AMX tiles (a single user's decode token, the short
 rest of a prompt that a cached prefix leaves, a few users decoding together, or these at
 once) through every layer of a Llama-family model, its final norm and its output head for
 each row's last token (C: `smallstep.c`, built with preheat's other CPU kernels,
@@ -40,7 +40,8 @@ import torch
 from preheat.workers.engine import cpukernels
 from preheat.workers.engine.raggedkv import RaggedKV, Segment
 
-MOST_TOKENS = 16  # smallstep.c's: a step feeding more runs the compiled graph
+MOST_TOKENS = 16  # smallstep.c's with dot products: a step feeding more runs the compiled graph
+MOST_TILE_TOKENS = 64  # with AMX tiles (amx.c): four groups of 16 tokens against each block of rows
 LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer"}  # transformers' classes whose forward the kernel computes
 STATIC_ROPE = {"default", "linear", "llama3"}  # rotary embeddings whose frequencies do not change with the length
 # What LoRA adapters may adapt, in smallstep.c's order (LQ ... LDOWN): indices into WEIGHTS.
@@ -124,10 +125,15 @@ class SmallStepKernel:
         sizes |= {"intermediate": inter, "vocab": vocab}
         return cls(model, weights, sizes, eps.pop(), scale.pop()), None
 
-    @staticmethod
-    def covers(segments: list[Segment]) -> bool:
-        """Whether a step of these segments feeds at most MOST_TOKENS ids in all."""
-        return sum(len(segment.ids) for segment in segments) <= MOST_TOKENS
+    @property
+    def most_tokens(self) -> int:
+        """The most ids a step it runs may feed: more on tiles, whose products cost little more
+        for 64 tokens than for one."""
+        return MOST_TILE_TOKENS if self.tiles else MOST_TOKENS
+
+    def covers(self, segments: list[Segment]) -> bool:
+        """Whether a step of these segments feeds at most `most_tokens` ids in all."""
+        return sum(len(segment.ids) for segment in segments) <= self.most_tokens
 
     def __call__(self, kv: RaggedKV, segments: list[Segment], adapters=None) -> torch.Tensor:
         """The logits after each segment's last id, [segments, vocab] bf16; their keys and

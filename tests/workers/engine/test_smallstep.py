@@ -12,7 +12,7 @@ import torch
 
 from preheat.workers.engine import cpukernels
 from preheat.workers.engine.raggedkv import Segment
-from preheat.workers.engine.smallstep import MOST_TOKENS, SmallStepKernel, tiles_fit
+from preheat.workers.engine.smallstep import MOST_TILE_TOKENS, MOST_TOKENS, SmallStepKernel, tiles_fit
 from tests.conftest import support_request
 
 pytestmark = pytest.mark.skipif(not cpukernels.available(), reason="preheat's CPU kernels do not run here")
@@ -152,6 +152,29 @@ def test_rows_decoding_and_a_chunk_together_are_the_eager_steps(tiny_model, prod
         _agrees(*_beside_eager(resident, kernel, kv, segments))
 
 
+@pytest.mark.parametrize("rows, chunk", [(4, 20), (20, 40)])
+def test_a_step_past_16_tokens_on_tiles_is_the_eager_step(tiny_model, rows, chunk):
+    """On AMX tiles a step feeds up to 64 tokens (groups of 16 against each block of weight
+    rows): rows decoding beside a prompt's chunk, 23 and 59 tokens in all, each row's logits,
+    keys and values eager's."""
+    if not cpukernels.amx_ready():
+        pytest.skip("no AMX tiles on this CPU (or not granted to this process)")
+    resident = _resident(tiny_model, "tiles-past-16")
+    kernel = _kernel(resident, "tiles")
+    prompt = support_request(resident, "Summarise: the launch moved to March, QA goes to Dana.")[1][0].tolist()
+    assert len(prompt) > chunk + 4
+    kv = resident.runner.new_batch()
+    slots = [kv.add(None, len(prompt) + 8) for _ in range(rows)]
+    for slot in slots:  # each row holds a head of the prompt; the last feeds its next chunk
+        resident.runner.step(kv, [Segment(slot, 0, tuple(prompt[: 3 + slot % 5]))])
+        kv.stepped()
+    segments = [Segment(slot, kv.lengths[slot], (11 + slot,)) for slot in slots[:-1]]
+    start = kv.lengths[slots[-1]]
+    segments.append(Segment(slots[-1], start, tuple(prompt[start : start + chunk])))
+    assert kernel.covers(segments) and sum(len(s.ids) for s in segments) > MOST_TOKENS
+    _agrees(*_beside_eager(resident, kernel, kv, segments))
+
+
 def test_rows_under_their_own_adapters_are_the_eager_steps(tiny_model, tmp_path, products):
     """Rows under two adapters and the base in one small step, a chunk among them: each
     token's own adapter added to every product it adapts, as the eager step's hooks (PEFT's
@@ -192,22 +215,29 @@ def test_ids_chunks_and_buffers_it_does_not_hold_are_refused_before_anything_is_
     resident = _resident(tiny_model, "one-row-guards")
     kernel, _ = SmallStepKernel.of(resident.model)
     kv = resident.runner.new_batch()
-    slot = kv.add(None, 40)
+    slot = kv.add(None, MOST_TILE_TOKENS + 8)  # room for every step below: refused, never grown into
     kernel(kv, [Segment(slot, 0, (5,))])
     kv.stepped()
     keys = kv.buffers[0][0][slot, :, 1:].clone()
     with pytest.raises(ValueError, match="id 1000000"):
         kernel(kv, [Segment(slot, 1, (5, 1_000_000))])
-    with pytest.raises(ValueError, match=f"{MOST_TOKENS + 1} tokens"):
-        kernel(kv, [Segment(slot, 1, (5,) * (MOST_TOKENS + 1))])
+    for most in (MOST_TOKENS, MOST_TILE_TOKENS) if kernel.tiles else (MOST_TOKENS,):
+        kernel.tiles = most == MOST_TILE_TOKENS
+        assert kernel.most_tokens == most
+        with pytest.raises(ValueError, match=f"{most + 1} tokens"):
+            kernel(kv, [Segment(slot, 1, (5,) * (most + 1))])
     from preheat.workers.engine.lorastack import Stacked, Targets
 
     stacked = Stacked.of((), Targets.of(resident.model), kv.device)
     with pytest.raises(ValueError, match=r"\[2, 2\] int64 adapter columns"):  # a row short: never read past it
         kernel(kv, [Segment(slot, 1, (5, 6))], (stacked, torch.zeros((1, 2), dtype=torch.int64)))
     assert torch.equal(kv.buffers[0][0][slot, :, 1:], keys)
-    assert not SmallStepKernel.covers([Segment(slot, 1, (5,) * 9), Segment(slot + 1, 0, (5,) * 8)])
-    kernel.tiles = True  # asked where AMX is not granted, or for sizes its tiles do not cover
+    seventeen = [Segment(slot, 1, (5,) * 9), Segment(slot + 1, 0, (5,) * 8)]
+    kernel.tiles = False
+    assert kernel.covers(seventeen[:1]) and not kernel.covers(seventeen)
+    kernel.tiles = True  # a step's reach on tiles (where they are not granted, the call refuses below)
+    assert kernel.covers(seventeen) and not kernel.covers([Segment(slot, 1, (5,) * (MOST_TILE_TOKENS + 1))])
+    # Tiles asked for where AMX is not granted, or for sizes its tiles do not cover.
     if cpukernels.amx_ready():
         kernel.sizes = {**kernel.sizes, "intermediate": kernel.sizes["intermediate"] - 16}
     with pytest.raises(ValueError, match="tiles asked for"):
