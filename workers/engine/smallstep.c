@@ -208,6 +208,24 @@ static void residual_tiles(uint16_t *h, int64_t block, int64_t rows, int64_t tok
         }
 }
 
+/* A product added to the residual h ([tokens, rows]): w [rows, k_len] against x [tokens, k_len],
+   its rows split over the step's threads (an orphaned `omp for`: every thread of the region calls
+   it). On tiles where `xp` (this thread's room for x paired), else by dot products. */
+static void residual_product(uint16_t *h, int64_t rows, int64_t tokens, int64_t padded, const uint16_t *w,
+                             const uint16_t *x, int64_t k_len, uint16_t *xp, float *out,
+                             float sums[2][MOST_TILE_TOKENS], const Lora *l, int kind) {
+    if (xp) {
+        pair_pack(x, k_len, tokens, k_len, xp);
+        #pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < (rows / 16 + 1) / 2; pair++)
+            residual_tiles(h, 2 * pair, rows, tokens, w, xp, k_len, out, l, kind);
+    } else {
+        #pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < (rows + 1) / 2; pair++)
+            residual_pair(h, pair, rows, padded, tokens, w, x, k_len, sums, l, kind);
+    }
+}
+
 /* The step. table [layers, TABLE_WIDTH]: each layer's addresses (weights bf16 row-major as
    nn.Linear keeps them; keys and values the layer's [slots, kv_heads, capacity, head_dim]).
    Token t (ids[t]) sits at position where[t][2] of the row in slot where[t][0]; its key and
@@ -325,15 +343,7 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                             scores + item * most, where[t][1] + 1, dim, scale);
             }
             if (l->columns) lora_phases(l, OUT, 1, layer, attn, q_rows, outs + LO, tokens);
-            if (tiles) {
-                pair_pack(attn, q_rows, tokens, q_rows, xp);
-                #pragma omp for schedule(static)
-                for (int64_t pair = 0; pair < (hidden / 16 + 1) / 2; pair++)
-                    residual_tiles(h, 2 * pair, hidden, tokens, wo, xp, q_rows, out, l, LO);
-            } else
-            #pragma omp for schedule(static)
-            for (int64_t pair = 0; pair < (hidden + 1) / 2; pair++)
-                residual_pair(h, pair, hidden, padded, tokens, wo, attn, q_rows, sums, l, LO);
+            residual_product(h, hidden, tokens, padded, wo, attn, q_rows, tiles ? xp : NULL, out, sums, l, LO);
             for (int64_t t = 0; t < tokens; t++)
                 rms_norm(h + t * hidden, (const uint16_t *)at[NORM_POST], x + t * hidden, hidden, eps);
             if (l->columns) lora_phases(l, GATE_UP, 2, layer, x, hidden, outs + LGATE, tokens);
@@ -365,15 +375,7 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                 }
             }
             if (l->columns) lora_phases(l, DOWN_ONLY, 1, layer, mlp, inter, outs + LDOWN, tokens);
-            if (tiles) {
-                pair_pack(mlp, inter, tokens, inter, xp);
-                #pragma omp for schedule(static)
-                for (int64_t pair = 0; pair < (hidden / 16 + 1) / 2; pair++)
-                    residual_tiles(h, 2 * pair, hidden, tokens, wd, xp, inter, out, l, LDOWN);
-            } else
-            #pragma omp for schedule(static)
-            for (int64_t pair = 0; pair < (hidden + 1) / 2; pair++)
-                residual_pair(h, pair, hidden, padded, tokens, wd, mlp, inter, sums, l, LDOWN);
+            residual_product(h, hidden, tokens, padded, wd, mlp, inter, tiles ? xp : NULL, out, sums, l, LDOWN);
         }
         /* the kept tokens' final norms, packed (rows past `kept` stay zeros: padded_kept <= padded) */
         memset(x, 0, 2 * hidden * padded);
