@@ -1,8 +1,8 @@
-"""A small step in one kernel call: up to 16 tokens, 64 on AMX tiles (a single user's decode token, the short
-rest of a prompt that a cached prefix leaves, a few users decoding together, or these at
-once) through every layer of a Llama-family model, its final norm and its output head for
-each row's last token (C: `smallstep.c`, built with preheat's other CPU kernels,
-preheat.workers.engine.cpukernels), in bfloat16 where the CPU has AVX512-BF16.
+"""A small step in one kernel call: up to 16 tokens, 64 on AMX tiles (a single user's decode
+token, the short rest of a prompt that a cached prefix leaves, a few users decoding together,
+or these at once) through every layer of a Llama-family model, its final norm and its output
+head for each row's last token (C: `smallstep.c` and `amx.c`, built with preheat's other CPU
+kernels, preheat.workers.engine.cpukernels), in bfloat16 where the CPU has AVX512-BF16.
 
 **Why our own code for this step.** A single user's decode step reads every weight once for
 one token: its floor is the weights' bytes over the memory's bandwidth (10.1 ms for the real
