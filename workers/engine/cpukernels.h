@@ -122,6 +122,47 @@ static inline void attend_head(const uint16_t *qh, const uint16_t *kh, const uin
     for (int64_t c = 0; c < lanes; c++) store_lanes(oh, 16 * c, 0xFFFF, _mm512_mul_ps(acc[c], inverse), 1);
 }
 
+/* Rows against several tokens at once (the small step's dot products, smallstep.c): at most
+   DOT_TOKENS a call, so that their sums stay in registers. */
+#define DOT_TOKENS 8
+
+/* out0[t] = row0 . x[t] and out1[t] = row1 . x[t] for n tokens (n a constant where inlined:
+   the 2n sums stay in registers), x's tokens `stride` apart: each piece of the two rows is read
+   once for the n tokens, and each token's piece once for both rows, so the CPU's bf16 dot
+   product, not the loads, sets the pace. */
+static inline __attribute__((always_inline)) void pair_dots_n(const int n, const uint16_t *row0, const uint16_t *row1,
+                                                              const uint16_t *x, int64_t stride, int64_t k_len,
+                                                              float *out0, float *out1) {
+    __m512 a[DOT_TOKENS], b[DOT_TOKENS];
+    for (int t = 0; t < n; t++) a[t] = b[t] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k_len; k += 32) {
+        const __mmask32 m = k_len - k >= 32 ? (__mmask32)0xFFFFFFFF : (__mmask32)((1u << (k_len - k)) - 1);
+        const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m, row0 + k);
+        const __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(m, row1 + k);
+        for (int t = 0; t < n; t++) {
+            const __m512bh value = (__m512bh)_mm512_maskz_loadu_epi16(m, x + t * stride + k);
+            a[t] = _mm512_dpbf16_ps(a[t], w0, value);
+            b[t] = _mm512_dpbf16_ps(b[t], w1, value);
+        }
+    }
+    for (int t = 0; t < n; t++) out0[t] = _mm512_reduce_add_ps(a[t]), out1[t] = _mm512_reduce_add_ps(b[t]);
+}
+
+/* out[t] = row . x[t] for n tokens (n a constant where inlined: the sums stay in registers),
+   x's tokens `stride` apart; the row read once for all of them. */
+static inline __attribute__((always_inline)) void dots_n(const int n, const uint16_t *row, const uint16_t *x,
+                                                         int64_t stride, int64_t k_len, float *out) {
+    __m512 acc[DOT_TOKENS];
+    for (int t = 0; t < n; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k_len; k += 32) {
+        const __mmask32 m = k_len - k >= 32 ? (__mmask32)0xFFFFFFFF : (__mmask32)((1u << (k_len - k)) - 1);
+        const __m512bh w = (__m512bh)_mm512_maskz_loadu_epi16(m, row + k);
+        for (int t = 0; t < n; t++)
+            acc[t] = _mm512_dpbf16_ps(acc[t], w, (__m512bh)_mm512_maskz_loadu_epi16(m, x + t * stride + k));
+    }
+    for (int t = 0; t < n; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
 /* amx.c: products on AMX tiles, where the CPU has them (the small step's, past one token). */
 int amx_ready(void);
 int64_t tile_stride(int64_t tokens);

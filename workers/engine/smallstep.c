@@ -13,50 +13,13 @@
 
 #define MOST_TOKENS 16      /* dot products: past it, oneDNN's products are as fast (compute bounds them) */
 #define MOST_TILE_TOKENS 64 /* AMX tiles (amx.c): four groups of 16 tokens against a block of rows */
-#define GROUP 8         /* the tokens of a tile: two weight rows by GROUP tokens, 2 * GROUP sums in registers */
+#define GROUP DOT_TOKENS /* the tokens of a tile: two weight rows by GROUP tokens, 2 * GROUP sums in registers */
 
 enum { NORM_IN, Q, K, V, O, NORM_POST, GATE, UP, DOWN, KEYS, VALUES, TABLE_WIDTH };
 
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, slots, capacity;
 } Sizes;
-
-/* out0[t] = row0 . x[t] and out1[t] = row1 . x[t] for n tokens (n a constant where inlined:
-   the 2n sums stay in registers), x's tokens `stride` apart: each piece of the two rows is read
-   once for the n tokens, and each token's piece once for both rows, so the CPU's bf16 dot
-   product, not the loads, sets the pace. */
-static inline __attribute__((always_inline)) void pair_dots_n(const int n, const uint16_t *row0, const uint16_t *row1,
-                                                              const uint16_t *x, int64_t stride, int64_t k_len,
-                                                              float *out0, float *out1) {
-    __m512 a[GROUP], b[GROUP];
-    for (int t = 0; t < n; t++) a[t] = b[t] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < k_len; k += 32) {
-        const __mmask32 m = k_len - k >= 32 ? (__mmask32)0xFFFFFFFF : (__mmask32)((1u << (k_len - k)) - 1);
-        const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m, row0 + k);
-        const __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(m, row1 + k);
-        for (int t = 0; t < n; t++) {
-            const __m512bh value = (__m512bh)_mm512_maskz_loadu_epi16(m, x + t * stride + k);
-            a[t] = _mm512_dpbf16_ps(a[t], w0, value);
-            b[t] = _mm512_dpbf16_ps(b[t], w1, value);
-        }
-    }
-    for (int t = 0; t < n; t++) out0[t] = _mm512_reduce_add_ps(a[t]), out1[t] = _mm512_reduce_add_ps(b[t]);
-}
-
-/* out[t] = row . x[t] for n tokens (n a constant where inlined: the sums stay in registers),
-   x's tokens `stride` apart; the row read once for all of them. */
-static inline __attribute__((always_inline)) void dots_n(const int n, const uint16_t *row, const uint16_t *x,
-                                                         int64_t stride, int64_t k_len, float *out) {
-    __m512 acc[GROUP];
-    for (int t = 0; t < n; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < k_len; k += 32) {
-        const __mmask32 m = k_len - k >= 32 ? (__mmask32)0xFFFFFFFF : (__mmask32)((1u << (k_len - k)) - 1);
-        const __m512bh w = (__m512bh)_mm512_maskz_loadu_epi16(m, row + k);
-        for (int t = 0; t < n; t++)
-            acc[t] = _mm512_dpbf16_ps(acc[t], w, (__m512bh)_mm512_maskz_loadu_epi16(m, x + t * stride + k));
-    }
-    for (int t = 0; t < n; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
-}
 
 /* Two rows' sums over the step's `padded` tokens (1, 4, or a multiple of GROUP: x's rows past
    the step's tokens are zeros) into sums[0] and sums[1]. One token: each row's own four-sum
@@ -120,27 +83,32 @@ static inline uint16_t add_bf16(uint16_t residual, float product) {
 /* The step's LoRA adapters (preheat.workers.engine.lorastack): per adapted kind (q, k, v, o,
    gate, up, down) the stacks A [layers, width, in] and B [layers, width, out] (bf16, B scaled),
    or none; each token's (first column, rank), rank 0 for the base's. delta [kind][token][out]:
-   each token's own adapter's (A x) B, float32, added to the product before its rounding. */
+   each token's own adapter's (A x) B, float32, added to the product before its rounding. Each
+   thread holds its own copy (its shrinks h, the layer): a shrink is small enough to compute on
+   every thread, which saves the barrier after it. `fused`: the expands are computed where the
+   products' sums are rounded (on tiles: with_deltas), which saves the phase and its barrier. */
 enum { LQ, LK, LV, LO, LGATE, LUP, LDOWN, KINDS };
 typedef struct {
     const uint16_t *a[KINDS], *b[KINDS];
-    int64_t width, most_rank;
+    int64_t width, most_rank, layer;
     const int64_t (*columns)[2];
-    float *h, *delta[KINDS]; /* h [tokens][KINDS][most_rank] */
+    float *h, *delta[KINDS]; /* h [tokens][KINDS][most_rank], this thread's */
+    int fused;
 } Lora;
 
-/* A group of kinds that read one input (x [tokens, in], `stride` apart): the shrinks (A x, a
-   token and kind an item), a barrier, then the expands (64 outputs of a token and kind an
-   item), each split over the threads; the caller's product phase adds the deltas. */
-static void lora_phases(const Lora *l, const int *kinds, int count, int64_t layer, const uint16_t *x, int64_t in,
+/* A group of kinds that read one input (x [tokens, in], `stride` apart): the shrinks (A x) of
+   every token and kind, on this thread; unless `fused`, then the expands (64 outputs of a token
+   and kind an item), split over the threads, for the caller's product phase to add. */
+static void lora_phases(const Lora *l, const int *kinds, int count, const uint16_t *x, int64_t in,
                         const int64_t *outs, int64_t tokens) {
-    #pragma omp for schedule(static)
+    const int64_t layer = l->layer;
     for (int64_t item = 0; item < tokens * count; item++) {
         const int64_t t = item / count, kind = kinds[item % count], first = l->columns[t][0];
         const int64_t rank = l->a[kind] ? l->columns[t][1] : 0;
         float *h = l->h + (t * KINDS + kind) * l->most_rank;
         for (int64_t j = 0; j < rank; j++) h[j] = dot_bf16(l->a[kind] + (layer * l->width + first + j) * in, x + t * in, in);
     }
+    if (l->fused) return;
     int64_t blocks = 0;
     for (int i = 0; i < count; i++) blocks += (outs[i] + 63) / 64;
     #pragma omp for schedule(static)
@@ -189,9 +157,18 @@ static inline __m512 token_sums(const float *out, int64_t stride, int64_t t) {
     return _mm512_i32gather_ps(rows, out + t, 4);
 }
 
-/* `with_delta` for outputs n to n + 15 of token t at once. */
+/* `with_delta` for outputs n to n + 15 of token t at once, the delta's expand computed here where
+   `fused` (its rows of B against this thread's shrink of the token), else read. */
 static inline __m512 with_deltas(__m512 products, const Lora *l, int kind, int64_t t, int64_t out, int64_t n) {
-    return l->columns ? _mm512_add_ps(round_bf16_ps(products), _mm512_loadu_ps(l->delta[kind] + t * out + n)) : products;
+    if (!l->columns) return products;
+    if (!l->fused) return _mm512_add_ps(round_bf16_ps(products), _mm512_loadu_ps(l->delta[kind] + t * out + n));
+    const int64_t first = l->columns[t][0], rank = l->a[kind] ? l->columns[t][1] : 0;
+    const float *h = l->h + (t * KINDS + kind) * l->most_rank;
+    __m512 delta = _mm512_setzero_ps();
+    for (int64_t j = 0; j < rank; j++)
+        delta = _mm512_fmadd_ps(_mm512_set1_ps(h[j]),
+                                load_lanes(l->b[kind] + (l->layer * l->width + first + j) * out, n, 0xFFFF, 1), delta);
+    return _mm512_add_ps(round_bf16_ps(products), delta);
 }
 
 /* The same on AMX tiles: rows 16 * block to the next 32 (16 where only 16 are left), their
@@ -258,10 +235,10 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
     const int64_t outs[KINDS] = {q_rows, kv_rows, kv_rows, hidden, inter, inter, hidden};
     int64_t delta_size = 0;
     for (int k = 0; k < KINDS; k++) delta_size += outs[k] * tokens;
-    float *lora_h = l->columns ? calloc(tokens * KINDS * (l->most_rank + 1), sizeof(float)) : NULL;
+    const int64_t shrunk = tokens * KINDS * (l->most_rank + 1); /* a thread's shrinks */
+    float *lora_h = l->columns ? calloc(shrunk * threads, sizeof(float)) : NULL;
     float *deltas = l->columns ? calloc(delta_size, sizeof(float)) : NULL;
     for (int64_t k = 0, at = 0; deltas && k < KINDS; at += outs[k] * tokens, k++) l->delta[k] = deltas + at;
-    l->h = lora_h;
     static const int QKV[3] = {LQ, LK, LV}, OUT[1] = {LO}, GATE_UP[2] = {LGATE, LUP}, DOWN_ONLY[1] = {LDOWN};
     int status = -1;
     if (!h || !qkv || !attn || !mlp || !normed || !scores || !cs || (l->columns && (!lora_h || !deltas)) ||
@@ -282,7 +259,10 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
         uint16_t *xp = tiles ? pairs + widest * columns * omp_get_thread_num() : NULL; /* its input, paired */
         float *out = tiles ? tile_sums + 32 * MOST_TILE_TOKENS * omp_get_thread_num() : NULL;
         if (tiles) amx_configure(tokens);
+        Lora lora = *l; /* this thread's: its shrinks, the layer */
+        lora.h = lora_h ? lora_h + shrunk * omp_get_thread_num() : NULL, lora.fused = tiles;
         for (int64_t layer = 0; layer < z.layers; layer++) {
+            lora.layer = layer;
             const int64_t *at = table + TABLE_WIDTH * layer;
             const uint16_t *wq = (const uint16_t *)at[Q], *wk = (const uint16_t *)at[K], *wv = (const uint16_t *)at[V];
             const uint16_t *wo = (const uint16_t *)at[O], *wg = (const uint16_t *)at[GATE];
@@ -290,7 +270,7 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
             uint16_t *keys = (uint16_t *)at[KEYS], *values = (uint16_t *)at[VALUES];
             for (int64_t t = 0; t < tokens; t++)
                 rms_norm(h + t * hidden, (const uint16_t *)at[NORM_IN], x + t * hidden, hidden, eps);
-            if (l->columns) lora_phases(l, QKV, 3, layer, x, hidden, outs, tokens);
+            if (lora.columns) lora_phases(&lora, QKV, 3, x, hidden, outs, tokens);
             if (tiles) {
                 pair_pack(x, hidden, tokens, hidden, xp);
                 #pragma omp for schedule(static)
@@ -300,7 +280,7 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                     amx_rows((kind == LQ ? wq : kind == LK ? wk : wv) + row * hidden, NULL, hidden, xp, tokens, out);
                     for (int64_t t = 0; t < tokens; t++) {
                         const __m512 sums16 = token_sums(out, sums_stride(tokens), t);
-                        store_lanes(qkv + t * qkv_rows, n, 0xFFFF, with_deltas(sums16, l, kind, t, outs[kind], row), 1);
+                        store_lanes(qkv + t * qkv_rows, n, 0xFFFF, with_deltas(sums16, &lora, kind, t, outs[kind], row), 1);
                     }
                 }
             } else
@@ -319,7 +299,7 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                     const int64_t n = i ? n1 : n0, kind = n < q_rows ? LQ : n < q_rows + kv_rows ? LK : LV;
                     const int64_t row = kind == LQ ? n : kind == LK ? n - q_rows : n - q_rows - kv_rows;
                     for (int64_t t = 0; t < tokens; t++)
-                        qkv[t * qkv_rows + n] = to_bf16(with_delta(sums[i][t], l, kind, t, outs[kind], row));
+                        qkv[t * qkv_rows + n] = to_bf16(with_delta(sums[i][t], &lora, kind, t, outs[kind], row));
                 }
             }
             #pragma omp for schedule(static)
@@ -342,11 +322,11 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                 attend_head(qkv + t * qkv_rows + q * dim, keys + from, values + from, attn + t * q_rows + q * dim,
                             scores + item * most, where[t][1] + 1, dim, scale);
             }
-            if (l->columns) lora_phases(l, OUT, 1, layer, attn, q_rows, outs + LO, tokens);
-            residual_product(h, hidden, tokens, padded, wo, attn, q_rows, tiles ? xp : NULL, out, sums, l, LO);
+            if (lora.columns) lora_phases(&lora, OUT, 1, attn, q_rows, outs + LO, tokens);
+            residual_product(h, hidden, tokens, padded, wo, attn, q_rows, tiles ? xp : NULL, out, sums, &lora, LO);
             for (int64_t t = 0; t < tokens; t++)
                 rms_norm(h + t * hidden, (const uint16_t *)at[NORM_POST], x + t * hidden, hidden, eps);
-            if (l->columns) lora_phases(l, GATE_UP, 2, layer, x, hidden, outs + LGATE, tokens);
+            if (lora.columns) lora_phases(&lora, GATE_UP, 2, x, hidden, outs + LGATE, tokens);
             if (tiles) pair_pack(x, hidden, tokens, hidden, xp);
             #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) { /* 16 rows of gate and of up, then their SiLU product */
@@ -357,15 +337,15 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                     amx_rows(wg + first * hidden, wu + first * hidden, hidden, xp, tokens, out);
                     const int64_t stride = sums_stride(tokens);
                     for (int64_t t = 0; t < tokens; t++) {
-                        _mm512_storeu_ps(gate[t], with_deltas(token_sums(out, stride, t), l, LGATE, t, inter, first));
-                        _mm512_storeu_ps(up[t], with_deltas(token_sums(out + 16 * stride, stride, t), l, LUP, t, inter, first));
+                        _mm512_storeu_ps(gate[t], with_deltas(token_sums(out, stride, t), &lora, LGATE, t, inter, first));
+                        _mm512_storeu_ps(up[t], with_deltas(token_sums(out + 16 * stride, stride, t), &lora, LUP, t, inter, first));
                     }
                 }
                 for (int64_t k = 0; !tiles && k < 16 && first + k < inter; k++) { /* a gate row and its up row as a pair */
                     pair_dots(padded, wg + (first + k) * hidden, wu + (first + k) * hidden, x, hidden, hidden, sums);
                     for (int64_t t = 0; t < tokens; t++) {
-                        gate[t][k] = with_delta(sums[0][t], l, LGATE, t, inter, first + k);
-                        up[t][k] = with_delta(sums[1][t], l, LUP, t, inter, first + k);
+                        gate[t][k] = with_delta(sums[0][t], &lora, LGATE, t, inter, first + k);
+                        up[t][k] = with_delta(sums[1][t], &lora, LUP, t, inter, first + k);
                     }
                 }
                 for (int64_t t = 0; t < tokens; t++) {
@@ -374,8 +354,8 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                     store_lanes(mlp + t * inter, first, m, silu_times(g16, u16), 1);
                 }
             }
-            if (l->columns) lora_phases(l, DOWN_ONLY, 1, layer, mlp, inter, outs + LDOWN, tokens);
-            residual_product(h, hidden, tokens, padded, wd, mlp, inter, tiles ? xp : NULL, out, sums, l, LDOWN);
+            if (lora.columns) lora_phases(&lora, DOWN_ONLY, 1, mlp, inter, outs + LDOWN, tokens);
+            residual_product(h, hidden, tokens, padded, wd, mlp, inter, tiles ? xp : NULL, out, sums, &lora, LDOWN);
         }
         /* the kept tokens' final norms, packed (rows past `kept` stay zeros: padded_kept <= padded) */
         memset(x, 0, 2 * hidden * padded);
