@@ -19,9 +19,10 @@ its own slot, column and position, so a chunk's tokens and different rows' token
 Where the CPU has AMX (and Linux grants this process its tile data), the products run on its
 tiles instead (`amx.c`: 16 weight rows against every token of the step in one instruction),
 so a step of 16 tokens costs little more than one. Rows under LoRA adapters run here too:
-each token's own adapter's shrink and expand, split over the threads before each product
-(eight more barriers a layer), its delta added to the product's rounded value and rounded
-again, as `preheat::packed_linear_lora` does in the graph.
+each token's own adapter's shrink (A x), computed on every thread (small work, and no barrier
+to wait at), and its expand, split over the threads before each product (on tiles, computed
+where each block of sums is rounded), its delta added to the product's rounded value and
+rounded again, as `preheat::packed_linear_lora` does in the graph.
 
 **transformers is the ground truth.** Each op rounds to bf16 where transformers' eager bf16
 op rounds (the norms, the rotation, each product, the residual sums), so its tokens are
