@@ -3,9 +3,9 @@
    tile instruction per 32 inputs, against one AVX-512 bf16 dot product per row, token and 32
    inputs. A step of 2 to 16 tokens then reads its weights at about the memory's pace, as one
    token does, instead of waiting on the dot products. Measured on the real model, 2 cores of
-   an Intel host with AMX, kernel calls in one process: 16 rows 22.4 against 60.4 ms, 4 rows
+   an Intel host with AMX, kernel calls in one process: 16 rows 18.1 against 60.4 ms, 4 rows
    14.3 against 22.4, 2 rows 12.8 against 21.1, one row 12.4 against 14.3 (the weights' bytes
-   over the memory's bandwidth: 10-13 ms).
+   over the memory's bandwidth: 10-13 ms); up to 64 tokens a step (`tile_stride`).
 
    Tiles: the weights as they lie (rows of nn.Linear's [out, in], 16 rows by 32 inputs, the
    "A" operand); the step's inputs in pairs ("B": for each pair of inputs, every token's two
@@ -45,7 +45,7 @@ int amx_ready(void) {
 int64_t tile_stride(int64_t tokens) { return tokens <= 16 ? tokens : tokens <= 32 ? 32 : 64; }
 
 /* How many floats apart `amx_rows` writes the rows of its sums: at least 16, so that
-   `sums_of_token` reads 16 rows of one token with one gather. */
+   smallstep.c's `token_sums` reads 16 rows of one token with one gather. */
 int64_t sums_stride(int64_t tokens) { return tokens <= 16 ? 16 : tile_stride(tokens); }
 
 /* This thread's tiles for steps of `tokens` (1 to 64). Up to 16 tokens: sums 0 and 1 [16 rows]

@@ -163,7 +163,7 @@ static inline __attribute__((always_inline)) void dots_n(const int n, const uint
     for (int t = 0; t < n; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
 }
 
-/* amx.c: products on AMX tiles, where the CPU has them (the small step's, past one token). */
+/* amx.c: the small step's products on AMX tiles, where the CPU has them. */
 int amx_ready(void);
 int64_t tile_stride(int64_t tokens);
 int64_t sums_stride(int64_t tokens);

@@ -157,11 +157,10 @@ static inline __m512 token_sums(const float *out, int64_t stride, int64_t t) {
     return _mm512_i32gather_ps(rows, out + t, 4);
 }
 
-/* `with_delta` for outputs n to n + 15 of token t at once, the delta's expand computed here where
-   `fused` (its rows of B against this thread's shrink of the token), else read. */
+/* `with_delta` for outputs n to n + 15 of token t at once, on tiles (`fused`): the delta's
+   expand computed here, its rows of B against this thread's shrink of the token. */
 static inline __m512 with_deltas(__m512 products, const Lora *l, int kind, int64_t t, int64_t out, int64_t n) {
     if (!l->columns) return products;
-    if (!l->fused) return _mm512_add_ps(round_bf16_ps(products), _mm512_loadu_ps(l->delta[kind] + t * out + n));
     const int64_t first = l->columns[t][0], rank = l->a[kind] ? l->columns[t][1] : 0;
     const float *h = l->h + (t * KINDS + kind) * l->most_rank;
     __m512 delta = _mm512_setzero_ps();
@@ -237,11 +236,11 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
     for (int k = 0; k < KINDS; k++) delta_size += outs[k] * tokens;
     const int64_t shrunk = tokens * KINDS * (l->most_rank + 1); /* a thread's shrinks */
     float *lora_h = l->columns ? calloc(shrunk * threads, sizeof(float)) : NULL;
-    float *deltas = l->columns ? calloc(delta_size, sizeof(float)) : NULL;
+    float *deltas = l->columns && !tiles ? calloc(delta_size, sizeof(float)) : NULL; /* on tiles: fused */
     for (int64_t k = 0, at = 0; deltas && k < KINDS; at += outs[k] * tokens, k++) l->delta[k] = deltas + at;
     static const int QKV[3] = {LQ, LK, LV}, OUT[1] = {LO}, GATE_UP[2] = {LGATE, LUP}, DOWN_ONLY[1] = {LDOWN};
     int status = -1;
-    if (!h || !qkv || !attn || !mlp || !normed || !scores || !cs || (l->columns && (!lora_h || !deltas)) ||
+    if (!h || !qkv || !attn || !mlp || !normed || !scores || !cs || (l->columns && (!lora_h || (!tiles && !deltas))) ||
         (tiles && (!pairs || !tile_sums)))
         goto done;
     for (int64_t t = 0; t < tokens; t++) {

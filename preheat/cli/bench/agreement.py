@@ -137,10 +137,12 @@ def _answers(model_dir: Path, shape: str, dtype: str, compile_mode: str, folder:
     from preheat.workers.engine.scheduler import Scheduler
 
     resident, _ = ResidentModels(dtype_preference=dtype).ensure(ModelSource(shape, str(model_dir)))
-    report = resident.runner.compile(compile_mode, CompileStore(folder / "compiled"), resident.content_digest)
     scheduler = Scheduler(Prefixes(KVCacheManager(CacheBudget(16, 2**30))))
     try:
-        scheduler.call(lambda: None)  # the scheduler's thread up before the first request
+        # On the scheduler's thread, as a worker compiles (runtime.compile_steps): a compile's
+        # warm-up steps on this thread would leave it an OpenMP team beside the scheduler's.
+        store = CompileStore(folder / "compiled")
+        report = scheduler.call(resident.runner.compile, compile_mode, store, resident.content_digest)
         prefixes = {}
         for system_prompt, _ in asked:
             if system_prompt not in prefixes:
