@@ -3,7 +3,8 @@
 Not a pytest module (it needs a GPU and runs in one process, in about a minute). It builds the
 small model, lets the registry pick the device (CUDA, bf16), and checks what the CPU tests
 cannot: the cached prefix on CUDA in bf16 gives full prefill's greedy token; the steps compiled
-on CUDA and loaded again by a new runtime, against eager; and a real CUDA
+on CUDA and loaded again by a new runtime, against eager; the decode steps captured as CUDA
+graphs, replayed, token for token against eager in float32; and a real CUDA
 out-of-memory during a prefill (the caching allocator capped with
 set_per_process_memory_fraction) is one DeviceOutOfMemory naming the work, with the memory
 given back, after which the same prefill succeeds; and how fast weights load onto the GPU
@@ -95,6 +96,7 @@ def check(out: Path) -> dict:
     report["after_oom"] = {"prefilled_tokens": again.num_tokens, "prefill_ms": again_ms}
     scheduler.close()
     report["compiled_steps"] = compiled_steps(folder)
+    report["decode_graphs"] = decode_graphs(folder)
     report["load"] = load_bandwidth()
     out.write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -113,8 +115,10 @@ def compiled_steps(folder: Path) -> dict:
         resident, _ = ResidentModels("auto").ensure(ModelSource("tiny", str(folder)))
         scheduler = Scheduler(Prefixes(KVCacheManager(CacheBudget(16, 2**30))))
         if run != "eager":
-            done = scheduler.call(resident.runner.compile, "auto", store, resident.content_digest)
+            done = scheduler.compile(resident.runner, "auto", store, resident.content_digest)
+            graphs = resident.runner.decode_graphs
             report[run] = {"source": done.source, "ms": done.ms, "reason": done.reason}
+            report[run]["decode_graph_sizes"] = graphs.sizes if graphs is not None else None
         prompt = TemplatePrefix.of(resident, SYSTEM).prompt_ids(resident, "Where is my parcel?")
         started = time.perf_counter()
         answer = scheduler.submit(resident, prompt, SamplingParams(max_tokens=24, temperature=0.0)).collect()
@@ -125,6 +129,56 @@ def compiled_steps(folder: Path) -> dict:
     report["tokens"] = tokens
     report["compiled_as_eager"] = tokens["compiled"] == tokens["eager"]
     report["loaded_as_compiled"] = tokens["loaded"] == tokens["compiled"]
+    return report
+
+
+def decode_graphs(folder: Path) -> dict:
+    """The decode steps as CUDA graphs, in float32 so that tokens compare exactly: four
+    requests together (padded to a captured size) and each alone, run eager and then replayed
+    from the graphs a compile captured (its proof of each graph passed, or it would have
+    none); the sizes captured, how long that took, and how many steps each size replayed."""
+    import threading
+
+    from preheat.api.sampling import SamplingParams
+    from preheat.workers.engine.batch import BatchLimits
+
+    questions = ("Where is my parcel?", "Can I change the address?", "Hello", "My parcel is damaged.")
+    report: dict = {}
+    tokens: dict = {}
+    for run in ("eager", "graphs"):
+        resident, _ = ResidentModels("cuda", dtype_preference="float32").ensure(ModelSource("tiny", str(folder)))
+        scheduler = Scheduler(Prefixes(KVCacheManager(CacheBudget(16, 2**30))), BatchLimits(max_running=8))
+        graphs = None
+        if run == "graphs":
+            done = scheduler.compile(resident.runner, "auto", None, resident.content_digest)
+            graphs = resident.runner.decode_graphs
+            report["compile"] = {"source": done.source, "ms": done.ms, "reason": done.reason}
+            report["sizes"] = graphs.sizes if graphs is not None else None
+        prefix = TemplatePrefix.of(resident, SYSTEM)
+        prompts = [prefix.prompt_ids(resident, text) for text in questions]
+        together: list = [None] * len(prompts)
+
+        def one(i: int, scheduler=scheduler, resident=resident, prompts=prompts, together=together) -> None:
+            greedy = SamplingParams(max_tokens=24, temperature=0.0)
+            together[i] = scheduler.submit(resident, prompts[i], greedy).collect().token_ids
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        alone = [
+            scheduler.submit(resident, ids, SamplingParams(max_tokens=24, temperature=0.0)).collect().token_ids
+            for ids in prompts
+        ]
+        tokens[run] = {"together": together, "alone": alone}
+        if graphs is not None:
+            report["steps_replayed"] = {str(size): n for size, n in graphs.steps_run.items()}
+        scheduler.call(resident.runner.release)
+        scheduler.close()
+    report["tokens"] = tokens
+    report["graphs_as_eager"] = tokens["graphs"] == tokens["eager"]
+    report["replayed"] = sum(report.get("steps_replayed", {}).values()) > 0
     return report
 
 

@@ -281,7 +281,7 @@ class WorkerRuntime:
         if resident is not None and (resident.runner.compiled is None or not resident.runner.compiled.ready):
             runner, digest = resident.runner, resident.content_digest
             adapters = model in self.adapters.slots  # its steps with adapter rows compiled too
-            report = self.scheduler.call(runner.compile, self.config.compile, self.compile_store, digest, adapters)
+            report = self.scheduler.compile(runner, self.config.compile, self.compile_store, digest, adapters)
             self.warmups.compiled(model, report)
 
     def _asleep(self, model: str) -> None:

@@ -13,9 +13,9 @@ constant tensor it is handed, holds none of them, so a sleep can free them. Each
 the model's parameters and buffers (`lifted`), whose data a sleep and a wake swap in place.
 
 **What is packaged**: a step's kind without adapter rows on the CPU (the adapters' stacks are
-read from a global the trace cannot lift; CUDA keeps torch.compile, whose CUDA graphs the
-decode steps use). A kind that cannot be exported or packaged keeps torch.compile's graph,
-said once in the log.
+read from a global the trace cannot lift; CUDA keeps torch.compile's graphs, and its decode
+steps replay CUDA graphs of their own: preheat.workers.engine.cudagraphs). A kind that
+cannot be exported or packaged keeps torch.compile's graph, said once in the log.
 
 **Inputs are checked by value** before the library reads them: it has no guards, so a step
 whose ids, positions or kept rows are not the dtype, rank or sizes it was exported for is

@@ -16,7 +16,8 @@ runs it in one call of preheat's kernel instead, and has no one-token graph
 **How a graph is kept.** On the CPU a kind of step without adapter rows is an AOTInductor
 package (preheat.workers.engine.aotgraph), loaded by torch's C++ loader with no inductor
 import; the adapters' kinds, CUDA, and any kind whose packaging fails are torch.compile's
-ahead-of-time graphs (`aot_compile`), saved and loaded by torch.compile's own API.
+ahead-of-time graphs (`aot_compile`), saved and loaded by torch.compile's own API. On CUDA
+the decode steps replay CUDA graphs besides (preheat.workers.engine.cudagraphs).
 
 **Honour or refuse.** `PREHEAT_COMPILE=off` runs every step eager; `auto` compiles where the
 device can (a C++ compiler on the CPU, Triton on CUDA) and, where it cannot or a compile

@@ -314,15 +314,24 @@ class RaggedKV:
 
     # Buffers ---------------------------------------------------------------------------
 
+    def reserve(self, slots: int, columns: int) -> None:
+        """Room for exactly `slots` rows of `columns` positions, made now (buffers kept for a
+        model's life: preheat.workers.engine.cudagraphs)."""
+        self._reserve(slots, columns, spare=False)
+
+    def adopt(self, buffers: list[list[torch.Tensor]], capacity: tuple[int, int]) -> None:
+        """An empty batch takes `buffers` (every layer's keys and values, of `capacity`) as its own."""
+        self.buffers, self.capacity = [list(pair) for pair in buffers], capacity
+
     @torch.inference_mode()
-    def _reserve(self, slots: int, columns: int) -> None:
+    def _reserve(self, slots: int, columns: int, spare: bool = True) -> None:
         """Room for `slots` rows of `columns` positions. Slots grow by a quarter when short
         (rows join one by one: each would copy the buffers otherwise); columns to what is
         asked, which is what the rows may need (`add`'s room)."""
         have_slots, have_columns = self.capacity
         if slots <= have_slots and columns <= have_columns:
             return
-        self.capacity = (max(have_slots, slots + slots // 4), max(have_columns, columns))
+        self.capacity = (max(have_slots, slots + slots // 4 if spare else slots), max(have_columns, columns))
         for pair in self.buffers:
             for k, old in enumerate(pair or ()):
                 grown = old.new_zeros((self.capacity[0], old.shape[1], self.capacity[1], old.shape[-1]))

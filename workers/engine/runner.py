@@ -12,12 +12,13 @@ attention; compiled or eager, a step gives the same tokens (tests/workers/engine
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from preheat.workers.engine import attention, compilestore, lora
+from preheat.workers.engine import attention, compilestore, cudagraphs, lora
 from preheat.workers.engine.compiled import CompiledSteps, CompileReport, GraphRefused, error_line, why_not_compiled
 from preheat.workers.engine.device import Placement, out_of_memory_as_error
 from preheat.workers.engine.raggedkv import RaggedKV, Segment, batchable
@@ -35,6 +36,8 @@ class ModelRunner:
     cache_kwarg: str = "past_key_values"  # transformers 5.24 renamed it `cache`
     compiled: object | None = None  # preheat.workers.engine.compiled.CompiledSteps, once compiled
     compile_report: object | None = None  # what its latest compile did (compiled.CompileReport)
+    decode_graphs: object | None = None  # cudagraphs.DecodeGraphs: on CUDA, its decode steps captured
+    limits: object | None = None  # the batch's BatchLimits its graphs were sized by
 
     # Passes ---------------------------------------------------------------------------
 
@@ -70,6 +73,8 @@ class ModelRunner:
         fed = sum(len(segment.ids) for segment in segments)
         doing = f"running {len(segments)} requests together on {self.name} ({fed} ids)"
         adapted = adapters is not None and any(adapter is not None for adapter in adapters)
+        if self.decode_graphs is not None and self.decode_graphs.covers(kv, segments, adapters):
+            return out_of_memory_as_error(self.placement.device, doing, lambda: self.decode_graphs.run(kv, segments))
         if self.compiled is not None and (graph := self.compiled.for_step(kv, segments, adapters)) is not None:
             try:
                 return out_of_memory_as_error(self.placement.device, doing, lambda: graph(kv, segments))
@@ -86,14 +91,15 @@ class ModelRunner:
 
     # Compiled steps -------------------------------------------------------------------
 
-    def compile(self, mode: str, store, model_digest: str, adapters: bool = False):
+    def compile(self, mode: str, store, model_digest: str, adapters: bool = False, limits=None):
         """Compile the steps (or restore them from `store`, a CompileStore, or None), before
         the model takes requests; with `adapters` (the model declares LoRA adapters), its
-        steps with adapter rows too. Never raises: what cannot be compiled runs eager, and the
-        report says why (logged once)."""
+        steps with adapter rows too; on CUDA, its decode steps captured as graphs sized by
+        `limits` (the scheduler's BatchLimits). Never raises: what cannot be compiled runs
+        eager, and the report says why (logged once)."""
         if self.compiled is not None:
             if not self.compiled.ready:  # a level-1 sleep kept the graphs
-                self.compile_report = CompileReport("kept", self.compiled.resume())
+                self.compile_report = CompileReport("kept", self.compiled.resume() + self._capture(self.limits))
                 log.info(
                     "model %s: steps kept through the sleep, weights packed in %.0f ms",
                     self.name,
@@ -126,6 +132,7 @@ class ModelRunner:
             self.compile_report = CompileReport("eager", reason=reason)
             return self.compile_report
         self.compiled = steps
+        ms += self._capture(limits)
         made = steps.made
         # What the entry lacked was made here: a graph (compiled), or kernels a loaded graph
         # calls (stored by a process whose compile named them otherwise, built as it loaded).
@@ -146,6 +153,45 @@ class ModelRunner:
         )
         return self.compile_report
 
+    def _capture(self, limits) -> float:
+        """On CUDA, the decode steps captured as graphs (preheat.workers.engine.cudagraphs) over
+        KV buffers kept for the model's life; returns the milliseconds it took. Where they
+        cannot be, decode steps run as any other step, said once."""
+        self.decode_graphs, self.limits = None, limits
+        if self.placement.device.type != "cuda" or limits is None:
+            return 0.0
+        started = time.perf_counter()
+        try:
+            self.decode_graphs = self.static_decode(limits, capture=True)
+            self.decode_graphs.capture_all()
+        except Exception as exc:  # a capture or its proof: the steps run uncaptured
+            self.decode_graphs = None
+            log.warning("model %s decodes without CUDA graphs: %s", self.name, error_line(exc))
+            return 0.0
+        log.info(
+            "model %s: decode steps of %s rows captured as CUDA graphs",
+            self.name,
+            ",".join(map(str, self.decode_graphs.sizes)),
+        )
+        return (time.perf_counter() - started) * 1000
+
+    def static_decode(self, limits, capture: bool) -> cudagraphs.DecodeGraphs:
+        """The decode steps over static buffers, for as many rows as `limits` run (at most
+        the largest captured size) and as many columns as their KV budget gives each row;
+        with `capture`, as CUDA graphs (`capture_all`), else run directly."""
+        from transformers import DynamicCache
+
+        kv = RaggedKV(DynamicCache(config=self.model.config), self.placement.device)
+        if (why := cudagraphs.DecodeGraphs.why_not(kv)) is not None:
+            raise ValueError(why)
+        rows = cudagraphs.most_rows(limits.max_running)
+        kv.add(None, 1)
+        self.step(kv, [Segment(0, 0, (0,))])  # every layer's buffers made: one position of one slot
+        per_position = kv.nbytes
+        longest = getattr(self.model.config, "max_position_embeddings", None) or 4096
+        kv.reserve(rows + 1, max(2, min(longest, limits.running_kv_bytes // ((rows + 1) * per_position))))
+        return cudagraphs.DecodeGraphs(self.model, (kv.buffers, kv.capacity), rows, capture)
+
     def adapter_resident(self, adapter) -> None:
         """`adapter` (a LoraWeights) was read: stacked for the compiled steps now, so the first
         step that needs it does not pay for it."""
@@ -153,7 +199,9 @@ class ModelRunner:
             self.compiled.stack.admit(adapter)
 
     def suspend(self) -> None:
-        """A level-1 sleep: the packed weights freed, the graphs kept (`compile` resumes them)."""
+        """A level-1 sleep: the packed weights freed, the graphs kept (`compile` resumes them);
+        CUDA graphs, which name the weights' addresses, let go (captured again on the wake)."""
+        self.decode_graphs = None
         if self.compiled is not None:
             self.compiled.suspend()
 
@@ -161,7 +209,7 @@ class ModelRunner:
         """The compiled steps let go (their packed weights with them): a level-2 sleep."""
         if self.compiled is not None:
             self.compiled.release()
-        self.compiled = self.compile_report = None
+        self.compiled = self.compile_report = self.decode_graphs = None
 
     # The running rows' KV ---------------------------------------------------------------
 
@@ -173,7 +221,10 @@ class ModelRunner:
         shell = DynamicCache(config=self.model.config)
         if not (batchable(shell) and self.model.config._attn_implementation == attention.NAME):
             return None
-        return RaggedKV(shell, self.placement.device)
+        kv = RaggedKV(shell, self.placement.device)
+        if self.decode_graphs is not None:  # the buffers its graphs read
+            kv.adopt(*self.decode_graphs.reserved)
+        return kv
 
     # Sampling ---------------------------------------------------------------------------
 

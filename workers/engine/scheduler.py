@@ -100,6 +100,10 @@ class Scheduler:
         """`work` on the scheduler's thread, between two steps (a model's compile): it alone runs models."""
         return self._call(work, *args, **kwargs)
 
+    def compile(self, runner, mode: str, store, model_digest: str, adapters: bool = False):
+        """`runner.compile` on the scheduler's thread, its CUDA decode graphs sized by these limits."""
+        return self._call(runner.compile, mode, store, model_digest, adapters, self.limits)
+
     def park(self, model: str, drain_s: float) -> int:
         """Take no more requests for `model` once those it runs and queues have finished
         (waited for up to `drain_s`, never cut), and free its cached KV; returns the bytes

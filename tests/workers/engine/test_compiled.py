@@ -7,7 +7,9 @@ and each architecture compiles once per session (a compile store shared by the m
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import pytest
 
 from preheat.api.sampling import SamplingParams
 from preheat.workers.engine.compilestore import CompileStore
-from tests.conftest import greedy, new_scheduler, reference_generate, support_request
+from tests.conftest import answers_together, greedy, new_scheduler, reference_generate, support_request
 
 pytestmark = pytest.mark.slow
 
@@ -27,23 +29,23 @@ INPUTS = ("Where is my parcel?", "Summarise: the launch moved to March.", "Hello
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    return CompileStore(tmp_path_factory.mktemp("compiled"))
+    """One compile store for the run, shared by its test processes (pytest-xdist's workers'
+    folders share a parent), as replicas share one volume: a model one test compiled, the
+    next restores, in any process (a compile costs 30-40 s of 2 cores a model)."""
+    base = tmp_path_factory.getbasetemp()
+    return CompileStore((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "compiled-shared")
 
 
-def _answers(scheduler, resident, requests) -> list:
-    import threading
-
-    results: list = [None] * len(requests)
-
-    def one(i: int) -> None:
-        results[i] = scheduler.submit(resident, *requests[i]).collect()
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(300)
-    return results
+@contextlib.contextmanager
+def released(scheduler, resident):
+    """The scheduler closed and the model's compiled steps let go, whatever the test raised:
+    packed weights are one model's per name in a process, and the next test's model of the
+    same name restores them."""
+    try:
+        yield
+    finally:
+        scheduler.close()
+        resident.runner.release()
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -53,21 +55,21 @@ def test_compiled_steps_give_the_eager_steps_tokens_batched_and_alone(dev_model,
     resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(ModelSource(arch, str(dev_model(arch))))
     requests = [(support_request(resident, text)[1], greedy(12)) for text in INPUTS]
     eager = new_scheduler()
-    alone_eager = [eager.submit(resident, *request).collect() for request in requests]
-    together_eager = _answers(eager, resident, requests)
-    report = eager.call(resident.runner.compile, "auto", store, resident.content_digest)
-    assert report.source in ("compiled", "restored") and report.ms > 0, report
-    compiled_steps = []
-    real_run = resident.runner.compiled._run
+    with released(eager, resident):
+        alone_eager = [eager.submit(resident, *request).collect() for request in requests]
+        together_eager = answers_together(eager, resident, requests)
+        report = eager.call(resident.runner.compile, "auto", store, resident.content_digest)
+        assert report.source in ("compiled", "restored") and report.ms > 0, report
+        compiled_steps = []
+        real_run = resident.runner.compiled._run
 
-    def counted(kv, segments):
-        compiled_steps.append(sum(len(segment.ids) for segment in segments))
-        return real_run(kv, segments)
+        def counted(kv, segments):
+            compiled_steps.append(sum(len(segment.ids) for segment in segments))
+            return real_run(kv, segments)
 
-    resident.runner.compiled._run = counted
-    alone = [eager.submit(resident, *request).collect() for request in requests]
-    together = _answers(eager, resident, requests)
-    eager.close()
+        resident.runner.compiled._run = counted
+        alone = [eager.submit(resident, *request).collect() for request in requests]
+        together = answers_together(eager, resident, requests)
     assert 1 in compiled_steps and max(compiled_steps) > 1  # both graphs ran
     for request, *answers in zip(requests, alone_eager, together_eager, alone, together, strict=True):
         ids = [answer.token_ids for answer in answers]
@@ -75,56 +77,50 @@ def test_compiled_steps_give_the_eager_steps_tokens_batched_and_alone(dev_model,
         assert ids[0] == reference_generate(resident, request[0], 12)[: len(ids[0])]
 
 
-def test_a_long_step_and_sampling_run_through_the_compiled_graphs(dev_model):
+def test_a_long_step_and_sampling_run_through_the_compiled_graphs(dev_model, store):
     """A step far longer than any the compile ran (a 700-token prompt in one pass) and a
-    sampled request: one graph for every number of tokens, nothing padded, nothing eager; the
-    graphs compiled where the saved ones would not load."""
+    sampled request: one graph for every number of tokens, nothing padded, nothing eager."""
+    from preheat.workers.engine.chat import conversation, render
     from preheat.workers.engine.resident import ModelSource, ResidentModels
 
-    # A name of its own: the arch test's "llama" may be resident in this process already, and
-    # two models of one name cannot both hold packed weights (the compile would fall back eager).
     resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(
-        ModelSource("llama-long", str(dev_model("llama")))
+        ModelSource("llama", str(dev_model("llama")))
     )
-    # Saved graphs that torch cannot load (here: not graphs at all) cost a compile.
-    from preheat.workers.engine import compilestore
-
-    placement = resident.runner.placement
-    key = compilestore.identity(placement.device, placement.dtype, resident.content_digest, "one,many/1", "llama-long")
-    compilestore.graphs_folder(key).mkdir(parents=True, exist_ok=True)
-    for kind in ("one", "many"):
-        (compilestore.graphs_folder(key) / f"{kind}.graph").write_bytes(b"not a graph")
     scheduler = new_scheduler()
-    report = scheduler.call(resident.runner.compile, "auto", None, resident.content_digest)
-    assert (report.source, resident.runner.compiled.made) == ("compiled", {"compiled": 2, "loaded": 0}), report
-    from preheat.workers.engine.chat import conversation, render
-
-    long_ids = render(resident, conversation(" ".join(f"Rule {n}: be kind." for n in range(120)), "Hi"))
-    assert long_ids.shape[-1] > 600
-    got = scheduler.submit(resident, long_ids, greedy(6)).collect()
+    with released(scheduler, resident):
+        report = scheduler.call(resident.runner.compile, "auto", store, resident.content_digest)
+        assert report.source in ("compiled", "restored"), report
+        long_ids = render(resident, conversation(" ".join(f"Rule {n}: be kind." for n in range(120)), "Hi"))
+        assert long_ids.shape[-1] > 600
+        got = scheduler.submit(resident, long_ids, greedy(6)).collect()
+        sampled = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7)
+        first = scheduler.submit(resident, long_ids, sampled).collect()
+        again = scheduler.submit(resident, long_ids, sampled).collect()
+        assert resident.runner.compiled is not None and resident.runner.compiled.ready  # never fell back eager
+        assert not resident.runner.compiled._refused
     assert got.token_ids == reference_generate(resident, long_ids, 6)[: len(got.token_ids)]
-    sampled = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7)
-    first = scheduler.submit(resident, long_ids, sampled).collect()
-    again = scheduler.submit(resident, long_ids, sampled).collect()
     assert first.token_ids == again.token_ids and len(first.token_ids) > 0
-    assert resident.runner.compiled is not None and resident.runner.compiled.ready  # never fell back eager
-    scheduler.close()
 
 
 def test_a_level_one_sleep_keeps_the_graphs_and_the_wake_only_packs_the_weights(dev_model, store, monkeypatch):
     """A level-1 sleep frees the packed copies of the weights and keeps the graphs: the wake
     packs the weights again and runs the same graphs, with no compile and no restore, and
     gives the eager tokens. A step whose inputs a graph refuses runs eager."""
+    from preheat.workers.engine.resident import ModelSource, ResidentModels
+
+    resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(
+        ModelSource("llama", str(dev_model("llama")))
+    )
+    scheduler = new_scheduler()
+    with released(scheduler, resident):
+        _sleep_and_refusal(scheduler, resident, store, monkeypatch)
+
+
+def _sleep_and_refusal(scheduler, resident, store, monkeypatch) -> None:
     import torch
 
     from preheat.workers.engine import linears
-    from preheat.workers.engine.resident import ModelSource, ResidentModels
 
-    # A name of its own: packed weights are keyed by the model's name, one model each.
-    resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(
-        ModelSource("llama-asleep", str(dev_model("llama")))
-    )
-    scheduler = new_scheduler()
     request = (support_request(resident, "Where is my parcel?")[1], greedy(10))
     eager = scheduler.submit(resident, *request).collect()
     scheduler.call(resident.runner.compile, "auto", store, resident.content_digest)
@@ -153,7 +149,6 @@ def test_a_level_one_sleep_keeps_the_graphs_and_the_wake_only_packs_the_weights(
     refused = scheduler.submit(resident, *request).collect()
     assert refused.token_ids == eager.token_ids
     assert resident.runner.compiled._refused == {"one", "many"} and resident.runner.compiled.ready
-    scheduler.close()
 
 
 RESTART = textwrap.dedent(
