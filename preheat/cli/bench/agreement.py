@@ -142,7 +142,7 @@ def _answers(model_dir: Path, shape: str, dtype: str, compile_mode: str, folder:
         # On the scheduler's thread, as a worker compiles (runtime.compile_steps): a compile's
         # warm-up steps on this thread would leave it an OpenMP team beside the scheduler's.
         store = CompileStore(folder / "compiled")
-        report = scheduler.call(resident.runner.compile, compile_mode, store, resident.content_digest)
+        report = scheduler.compile(resident.runner, compile_mode, store, resident.content_digest)
         prefixes = {}
         for system_prompt, _ in asked:
             if system_prompt not in prefixes:
