@@ -97,19 +97,41 @@ def pytest_collection_modifyitems(config, items):
 # A real model, built once per session --------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
+def run_folder(tmp_path_factory) -> Path:
+    """A folder the whole run shares: pytest-xdist's workers' base folders share a parent."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def shared_dev_model(tmp_path_factory, arch: str) -> Path:
+    """A small model of `arch`, built once per run for every test process (under a lock,
+    renamed into place whole): the same folder, so the same digest, in each, and what one
+    process compiled for it another restores (tests/workers/engine/test_compiled.py)."""
+    import fcntl
+    import tempfile
+
     from preheat.cli.devmodel import make_model
 
-    return make_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+    models = run_folder(tmp_path_factory) / "dev-models"
+    models.mkdir(exist_ok=True)
+    folder = models / f"tiny-{arch}"
+    with open(models / f".{arch}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not folder.is_dir():
+            with tempfile.TemporaryDirectory(dir=models) as work:
+                os.replace(make_model(Path(work) / "model", arch=arch), folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return shared_dev_model(tmp_path_factory, "llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     """A second architecture (bias on q/k/v, another rope base): reuse must not depend on Llama."""
-    from preheat.cli.devmodel import make_model
-
-    return make_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", arch="qwen2")
+    return shared_dev_model(tmp_path_factory, "qwen2")
 
 
 @pytest.fixture(scope="session")
@@ -122,18 +144,9 @@ def real_model() -> Path:
 
 
 @pytest.fixture(scope="session")
-def dev_model(tmp_path_factory, tiny_model, tiny_qwen2):
-    """dev_model(arch): a small model of `arch` (preheat.cli.devmodel.ARCHITECTURES), built once."""
-    from preheat.cli.devmodel import make_model
-
-    built = {"llama": tiny_model, "qwen2": tiny_qwen2}
-
-    def build(arch: str) -> Path:
-        if arch not in built:
-            built[arch] = make_model(tmp_path_factory.mktemp("models") / f"tiny-{arch}", arch=arch)
-        return built[arch]
-
-    return build
+def dev_model(tmp_path_factory):
+    """dev_model(arch): a small model of `arch` (preheat.cli.devmodel.ARCHITECTURES), built once a run."""
+    return lambda arch: shared_dev_model(tmp_path_factory, arch)
 
 
 def support_request(resident, user_input: str):

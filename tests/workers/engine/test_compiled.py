@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 
 from preheat.api.sampling import SamplingParams
 from preheat.workers.engine.compilestore import CompileStore
-from tests.conftest import answers_together, greedy, new_scheduler, reference_generate, support_request
+from tests.conftest import answers_together, greedy, new_scheduler, reference_generate, run_folder, support_request
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +28,10 @@ INPUTS = ("Where is my parcel?", "Summarise: the launch moved to March.", "Hello
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    """One compile store for the run, shared by its test processes (pytest-xdist's workers'
-    folders share a parent), as replicas share one volume: a model one test compiled, the
+    """One compile store for the run, shared by its test processes as replicas share one
+    volume: a model one test compiled (the dev models are the run's, one folder each), the
     next restores, in any process (a compile costs 30-40 s of 2 cores a model)."""
-    base = tmp_path_factory.getbasetemp()
-    return CompileStore((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "compiled-shared")
+    return CompileStore(run_folder(tmp_path_factory) / "compiled-shared")
 
 
 @contextlib.contextmanager
