@@ -85,7 +85,9 @@ def test_start_times_each_stage_against_the_limit_a_warm_store_prefills_and_a_wa
     embedded_stack, tmp_path
 ):
     out = tmp_path / "start.json"
-    done = bench(embedded_stack, "start", "--shapes", "tiny", "--rounds", "1", "--json", str(out), timeout=400)
+    done = bench(
+        embedded_stack, "start", "--shapes", "tiny", "--rounds", "1", "--settle", "0", "--json", str(out), timeout=400
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "worker start-up, stage by stage" in done.stdout and "tiny, warm store, eager: ready in" in done.stdout
     report = json.loads(out.read_text())

@@ -64,6 +64,9 @@ def start_command(
     compile_mode: str = typer.Option(
         "auto", "--compile", help="auto: eager starts, then a cold compile and a warm compile cache; off: eager only."
     ),
+    settle: float = typer.Option(
+        20.0, min=0.0, help="Seconds the machine rests after a cold compile, before the warm-cache launch."
+    ),
 ) -> None:
     """Launch a worker and time each stage to its first answer (and SIGTERM to exit), with an
     empty and a warm prefix store, steps eager, compiled cold and restored from a warm
@@ -71,7 +74,9 @@ def start_command(
     from preheat.cli.bench import start as bench
 
     _check_compile_mode(compile_mode)
-    bench.main(shapes=shapes, rounds=rounds, timeout=timeout, json_path=json_path, compile_mode=compile_mode)
+    bench.main(
+        shapes=shapes, rounds=rounds, timeout=timeout, json_path=json_path, compile_mode=compile_mode, settle_s=settle
+    )
 
 
 @app.command("sleep")

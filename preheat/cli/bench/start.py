@@ -123,7 +123,9 @@ class Limit:
         return self.interpreter_s + self.imports_s + self.read_s + self.prefill_s
 
 
-def main(shapes: str, rounds: int, timeout: float, json_path: Path, compile_mode: str = "auto") -> None:
+def main(
+    shapes: str, rounds: int, timeout: float, json_path: Path, compile_mode: str = "auto", settle_s: float = 20.0
+) -> None:
     """The command (its options are declared in preheat.cli.bench): measure, print, write JSON."""
     from preheat.cli import render
 
@@ -160,6 +162,13 @@ def main(shapes: str, rounds: int, timeout: float, json_path: Path, compile_mode
                     _empty(stores[0])
                 if steps == "cold compile":
                     shutil.rmtree(stores[1], ignore_errors=True)
+                if steps == "warm compile cache":
+                    # A cold compile keeps both cores busy for a minute, and a 2-core VM here
+                    # starts the next worker slower for 10-20 s after any such burst (measured:
+                    # a warm-cache launch 7.0-7.2 s right after a cold compile, 6.1-6.3 s three
+                    # launches later; 7.0 s right after 60 s of `yes` on both cores, then
+                    # 6.1-6.6 s): the launch it serves waits `settle_s` first.
+                    time.sleep(settle_s)
                 rows.append(
                     launch(
                         shape, (kind, steps), bench_catalog, stores, (model, template, probe), folder / "logs", timeout
@@ -168,6 +177,7 @@ def main(shapes: str, rounds: int, timeout: float, json_path: Path, compile_mode
         limits[shape] = median_limit(measured)
         loads[shape] = measure_loaders(model_dir)
     report = _report(rows, limits, rounds, loads)
+    report["settle_after_compile_s"] = settle_s if compile_mode == "auto" else None
     console.print(tables.start_table(report))
     for line in report["verdicts"]:
         console.print(line, highlight=False)
