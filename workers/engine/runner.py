@@ -162,7 +162,7 @@ class ModelRunner:
             return 0.0
         started = time.perf_counter()
         try:
-            self.decode_graphs = self.static_decode(limits, capture=True)
+            self.decode_graphs = self.static_decode(limits)
             self.decode_graphs.capture_all()
         except Exception as exc:  # a capture or its proof: the steps run uncaptured
             self.decode_graphs = None
@@ -175,10 +175,10 @@ class ModelRunner:
         )
         return (time.perf_counter() - started) * 1000
 
-    def static_decode(self, limits, capture: bool) -> cudagraphs.DecodeGraphs:
+    def static_decode(self, limits) -> cudagraphs.DecodeGraphs:
         """The decode steps over static buffers, for as many rows as `limits` run (at most
-        the largest captured size) and as many columns as their KV budget gives each row;
-        with `capture`, as CUDA graphs (`capture_all`), else run directly."""
+        the largest captured size) and as many columns as their KV budget gives each row; run
+        directly until captured as CUDA graphs (`capture_all`)."""
         from transformers import DynamicCache
 
         kv = RaggedKV(DynamicCache(config=self.model.config), self.placement.device)
@@ -190,7 +190,7 @@ class ModelRunner:
         per_position = kv.nbytes
         longest = getattr(self.model.config, "max_position_embeddings", None) or 4096
         kv.reserve(rows + 1, max(2, min(longest, limits.running_kv_bytes // ((rows + 1) * per_position))))
-        return cudagraphs.DecodeGraphs(self.model, (kv.buffers, kv.capacity), rows, capture)
+        return cudagraphs.DecodeGraphs(self.model, (kv.buffers, kv.capacity), rows)
 
     def adapter_resident(self, adapter) -> None:
         """`adapter` (a LoraWeights) was read: stacked for the compiled steps now, so the first

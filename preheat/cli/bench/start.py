@@ -123,9 +123,7 @@ class Limit:
         return self.interpreter_s + self.imports_s + self.read_s + self.prefill_s
 
 
-def main(
-    shapes: str, rounds: int, timeout: float, json_path: Path, compile_mode: str = "auto", settle_s: float = 20.0
-) -> None:
+def main(shapes: str, rounds: int, timeout: float, json_path: Path, compile_mode: str, settle_s: float) -> None:
     """The command (its options are declared in preheat.cli.bench): measure, print, write JSON."""
     from preheat.cli import render
 

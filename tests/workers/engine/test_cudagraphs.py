@@ -22,7 +22,7 @@ def _float32(dev_model, arch: str):
 def _static(scheduler, resident, limits: BatchLimits):
     """The runner's decode steps over static buffers sized by `limits`, run directly."""
     runner = resident.runner
-    runner.decode_graphs = scheduler.call(runner.static_decode, limits, False)
+    runner.decode_graphs = scheduler.call(runner.static_decode, limits)
     return runner.decode_graphs
 
 
@@ -68,6 +68,6 @@ def test_a_model_with_sliding_window_layers_has_no_static_decode(dev_model):
     scheduler = new_scheduler()
     try:
         with pytest.raises(ValueError, match="sliding-window"):
-            scheduler.call(resident.runner.static_decode, BatchLimits(), False)
+            scheduler.call(resident.runner.static_decode, BatchLimits())
     finally:
         scheduler.close()
