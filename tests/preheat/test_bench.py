@@ -134,9 +134,12 @@ def test_sleep_measures_both_levels_against_the_cold_start_from_the_records_and_
     assert refused.returncode == 2 and "--shape must be one of real, 135m, tiny" in refused.stderr
 
 
-def test_start_refuses_an_unknown_shape(embedded_stack):
+def test_start_refuses_an_unknown_shape_and_a_negative_settle(embedded_stack):
     refused = embedded_stack.cli_here("bench", "start", "--shapes", "tiny,7b")
     assert refused.returncode == 2 and "--shapes: expected a comma-separated list of real, 135m, tiny" in refused.stderr
+    refused = embedded_stack.cli_here("bench", "start", "--shapes", "tiny", "--settle", "-1")
+    assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0 and "'--settle'" in refused.stderr
+    assert not (embedded_stack.home / "bench" / "start.json").exists()  # nothing measured, nothing written
 
 
 def test_a_bench_runs_the_engine_with_the_workers_openmp_settings_set_before_torch_loads(embedded_stack):
