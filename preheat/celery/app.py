@@ -28,8 +28,8 @@ TASK_MODULES = ["preheat.tasks.warmup", "preheat.tasks.endpoints", "preheat.task
 
 def result_backend(settings: Settings) -> str:
     """Where `preheat.infer` results go: PREHEAT_RESULT_BACKEND_URL, else Redis when the broker
-    is Redis, else files in home. Redis results go through preheat.celery.results' consumer,
-    which misses no published answer; files through its prompt watcher."""
+    is Redis, else files in home. Redis results go through preheat.celery.redisresults'
+    consumer, which misses no published answer; files through results' prompt watcher."""
     from preheat.celery.results import REDIS_URL_PREFIX, URL_PREFIX
 
     if settings.result_backend_url:

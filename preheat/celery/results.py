@@ -13,11 +13,9 @@ Celery writes the result file in place, so a reader can find it half written (a 
 answer's JSON cut at 8,192 bytes: `DecodeError`, seen here once callers polled often). It
 is written under a hidden name and renamed into place, which is atomic within a folder.
 
-On Redis a caller reads its result's key once when it starts waiting and then only listens
-on pub/sub. A result published while the subscription was down (Redis cut under 16 running
-requests, its callers' reconnect racing the worker's store) never reached its caller, which
-waited out its timeout though the answer sat in Redis. While callers wait, their keys are
-read again once a second (one MGET for all of them) and any answer found is delivered.
+The Redis backend's consumer is preheat.celery.redisresults', named here only by its path:
+importing redis-py takes 0.17-0.4 s, which a worker on the embedded broker, and every CLI
+command, paid at each start for a backend it never used.
 """
 
 from __future__ import annotations
@@ -29,8 +27,6 @@ import uuid
 
 from celery import states
 from celery.backends.filesystem import FilesystemBackend
-from celery.backends.redis import RedisBackend
-from celery.backends.redis import ResultConsumer as RedisResultConsumer
 from celery.exceptions import TimeoutError as ResultTimeout
 from kombu.utils.encoding import ensure_bytes
 
@@ -109,40 +105,6 @@ class PromptFilesystemBackend(FilesystemBackend):
         os.replace(partial, final)
 
 
-RESYNC_S = 1.0
-
-
-class ResyncingResultConsumer(RedisResultConsumer):
-    """Celery's Redis result consumer, and once a second the waiting keys read directly."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._resynced = time.monotonic()
-
-    def drain_events(self, timeout=None):
-        super().drain_events(timeout)
-        if time.monotonic() - self._resynced >= RESYNC_S:
-            self._resynced = time.monotonic()
-            self._resync()
-
-    def _resync(self) -> None:
-        with self._locked():
-            keys = list(self.subscribed_to)
-            if not keys:
-                return
-            try:
-                found = self.backend.client.mget(keys)
-            except self._connection_errors:
-                return  # still away: pub/sub's own reconnect is under way
-            for meta in found:
-                if meta:
-                    self.on_state_change(self._decode_result(meta), None)
-
-
-class ResyncingRedisBackend(RedisBackend):
-    ResultConsumer = ResyncingResultConsumer
-
-
 # The backends as a result_backend URL names them: Celery resolves "<class>+<url>".
 URL_PREFIX = f"{__name__}:{PromptFilesystemBackend.__name__}+"
-REDIS_URL_PREFIX = f"{__name__}:{ResyncingRedisBackend.__name__}+"
+REDIS_URL_PREFIX = "preheat.celery.redisresults:ResyncingRedisBackend+"  # imported by Celery when named

@@ -78,7 +78,7 @@ def test_results_only_for_requests_in_redis_or_files(settings, tmp_path):
     redis = load_settings(broker_url="redis://127.0.0.1:6379/11")
     assert (
         celery_config(redis)["result_backend"]
-        == "preheat.celery.results:ResyncingRedisBackend+redis://127.0.0.1:6379/11"
+        == "preheat.celery.redisresults:ResyncingRedisBackend+redis://127.0.0.1:6379/11"
     )
 
 
