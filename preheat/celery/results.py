@@ -13,7 +13,7 @@ Celery writes the result file in place, so a reader can find it half written (a 
 answer's JSON cut at 8,192 bytes: `DecodeError`, seen here once callers polled often). It
 is written under a hidden name and renamed into place, which is atomic within a folder.
 
-The Redis backend's consumer is preheat.celery.redisresults', named here only by its path:
+The Redis backend lives in preheat.celery.redisresults and is named here only by its path:
 importing redis-py takes 0.17-0.4 s, which a worker on the embedded broker, and every CLI
 command, paid at each start for a backend it never used.
 """
