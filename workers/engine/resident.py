@@ -21,7 +21,7 @@ from preheat.core.errors import ModelLoadError
 from preheat.workers.engine import attention
 from preheat.workers.engine.device import Placement, pick_placement
 from preheat.workers.engine.openmp import team_released
-from preheat.workers.engine.runner import ModelRunner
+from preheat.workers.engine.runner import ModelRunner, max_context
 from preheat.workers.engine.weights import gguf_source, is_gguf, load_weights, pick_loader
 
 if TYPE_CHECKING:
@@ -259,7 +259,7 @@ def _load(source: ModelSource, placement: Placement, loader: str) -> ResidentMod
         placement=placement,
         load_ms=0.0,
         cache_kwarg=cache_kwarg,
-        max_context=_max_context(model.config),
+        max_context=max_context(model.config),
         chat_template_source=template_source,
         weight_loader=loader,
         runner=ModelRunner(source.name, model, placement, cache_kwarg),
@@ -276,11 +276,6 @@ def _onto(placement: Placement) -> dict:
     if placement.device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
         return {"device_map": str(placement.device)}
     return {}
-
-
-def _max_context(config) -> int:
-    # GPT-2's configs name it n_positions.
-    return int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 0)
 
 
 def encode(resident: ResidentModel, text: str, *, with_bos: bool) -> torch.Tensor:

@@ -101,7 +101,7 @@ class ModelRunner:
             if not self.compiled.ready:  # a level-1 sleep kept the graphs
                 self.compile_report = CompileReport("kept", self.compiled.resume() + self._capture(self.limits))
                 log.info(
-                    "model %s: steps kept through the sleep, weights packed in %.0f ms",
+                    "model %s: steps kept through the sleep, ready again in %.0f ms",
                     self.name,
                     self.compile_report.ms,
                 )
@@ -188,7 +188,7 @@ class ModelRunner:
         kv.add(None, 1)
         self.step(kv, [Segment(0, 0, (0,))])  # every layer's buffers made: one position of one slot
         per_position = kv.nbytes
-        longest = getattr(self.model.config, "max_position_embeddings", None) or 4096
+        longest = max_context(self.model.config) or 4096
         kv.reserve(rows + 1, max(2, min(longest, limits.running_kv_bytes // ((rows + 1) * per_position))))
         return cudagraphs.DecodeGraphs(self.model, (kv.buffers, kv.capacity), rows)
 
@@ -248,3 +248,8 @@ class ModelRunner:
                 except Exception as exc:  # the request's own: it ends with it, the others go on
                     chosen[i] = exc
         return chosen
+
+
+def max_context(config) -> int:
+    """The longest context a model's config declares, 0 where it names none (GPT-2's call it n_positions)."""
+    return int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 0)

@@ -56,7 +56,7 @@ def test_compiled_steps_give_the_eager_steps_tokens_batched_and_alone(dev_model,
     with released(eager, resident):
         alone_eager = [eager.submit(resident, *request).collect() for request in requests]
         together_eager = answers_together(eager, resident, requests)
-        report = eager.call(resident.runner.compile, "auto", store, resident.content_digest)
+        report = eager.compile(resident.runner, "auto", store, resident.content_digest)
         assert report.source in ("compiled", "restored") and report.ms > 0, report
         compiled_steps = []
         real_run = resident.runner.compiled._run
@@ -86,7 +86,7 @@ def test_a_long_step_and_sampling_run_through_the_compiled_graphs(dev_model, sto
     )
     scheduler = new_scheduler()
     with released(scheduler, resident):
-        report = scheduler.call(resident.runner.compile, "auto", store, resident.content_digest)
+        report = scheduler.compile(resident.runner, "auto", store, resident.content_digest)
         assert report.source in ("compiled", "restored"), report
         long_ids = render(resident, conversation(" ".join(f"Rule {n}: be kind." for n in range(120)), "Hi"))
         assert long_ids.shape[-1] > 600
@@ -121,13 +121,13 @@ def _sleep_and_refusal(scheduler, resident, store, monkeypatch) -> None:
 
     request = (support_request(resident, "Where is my parcel?")[1], greedy(10))
     eager = scheduler.submit(resident, *request).collect()
-    scheduler.call(resident.runner.compile, "auto", store, resident.content_digest)
+    scheduler.compile(resident.runner, "auto", store, resident.content_digest)
     ids = {layer.weight_id for layer in resident.model.modules() if isinstance(layer, linears._CompiledLinear)}
     assert ids and ids <= set(linears._PACKED)
     scheduler.call(resident.runner.suspend)
     assert not ids & set(linears._PACKED)  # the packed copies are given back while it sleeps
     made = dict(resident.runner.compiled.made)
-    report = scheduler.call(resident.runner.compile, "auto", store, resident.content_digest)
+    report = scheduler.compile(resident.runner, "auto", store, resident.content_digest)
     assert report.source == "kept" and ids <= set(linears._PACKED)
     woken = scheduler.submit(resident, *request).collect()
     assert resident.runner.compiled.made == made  # no graph compiled or loaded for the wake
@@ -158,7 +158,7 @@ RESTART = textwrap.dedent(
 
     resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(ModelSource("m", sys.argv[1]))
     scheduler = new_scheduler()
-    report = scheduler.call(resident.runner.compile, "auto", CompileStore(sys.argv[2]), resident.content_digest)
+    report = scheduler.compile(resident.runner, "auto", CompileStore(sys.argv[2]), resident.content_digest)
     answer = scheduler.submit(resident, support_request(resident, "Where is my parcel?")[1], greedy(8)).collect()
     scheduler.close()
     made = resident.runner.compiled.made
@@ -260,7 +260,7 @@ def test_rows_of_the_base_and_three_adapters_run_through_the_compiled_graphs_and
     resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(ModelSource("lora-tiny", str(tiny_model)))
     weights = {n: read_adapter(n, "lora-tiny", f, resident.model, max_rank=64) for n, f in folders.items()}
     scheduler = new_scheduler()
-    report = scheduler.call(resident.runner.compile, "auto", store, resident.content_digest, adapters=True)
+    report = scheduler.compile(resident.runner, "auto", store, resident.content_digest, adapters=True)
     assert report.source == "compiled", report
     graphs, real_for_step = [], resident.runner.compiled.for_step
 
@@ -303,7 +303,7 @@ def test_rows_of_the_base_and_three_adapters_run_through_the_compiled_graphs_and
     scheduler.call(resident.runner.release)
     resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(ModelSource("lora-tiny", str(tiny_model)))
     weights = {n: read_adapter(n, "lora-tiny", f, resident.model, max_rank=64) for n, f in folders.items()}
-    report = scheduler.call(resident.runner.compile, "auto", store, resident.content_digest, adapters=True)
+    report = scheduler.compile(resident.runner, "auto", store, resident.content_digest, adapters=True)
     assert report.source == "restored", report  # not eager: every graph loaded and ran the compile's steps
     assert resident.runner.compiled.made == {"compiled": 0, "loaded": 4}
     graphs.clear()
