@@ -40,7 +40,10 @@ def _redis_url() -> str:
 
 
 REDIS_URL = _redis_url()
+# The console scripts as installed (pyproject's [project.scripts]): what the compose file, the
+# manifests and the README run, so a script whose target moved fails here.
 PREHEAT_CLI = str(Path(sys.executable).parent / "preheat")
+PREHEAT_WORKER_CLI = str(Path(sys.executable).parent / "preheat-worker")
 
 SUPPORT_PROMPT = (
     "You are the support assistant of Acme Parcel. Be concise and polite. Always ask for the tracking "

@@ -7,8 +7,7 @@ import sys
 import pytest
 import yaml
 
-from preheat.core import processes
-from tests.conftest import PREHEAT_CLI, REPO
+from tests.conftest import PREHEAT_CLI, PREHEAT_WORKER_CLI, REPO
 
 SERVICES = {"redis", "postgres", "migrate", "gpu-worker", "beat", "watch-workers", "exporter", "flower"}
 
@@ -39,7 +38,7 @@ def test_each_command_is_a_real_command_with_real_options(compose, service, embe
         assert argv[1:3] == ["-A", "preheat"] and argv[3] in {"beat", "flower"}
         full = [sys.executable, "-m", "celery", *argv[1:]]
     elif argv[0] == "preheat-worker":
-        full = processes.worker_command(*argv[1:])
+        full = [PREHEAT_WORKER_CLI, *argv[1:]]
     else:
         full = [PREHEAT_CLI, *argv[1:]]
     # The variables compose requires, with stand-in values.

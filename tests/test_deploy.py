@@ -10,8 +10,7 @@ import httpx
 import pytest
 import yaml
 
-from preheat.core import processes
-from tests.conftest import PREHEAT_CLI, REPO
+from tests.conftest import PREHEAT_CLI, PREHEAT_WORKER_CLI, REPO
 
 K8S = REPO / "deploy" / "k8s"
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
@@ -147,7 +146,7 @@ def test_each_command_is_a_real_command_with_real_options(manifests, component, 
     ]
     full = {
         "celery": [sys.executable, "-m", "celery", *argv[1:]],
-        "preheat-worker": processes.worker_command(*argv[1:]),
+        "preheat-worker": [PREHEAT_WORKER_CLI, *argv[1:]],
     }.get(argv[0], [PREHEAT_CLI, *argv[1:]])
     env = {**embedded_stack.env, "FLOWER_BASIC_AUTH": "ci:long-enough"}
     done = subprocess.run([*full, "--help"], env=env, capture_output=True, text=True, timeout=60)
