@@ -22,6 +22,7 @@ from celery.signals import task_postrun, task_prerun, worker_shutdown, worker_sh
 from preheat.celery import transport
 from preheat.celery.app import app
 from preheat.celery.queues import infer_queue
+from preheat.core import startheap
 from preheat.core.errors import ConfigError, exit_with
 from preheat.core.settings import get_settings
 from preheat.endpoints.pools import POOLS
@@ -92,7 +93,9 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         # The models load from here on, while Celery builds its pool and consumer: torch and
         # transformers (2-3 s, imported lazily: beat and the CLI import the task modules too),
         # then each model's own classes and weights. Pre-fills wait for start(), which sets
-        # the gate they open.
+        # the gate they open. The collector is held until they are resident (preheat-worker
+        # holds it from its first line; `celery -A preheat worker` from here).
+        startheap.hold_collector()
         threading.Thread(target=_load_models, name="preheat-load", daemon=True).start()
 
     def start(self, worker) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from preheat.api.answers import LogprobShapes, whole_answer
 from preheat.api.requests import Ask
 from preheat.api.sampling import SamplingParams
+from preheat.core import startheap
 from preheat.core.catalog import Catalog, load_catalog
 from preheat.workers.adapters import AdapterCollector, Adapters
 from preheat.workers.engine.chat import Messages, render, system_prompt_of
@@ -184,7 +185,7 @@ class WorkerRuntime:
 
     def load_models(self, max_parallel: int = 4) -> None:
         """Every catalog model resident (in parallel), nothing pre-filled, before the gate is set up; once."""
-        with self._starting:
+        with self._starting, startheap.building():
             if self.asleep_at_start is not None:
                 ask, self.asleep_at_start = self.asleep_at_start, None
                 self.sleeps.start_asleep(ask())
@@ -494,7 +495,6 @@ class WorkerRuntime:
                 "max_pinned_entries": budget.max_pinned_entries,
                 "max_pinned_bytes": budget.max_pinned_bytes,
             },
-            # What this worker measured at its latest warmup of each template, as it
-            # reported it to history.
+            # What this worker measured at its latest warmup of each template, as reported to history.
             "last_warmup": dict(self.warmups.last),
         }

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import sys
 
+from preheat.core import startheap
+
 
 def main(argv: list[str] | None = None) -> None:
+    startheap.hold_collector()  # before the imports: the start-up heap is built from here on
     from celery.bin.base import CLIContext
     from celery.bin.worker import worker
 

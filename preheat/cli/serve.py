@@ -32,6 +32,9 @@ def serve(
 ) -> None:
     """Serve the catalog's models over HTTP, OpenAI-compatible, from the cached prefixes:
     every model loaded and every template pre-filled at start; /health/ready says when."""
+    from preheat.core import startheap
+
+    startheap.hold_collector()  # until the models are resident (preheat.core.startheap)
     import tornado.ioloop
 
     from preheat.core.settings import get_settings

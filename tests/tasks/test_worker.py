@@ -30,6 +30,8 @@ def test_a_request_sent_before_the_worker_exists_is_served_only_once_it_is_warm(
         health = processes.health_url(worker)
         log = worker.log()
         assert log.index("model tiny resident") < log.index("Started consuming from preheat.infer.tiny")
+        # The collector, held while the worker started, ran again once its model was resident.
+        assert log.index("model tiny resident") < log.index("start-up heap:") < log.index("Started consuming from")
         assert log.index("Started consuming from preheat.infer.tiny") < log.index(f"preheat.infer[{early.id}] received")
         assert answer["cached_tokens"] > 20 and answer["prompt_tokens"] > answer["cached_tokens"]
         assert len(answer["token_ids"]) >= 1 and answer["ttft_ms"] > 0
@@ -86,6 +88,7 @@ def test_a_worker_with_a_broken_model_starts_serves_the_others_and_says_why_not_
         assert ready.status_code == 503
         assert ready.json()["reasons"][0].startswith("model gone unavailable: "), ready.json()
         assert send_infer().get(timeout=60)["cached_tokens"] > 20  # tiny is warm and served
+        assert "start-up heap:" in worker.log()  # the collector runs again, one model lost or not
 
 
 @pytest.mark.parametrize(

@@ -43,8 +43,9 @@ COMPILED = (("warm", "cold compile"), ("warm", "warm compile cache"))
 
 # In a process of its own: what a worker cannot start faster than.
 LIMIT_SCRIPT = r"""
-import json, sys, time
+import gc, json, sys, time
 from pathlib import Path
+gc.disable()  # as a worker holds its collector while it starts (preheat.core.startheap): still a floor
 started = time.perf_counter()
 import celery, kombu, sqlalchemy, pydantic, torch, transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
