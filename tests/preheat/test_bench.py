@@ -170,8 +170,10 @@ def test_limit_puts_each_step_beside_its_bound_a_long_context_reading_its_kv_too
     rows = {(row["rows"], row["context"]): row for row in report["rows"]}
     assert list(rows) == [(1, 64), (16, 64), (1, 1024)]
     for row in rows.values():
+        # The ratio of the unrounded times, to its third decimal: where a busy host's hardware
+        # probe made the bound long, 0.037 was once written 0.04.
         assert row["preheat_step_ms"] > 0 and row["over_limit"] == pytest.approx(
-            row["preheat_step_ms"] / row["limit_ms"], rel=0.02
+            row["preheat_step_ms"] / row["limit_ms"], rel=0.02, abs=0.0005
         )
     # The long context's bound reads its KV beside the weights: higher than the short one's.
     assert rows[1, 1024]["bandwidth_limit_ms"] > rows[1, 64]["bandwidth_limit_ms"]
