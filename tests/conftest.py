@@ -387,10 +387,25 @@ def _base_env(home: Path, catalog: Path) -> dict[str, str]:
 
 
 def _empty_tables(url: str) -> None:
+    """The test process's database emptied for the next test. Whatever an earlier test left
+    connected to it holds its locks until it lets go, and TRUNCATE waits for every one: once a
+    full run's setup waited 300 s, twice, on one such (a proxy's stalled pumps were still alive).
+    So this process's unreferenced sessions are collected first, every other backend on the
+    database is ended, and a lock still held fails in 30 s naming the wait, not the timeout."""
+    import gc
+
     from preheat.history.db import open_database
 
+    gc.collect()  # a session a test left in a reference cycle gives its connection back
     engine = open_database(url)
     with engine.begin() as connection:
+        connection.execute(
+            text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        )
+        connection.execute(text("SET LOCAL lock_timeout = '30s'"))
         connection.execute(
             text(
                 "TRUNCATE warmup_jobs, warmup_runs, schedule_slots, schedules, beat_leases, traffic_counts, "
