@@ -387,11 +387,9 @@ def _base_env(home: Path, catalog: Path) -> dict[str, str]:
 
 
 def _empty_tables(url: str) -> None:
-    """The test process's database emptied for the next test. Whatever an earlier test left
-    connected to it holds its locks until it lets go, and TRUNCATE waits for every one: once a
-    full run's setup waited 300 s, twice, on one such (a proxy's stalled pumps were still alive).
-    So this process's unreferenced sessions are collected first, every other backend on the
-    database is ended, and a lock still held fails in 30 s naming the wait, not the timeout."""
+    """The process's database emptied for the next test. TRUNCATE waits on the locks of anything
+    an earlier test left connected (a full run's setup once waited 300 s, twice): that is ended
+    first, and a lock still held fails in 30 s naming the wait."""
     import gc
 
     from preheat.history.db import open_database

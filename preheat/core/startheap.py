@@ -14,8 +14,9 @@ start for the same reason).
 
 Frozen without a pass first: the pass would find what the start left unreachable in cycles,
 13 thousand small objects (tuples, cells, functions, frames; no tensor; about 8 MB) of 700
-thousand, and cost 0.3-0.4 s of the start on 2 cores. Refcounting still frees any frozen object whose
-last reference goes; only that start's cyclic garbage is kept, once, for the worker's life.
+thousand, and cost 0.37-0.55 s of the start on 2 cores (docs/benchmarks.md). Refcounting still
+frees any frozen object whose last reference goes; only that start's cyclic garbage is kept,
+once, for the worker's life.
 
 Only a process that held the collector lets it go: where a test or an embedding program drives
 a worker's runtime, `start_built` does nothing.
