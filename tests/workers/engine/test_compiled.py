@@ -152,18 +152,22 @@ def _sleep_and_refusal(scheduler, resident, store, monkeypatch) -> None:
 RESTART = textwrap.dedent(
     """
     import json, sys
+    from preheat.workers.engine.compiled import CompiledSteps
     from preheat.workers.engine.compilestore import CompileStore
     from preheat.workers.engine.resident import ModelSource, ResidentModels
     from tests.conftest import greedy, new_scheduler, support_request
 
     resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(ModelSource("m", sys.argv[1]))
     scheduler = new_scheduler()
+    steps, run = [], CompiledSteps._run
+    CompiledSteps._run = lambda self, *args, **kwargs: steps.append(1) or run(self, *args, **kwargs)
     report = scheduler.compile(resident.runner, "auto", CompileStore(sys.argv[2]), resident.content_digest)
+    CompiledSteps._run = run
     answer = scheduler.submit(resident, support_request(resident, "Where is my parcel?")[1], greedy(8)).collect()
     scheduler.close()
     made = resident.runner.compiled.made
     print(json.dumps({"source": report.source, "compiled": made["compiled"], "loaded": made["loaded"],
-                      "built": report.kernels_built, "tokens": answer.token_ids}))
+                      "built": report.kernels_built, "warm_up_steps": len(steps), "tokens": answer.token_ids}))
     """
 )
 
@@ -182,9 +186,11 @@ def _start(model, folder) -> dict:
 def test_a_restart_restores_the_graphs_and_a_damaged_or_foreign_artefact_is_refused_whole(tiny_model, tmp_path):
     folder = tmp_path / "compiled"
     cold = _start(tiny_model, folder)
-    assert (cold["source"], cold["compiled"], cold["loaded"]) == ("compiled", 2, 0)
+    assert (cold["source"], cold["compiled"], cold["loaded"], cold["warm_up_steps"]) == ("compiled", 2, 0, 3)
     warm = _start(tiny_model, folder)  # a restarted worker: both graphs loaded from the store, nothing traced
     assert (warm["source"], warm["compiled"], warm["loaded"], warm["built"]) == ("restored", 0, 2, 0)
+    # The package ran the chunk alone where it was compiled: not again (compiled.WARM_UP).
+    assert warm["warm_up_steps"] == 2
     assert warm["tokens"] == cold["tokens"]
 
     # An entry whole by its manifest that lacks a graph (a start that stopped before its
@@ -199,7 +205,7 @@ def test_a_restart_restores_the_graphs_and_a_damaged_or_foreign_artefact_is_refu
     (entry / "files" / graph).unlink()
     (entry / "manifest.json").write_text(json.dumps(manifest))
     mended = _start(tiny_model, folder)
-    assert (mended["source"], mended["compiled"], mended["loaded"]) == ("compiled", 1, 1)
+    assert (mended["source"], mended["compiled"], mended["loaded"], mended["warm_up_steps"]) == ("compiled", 1, 1, 3)
     assert mended["tokens"] == cold["tokens"]
     assert graph in json.loads((entry / "manifest.json").read_text())["files"]
     again = _start(tiny_model, folder)
