@@ -69,11 +69,13 @@ class EngineCollector:
         load = self._scheduler.load()
         yield GaugeMetricFamily("preheat_requests_running", "Requests decoding now.", value=load["running"])
         yield GaugeMetricFamily("preheat_requests_waiting", "Requests waiting for a row.", value=load["waiting"])
-        yield CounterMetricFamily("preheat_decode_steps", "Batched decode steps run.", value=self._scheduler.steps)
+        yield CounterMetricFamily(
+            "preheat_decode_steps", "Batched decode steps run.", value=self._scheduler.outcomes.steps
+        )
         yield CounterMetricFamily(
             "preheat_decode_step_rows",
             "Requests fed by those steps (over steps: the mean batch).",
-            value=self._scheduler.rows_stepped,
+            value=self._scheduler.outcomes.rows_stepped,
         )
 
 

@@ -42,6 +42,19 @@ class BatchLimits:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
+    def room_for(self, request: Request, running: list[Request]) -> bool:
+        """Whether `request` may run beside `running` (its model's rows, and those admitted
+        with it): at most `max_running` of them, and the KV they may need (each as long as
+        its prompt and max_tokens, in the batch's slots of the longest) within
+        `running_kv_bytes`. A model with nothing running takes one, whatever it needs (the
+        context check bounds it)."""
+        if len(running) >= self.max_running:
+            return False
+        if not running:
+            return True
+        longest = max(need(r) for r in [*running, request])
+        return (len(running) + 1) * longest * request.resident.kv_bytes_per_token <= self.running_kv_bytes
+
 
 @dataclass(eq=False)
 class Row:
@@ -84,7 +97,7 @@ class Batch:
 
     def step(self, outcomes, prefill_budget: int, alone: bool) -> None:
         """One forward pass of the rows (`plan`) by their model's runner, each row's token
-        chosen and handed to `outcomes` (the scheduler: accept, fail, finish, decoded);
+        chosen and handed to `outcomes` (outcomes.Outcomes: accept, fail, finish, decoded);
         rows whose reader went away, or that finished, leave."""
         self.drop(outcomes, [slot for slot, row in enumerate(self.rows) if row.request.cancelled.is_set()])
         if not self.rows:

@@ -5,29 +5,17 @@ own cache: its prompt a chunk an iteration (while the scheduler's prompt budget 
 token an iteration, between the batch's steps. A failure here is the request's alone.
 
 The scheduler decides when each advances; what a token or an end means for the request is
-the scheduler's too (`Outcomes`): this is only the holders and their passes.
+`outcomes.Outcomes`'s: this is only the holders and their passes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from preheat.workers.engine.outcomes import Outcomes
 from preheat.workers.engine.request import Request, RequestStatus
-
-
-class Outcomes(Protocol):
-    """What the scheduler does with a request's token, end or failure."""
-
-    def append(self, request: Request, logits: torch.Tensor) -> bool: ...
-
-    def finish(self, request: Request, kv, status: RequestStatus | None = None) -> None: ...
-
-    def fail(self, request: Request, exc: Exception) -> None: ...
-
-    def decoded(self, rows: int) -> None: ...
 
 
 @dataclass(eq=False)

@@ -43,6 +43,7 @@ import torch
 from preheat.api.sampling import SamplingParams
 from preheat.workers.engine.batch import Batch, BatchLimits, ModelAsleepError, QueueFullError, Row, SleepRefused, need
 from preheat.workers.engine.lone import LoneRequests
+from preheat.workers.engine.outcomes import Outcomes
 from preheat.workers.engine.prefixes import Prefilled, Prefixes, Start
 from preheat.workers.engine.raggedkv import batchable
 from preheat.workers.engine.request import Request, RequestStatus, TextStream
@@ -65,15 +66,13 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._calls: deque[_Call] = deque()
         self._batches: dict[str, Batch] = {}
-        self._lone = LoneRequests(self)
+        self.outcomes = Outcomes(prefixes)  # each token, end and failure of a running request
+        self._lone = LoneRequests(self.outcomes)
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._asleep: set[str] = set()  # parked models: no request is taken for them
         self._admitted = 0  # requests given a row so far: each row's order
-        self._request_s = 1.0  # a moving average of how long a request runs, for Retry-After
-        self.steps = 0  # decode steps run, and rows they fed: the mean batch size is their ratio
-        self.rows_stepped = 0
 
     # What callers use -----------------------------------------------------------------
 
@@ -196,7 +195,7 @@ class Scheduler:
             try:
                 self._admit()
                 for model in list(self._batches):
-                    self._batches[model].step(self, self.limits.prefill_tokens_per_step, not self._waiting)
+                    self._batches[model].step(self.outcomes, self.limits.prefill_tokens_per_step, not self._waiting)
                     if not self._batches[model].rows:
                         del self._batches[model]
                 self._lone.step_all()
@@ -206,7 +205,7 @@ class Scheduler:
                 self._batches = {}
                 for request in running:
                     if not request.status.finished:
-                        self.fail(request, exc)
+                        self.outcomes.fail(request, exc)
 
     def _taken(self) -> list[Request]:
         return [*self._waiting, *self._lone.requests(), *(r for b in list(self._batches.values()) for r in b.requests)]
@@ -226,25 +225,14 @@ class Scheduler:
             for served in (True, False):
                 for request in self._waiting:
                     if request.record is served and (
-                        request.cancelled.is_set() or self._room_for(request, pending.get(request.model, []))
+                        request.cancelled.is_set()
+                        or self.limits.room_for(
+                            request, self._model_requests(request.model) + pending.get(request.model, [])
+                        )
                     ):
                         self._waiting.remove(request)
                         return request
         return None
-
-    def _room_for(self, request: Request, pending: list[Request]) -> bool:
-        """Whether `request` may run beside its model's rows: at most `max_running` of them,
-        and the KV they may need (each as long as its prompt and max_tokens, in the batch's
-        slots of the longest) within `running_kv_bytes`. A model with nothing running takes
-        one, whatever it needs (the context check bounds it)."""
-        running = self._model_requests(request.model) + pending
-        if len(running) >= self.limits.max_running:
-            return False
-        if not running:
-            return True
-        longest = max(need(r) for r in [*running, request])
-        per_token = request.resident.kv_bytes_per_token
-        return (len(running) + 1) * longest * per_token <= self.limits.running_kv_bytes
 
     def _admit(self) -> None:
         """Waiting requests join while there is room for their rows and the step's prompt
@@ -255,7 +243,7 @@ class Scheduler:
         pending: dict[str, list[Request]] = {}
         while budget > 0 and (request := self._next_admissible(pending)) is not None:
             if request.cancelled.is_set():
-                self.finish(request, None, RequestStatus.FINISHED_ABORTED)
+                self.outcomes.finish(request, None, RequestStatus.FINISHED_ABORTED)
                 continue
             try:
                 start = self.prefixes.start(
@@ -270,7 +258,7 @@ class Scheduler:
                 pending.setdefault(request.model, []).append(request)
                 self._start(request, start)
             except Exception as exc:
-                self.fail(request, exc)
+                self.outcomes.fail(request, exc)
 
     def _start(self, request: Request, start: Start) -> None:
         """The request takes a row of its model's batch: its cached positions copied in, the
@@ -284,53 +272,17 @@ class Scheduler:
         self._admitted += 1
         if start.logits is not None:
             request.prefilled(start.logits, lambda: start.cache)
-            if self.append(request, start.logits):
-                self.finish(request, start.cache)
+            if self.outcomes.append(request, start.logits):
+                self.outcomes.finish(request, start.cache)
                 return
         batch.kv.add(start.cache, need(request))
         batch.rows.append(Row(request, start.feed_ids[0].tolist(), self._admitted))
-
-    # One request's token and end (lone.Outcomes) ---------------------------------------
-
-    def append(self, request: Request, logits: torch.Tensor) -> bool:
-        """One request's next token from its logits ([vocab]), by its runner; True: it leaves its row."""
-        [choice] = request.resident.runner.sample([request], logits[None])
-        return self.accept(request, choice, logits)
-
-    def accept(self, request: Request, choice, logits: torch.Tensor) -> bool:
-        """`Request.append_token`; a failure (its sampler's) ends the request with its error."""
-        try:
-            if isinstance(choice, Exception):
-                raise choice
-            return request.append_token(*choice, logits)
-        except Exception as exc:
-            self.fail(request, exc)
-            return True
-
-    def decoded(self, rows: int) -> None:
-        if rows:
-            self.steps, self.rows_stepped = self.steps + 1, self.rows_stepped + rows
-
-    def finish(self, request: Request, kv, status: RequestStatus | None = None) -> None:
-        """What it leaves cached first (a follow-up sent the moment the reader has the
-        completion finds it), then the completion to the reader."""
-        try:
-            if (kept := request.to_remember(kv)) is not None:
-                self.prefixes.remember(request.resident, *kept, adapter=request.adapter)
-        finally:
-            completion = request.finish(status)
-            self._request_s = 0.9 * self._request_s + 0.1 * completion.total_ms / 1000
-
-    @staticmethod
-    def fail(request: Request, exc: Exception) -> None:
-        log.warning("request on %s failed: %s", request.model, exc)
-        request.fail(exc)
 
     def _retry_after_s(self) -> int:
         """About when a row frees up: the queue ahead, over the rows running now (what the
         KV budget lets run, not the cap), times a request's run."""
         waves = (len(self._waiting) + 1) / max(1, len(self._taken()) - len(self._waiting))
-        return max(1, min(60, math.ceil(waves * self._request_s)))
+        return max(1, min(60, math.ceil(waves * self.outcomes.request_s)))
 
 
 # Schedulers whose thread may still run at interpreter exit: stopped first, as a thread

@@ -119,7 +119,7 @@ def test_sixteen_concurrent_greedy_requests_equal_each_run_alone(resident):
         c.finish_reason == "stop" and c.token_ids and len(c.token_ids) < s.max_tokens
         for c, (_, s) in zip(together, requests, strict=True)
     )
-    assert scheduler.rows_stepped / scheduler.steps > 2  # they were decoded together, not in turn
+    assert scheduler.outcomes.rows_stepped / scheduler.outcomes.steps > 2  # they were decoded together, not in turn
     assert scheduler.load()["running"] == 0
     scheduler.close()
 
@@ -267,12 +267,12 @@ def test_a_long_prompt_is_pre_filled_a_chunk_a_step_while_the_others_decode(resi
     pieces = iter(running)
     next(pieces)
     long_ids = known[1].prompt_ids(resident, "Summarise: " + "the quarterly numbers went up. " * 12)
-    before = scheduler.steps
+    before = scheduler.outcomes.steps
     late = scheduler.submit(resident, long_ids, SamplingParams(max_tokens=6, temperature=0.0), use_cache=False)
     late_pieces = iter(late)  # held: an iterator dropped would end the request
     first = next(late_pieces)  # its first piece: all of its prompt computed, 8 ids an iteration
     assert first.text is not None
-    assert scheduler.steps - before >= long_ids.shape[-1] // 8 - 2  # a decode step between every chunk
+    assert scheduler.outcomes.steps - before >= long_ids.shape[-1] // 8 - 2  # a decode step between every chunk
     late_answer = late.collect()
     assert late_answer.finish_reason != "abort"
     assert late_answer.token_ids == reference_generate(resident, long_ids, 6)[: len(late_answer.token_ids)]
@@ -301,7 +301,7 @@ def test_a_cache_that_cannot_be_batched_runs_as_a_batch_of_one_beside_the_batch(
     for (prompt_ids, sampling), got in zip(requests, together, strict=True):
         assert got.cached_tokens > 0
         assert got.token_ids == reference_generate(resident, prompt_ids, sampling.max_tokens)[: len(got.token_ids)]
-    assert alone_steps["n"] > 0 and scheduler.rows_stepped / scheduler.steps > 1
+    assert alone_steps["n"] > 0 and scheduler.outcomes.rows_stepped / scheduler.outcomes.steps > 1
     assert scheduler.load()["running"] == 0
     scheduler.close()
 
