@@ -23,17 +23,16 @@ typedef struct {
 
 /* Two rows' sums over the step's `padded` tokens (1, 4, or a multiple of GROUP: x's rows past
    the step's tokens are zeros) into sums[0] and sums[1]. One token: each row's own four-sum
-   product; up to GROUP, each row by itself (measured faster there: memory, not the products,
-   bounds such a step); past it, both rows at once, GROUP tokens at a time, the rows still in
-   the L1 cache for the next GROUP (16 tokens: 27 against 36 ms on the real model). */
+   product; more, both rows at once, up to GROUP tokens at a time, the rows still in the L1
+   cache for the next GROUP (16 tokens: 27 against 36 ms on the real model). Up to GROUP tokens
+   each row went by itself once (faster on a Zen 4); on a Zen 5 a chunk of 8 took 21.4 ms both
+   at once against 27.5 each by itself, and 7.8-9.0 since the weights are fetched ahead. */
 static inline void pair_dots(int64_t padded, const uint16_t *row0, const uint16_t *row1, const uint16_t *x,
                              int64_t stride, int64_t k_len, float sums[2][MOST_TILE_TOKENS]) {
     if (padded == 1) {
         sums[0][0] = dot_bf16(row0, x, k_len), sums[1][0] = dot_bf16(row1, x, k_len);
     } else if (padded == 4) {
-        dots_n(4, row0, x, stride, k_len, sums[0]), dots_n(4, row1, x, stride, k_len, sums[1]);
-    } else if (padded == GROUP) {
-        dots_n(GROUP, row0, x, stride, k_len, sums[0]), dots_n(GROUP, row1, x, stride, k_len, sums[1]);
+        pair_dots_n(4, row0, row1, x, stride, k_len, sums[0], sums[1]);
     } else {
         for (int64_t g = 0; g < padded; g += GROUP)
             pair_dots_n(GROUP, row0, row1, x + g * stride, stride, k_len, sums[0] + g, sums[1] + g);
