@@ -7,8 +7,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#define AHEAD_ROWS 2
-
 
 static inline __mmask16 first_lanes(int64_t n) {
     return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
