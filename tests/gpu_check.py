@@ -196,7 +196,7 @@ def load_bandwidth() -> dict:
     for path in folder.glob("*.safetensors"):
         path.read_bytes()  # in the page cache, as on a node that ran the model before
     loads = {}
-    for loader in ("transformers", "runai-streamer") if streamer_installed() else ("transformers",):
+    for loader in ("transformers", "safetensors") + (("runai-streamer",) if streamer_installed() else ()):
         started = time.perf_counter()
         resident, _ = ResidentModels("auto", loader).ensure(ModelSource(f"m135-{loader}", str(folder)))
         torch.cuda.synchronize()

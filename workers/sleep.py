@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -35,7 +34,7 @@ from preheat.workers.engine.kvtensors import release_free_heap
 from preheat.workers.engine.openmp import team_released
 from preheat.workers.engine.resident import LOADING, ModelSource, ResidentModel, ResidentModels, digest_contents
 from preheat.workers.engine.scheduler import SleepRefused
-from preheat.workers.engine.weights import load_weights
+from preheat.workers.engine.weights import load_weights, read_by_name, unique_parameters
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +42,6 @@ LEVELS = (1, 2)
 
 
 # Weights -----------------------------------------------------------------------------
-
-
-def unique_parameters(model) -> dict[int, tuple[list[str], torch.nn.Parameter]]:
-    """Each parameter once (tied weights are one parameter under several names), with its names."""
-    found: dict[int, tuple[list[str], torch.nn.Parameter]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        found.setdefault(id(parameter), ([], parameter))[0].append(name)
-    return found
 
 
 def weight_bytes(model) -> int:
@@ -97,41 +88,15 @@ def restore_weights(resident: ResidentModel, offloaded: Offloaded) -> None:
             parameter.data = offloaded.host[key].to(device, non_blocking=True)
         synchronize(device)
     else:
-        _read_by_name(resident.path, parameters, offloaded)
+        read_by_name(resident.path, parameters, offloaded.shapes, ModelLoadError)
     _prove(resident)
-
-
-def _read_by_name(path: str, parameters: dict, offloaded: Offloaded) -> None:
-    from safetensors import safe_open
-
-    by_name = {name: key for key, (names, _) in parameters.items() for name in names}
-    filled: set[int] = set()
-    for file in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as tensors:
-            for name in tensors.keys():  # noqa: SIM118 - safe_open is no mapping
-                key = by_name.get(name)
-                if key is None or key in filled:
-                    continue
-                shape, dtype = offloaded.shapes[key]
-                tensor = tensors.get_tensor(name)
-                if tensor.shape != shape:
-                    raise ModelLoadError(
-                        f"{file.name}: {name} has shape {tuple(tensor.shape)}, the model {tuple(shape)}"
-                    )
-                parameters[key][1].data = tensor.to(dtype).contiguous()
-                filled.add(key)
-    missing = [parameters[key][0][0] for key in parameters if key not in filled]
-    if missing:
-        raise ModelLoadError(
-            f"{len(missing)} weight(s) not found by name in {path}'s safetensors files (first: {missing[0]})"
-        )
 
 
 def reload_into(resident: ResidentModel, source: ModelSource, loader: str) -> None:
     """Level 1's fallback on the CPU: the weights through the weight loader (whatever names
     or conversions the checkpoint needs), taken into the sleeping model by name."""
     with LOADING:  # one model built at a time in a process (see resident.LOADING)
-        fresh = load_weights(
+        fresh, _ = load_weights(
             source.path, resident.placement, loader, {}, {"revision": source.revision} if source.revision else {}
         )
     state = dict(fresh.named_parameters(remove_duplicate=False))

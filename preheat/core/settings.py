@@ -35,9 +35,10 @@ class Settings(BaseSettings):
     database_url: SecretStr | None = Field(None, description="History DB; default: SQLite in home.")
     timezone: str = "UTC"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # How weights are read (workers/weights.py): transformers' own loading, or the Run:ai
-    # Model Streamer (the fast-load extra); auto takes the streamer for CUDA where installed.
-    weight_loader: Literal["auto", "transformers", "runai-streamer"] = "auto"
+    # How weights are read (workers/engine/weights.py): by name from the safetensors files,
+    # transformers' own loading, or the Run:ai Model Streamer (the fast-load extra); auto reads
+    # by name on the CPU, the streamer for CUDA where installed, else transformers' loading.
+    weight_loader: Literal["auto", "transformers", "safetensors", "runai-streamer"] = "auto"
     # The precision models compute in, unless the catalog names one: auto is bfloat16 where
     # the hardware computes it (CUDA; a CPU with avx512_bf16 or AMX), else float32.
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"

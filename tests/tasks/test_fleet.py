@@ -49,11 +49,11 @@ def test_one_warm_reaches_both_workers_and_history_matches_what_each_measured(se
         workers = processes.poll(lambda: _all_ready(stack, W1, W2), 90, what="both workers ready")
         for name in (W1, W2):
             assert workers[name]["models"]["tiny"]["device"] == "cpu/float32"
-            assert workers[name]["models"]["tiny"]["weight_loader"] == "transformers"  # auto, on the CPU
+            assert workers[name]["models"]["tiny"]["weight_loader"] == "safetensors"  # auto, on the CPU
             assert workers[name]["cache"]["entries"] == 1 and workers[name]["cache"]["bytes"] > 0
         table = stack.cli("workers")
         assert W1 in table.stdout and W2 in table.stdout and "ready" in table.stdout
-        assert "tiny (cpu/float32, transformers)" in table.stdout
+        assert "tiny (cpu/float32, safetensors)" in table.stdout
 
         done = stack.cli("warm", "--wait", "--json", "--timeout", "120")
         assert done.returncode == 0, done.stderr + w1.log()[-2000:] + w2.log()[-2000:]

@@ -119,8 +119,8 @@ def test_level_one_wake_of_changed_weights_reads_once_frees_them_and_refuses_req
     assert runtime.sleeps.sleep("tiny", 1).status == "asleep"
     original = _change_one_row(own_model)
     reads = []
-    real_read = sleep._read_by_name
-    monkeypatch.setattr(sleep, "_read_by_name", lambda *a: reads.append(1) or real_read(*a))
+    real_read = sleep.read_by_name
+    monkeypatch.setattr(sleep, "read_by_name", lambda *a: reads.append(1) or real_read(*a))
     monkeypatch.setattr(sleep, "reload_into", lambda *a: reads.append("loader"))
 
     woken = runtime.sleeps.wake("tiny")

@@ -22,7 +22,7 @@ from preheat.workers.engine import attention
 from preheat.workers.engine.device import Placement, pick_placement
 from preheat.workers.engine.openmp import team_released
 from preheat.workers.engine.runner import ModelRunner, max_context
-from preheat.workers.engine.weights import gguf_source, is_gguf, load_weights, pick_loader
+from preheat.workers.engine.weights import gguf_source, is_gguf, load_weights
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +52,7 @@ class ResidentModel:
     cache_kwarg: str = "past_key_values"
     max_context: int = 0
     chat_template_source: str = "the model's own"
-    weight_loader: str = "transformers"  # workers/weights.py
+    weight_loader: str = "transformers"  # the one that read it (workers/engine/weights.py)
     runner: ModelRunner | None = None  # what runs it: every forward pass, compiled or eager
 
     @functools.cached_property
@@ -128,7 +128,7 @@ class ResidentModels:
             try:
                 placement = pick_placement(self.device_preference, source.dtype, self.dtype_preference)
                 with team_released():  # a loader's thread (a bench's main thread) lives on
-                    resident = _load(source, placement, pick_loader(self.weight_loader, placement, source.path))
+                    resident = _load(source, placement, self.weight_loader)
             except Exception as exc:
                 self._errors[source.name] = f"{type(exc).__name__}: {exc}"
                 raise ModelLoadError(
@@ -227,7 +227,7 @@ _IMPORT_LOCK = threading.Lock()
 LOADING = threading.Lock()
 
 
-def _load(source: ModelSource, placement: Placement, loader: str) -> ResidentModel:
+def _load(source: ModelSource, placement: Placement, preference: str) -> ResidentModel:
     with _IMPORT_LOCK:
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 (resolved here, once)
         from transformers.utils import logging as hf_logging
@@ -244,7 +244,7 @@ def _load(source: ModelSource, placement: Placement, loader: str) -> ResidentMod
     elif not tokenizer.chat_template:
         tokenizer.chat_template, template_source = DEFAULT_CHAT_TEMPLATE, DEFAULT_CHAT_TEMPLATE_NAME
     with LOADING:
-        model = load_weights(source.path, placement, loader, _onto(placement), pinned)
+        model, loader = load_weights(source.path, placement, preference, _onto(placement), pinned)
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(attention.register())
     model.to(placement.device).eval()

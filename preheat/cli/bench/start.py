@@ -83,7 +83,7 @@ from preheat.workers.engine.resident import ModelSource, ResidentModels
 from preheat.workers.engine.weights import streamer_installed
 ResidentModels("cpu", "transformers").ensure(ModelSource("imports", sys.argv[1]))
 seconds = {}
-for loader in ("transformers", "runai-streamer") if streamer_installed() else ("transformers",):
+for loader in ("transformers", "safetensors") + (("runai-streamer",) if streamer_installed() else ()):
     runs = []
     for _ in range(3):
         started = time.perf_counter()
