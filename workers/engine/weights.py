@@ -7,9 +7,12 @@ transformers' own loading, or by the Run:ai Model Streamer.
   parameter once, by its own name and shape (a tied weight under its first name), nothing
   else, no quantization, an architecture whose read is compared with transformers' loading in
   the tests (`AS_NAMED`: logits, buffers, config and generation defaults alike). It skips
-  what transformers' loading does for every model: on 2 cores, SmolLM2-135M in bfloat16 is
-  resident in 0.12-0.15 s against 0.26-0.30 s, 0.18 s of which builds transformers'
-  table of renamings for every architecture it knows (docs/benchmarks.md).
+  what transformers' loading does for every model, 0.18 s of which builds its table of
+  renamings for every architecture it knows: on 2 cores SmolLM2-135M's float32 file is read
+  in 0.03 s against 0.15-0.21 s, and into bfloat16 in 0.14-0.17 s against 0.25-0.29 s
+  (docs/benchmarks.md). A tensor already in the model's dtype is the file's pages, mapped,
+  as transformers' loading keeps it: a model's files are replaced by new ones, not
+  rewritten in place under a running worker.
 - **transformers**: its own loading (mapped safetensors, renamings and conversions, GGUF).
 - **runai-streamer** (`pip install 'preheat[fast-load]'`): many reads at once, which network
   volumes and object storage need, and what GPU hosts use it for; from the page cache on the
@@ -238,10 +241,12 @@ def read_by_name(path: str, parameters: dict, shapes: dict, missing_error: type[
                         f"{file.name}: {name} has shape {tuple(tensor.shape)}, the model {tuple(shape)}"
                     )
                 parameter = parameters[key][1]
-                if parameter.shape == shape and parameter.dtype == dtype:
+                if tensor.dtype == dtype:  # the file's pages, mapped, as transformers' loading keeps them
+                    parameter.data = tensor
+                elif parameter.shape == shape and parameter.dtype == dtype:
                     parameter.data.copy_(tensor)  # into the storage the model built, converted once
                 else:
-                    parameter.data = tensor.to(dtype).contiguous()
+                    parameter.data = tensor.to(dtype)
                 filled.add(key)
     missing = [names[0] for key, (names, _) in parameters.items() if key not in filled]
     if missing:
