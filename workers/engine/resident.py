@@ -187,13 +187,15 @@ class ResidentModels:
 
 
 def digest_contents(model) -> str:
-    """SHA-256 of the model's configuration (every value, `rope_theta` included) and of every
-    byte of every tensor of its state (name, shape, dtype, then the bytes): a weight changed
-    anywhere changes it. Each distinct storage is hashed once (tied weights share one), the
-    tensors in parallel (hashlib lets go of the GIL), the per-tensor digests combined in name
-    order. Measured on 2 cores for SmolLM2-135M: 168 ms in float32, 92 ms in bfloat16, against 14
-    ms for the strided sample it replaced, which missed a changed row (docs/benchmarks.md)."""
+    """SHA-256 of the model's configuration (every value, `rope_theta` included, not the folder
+    it was read from) and of every byte of every tensor of its state (name, shape, dtype, then
+    the bytes): a weight changed anywhere changes it. Each distinct storage is hashed once
+    (tied weights share one), the tensors in parallel (hashlib lets go of the GIL), the
+    per-tensor digests combined in name order. Measured on 2 cores for SmolLM2-135M: 168 ms
+    in float32, 92 ms in bfloat16, against 14 ms for the strided sample it replaced, which
+    missed a changed row (docs/benchmarks.md)."""
     import hashlib
+    import json
 
     import torch
 
@@ -208,7 +210,11 @@ def digest_contents(model) -> str:
     unique = {same(tensor): tensor for _, tensor in state}
     with torch.inference_mode(), ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         by_tensor = dict(zip(unique, pool.map(bytes_digest, unique.values()), strict=True))
-    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    # Where the files lie is not what they hold: replicas that mount one model at different
+    # paths share a prefix store and a compile cache.
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    config.pop("_name_or_path", None)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for name, tensor in state:
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
         digest.update(by_tensor[same(tensor)])

@@ -125,6 +125,23 @@ def test_a_model_changed_under_the_same_file_sizes_and_times_restores_nothing(ch
     assert answer.token_ids == reference_generate(now, prompt_ids, GREEDY.max_tokens)
 
 
+def test_the_same_model_in_another_folder_restores_what_it_stored(tiny_model, tmp_path):
+    """Replicas mount one model at different paths: its identity is what the files hold, so
+    a store shared between them serves each (and a changed copy, above, restores nothing)."""
+    resident = load_resident(tiny_model)
+    store = PrefixStore(tmp_path / "prefixes", 2**30)
+    prefix_ids, prompt_ids = support_request(resident, "Where is my parcel?")
+    engine_with(store).prefill(resident, prefix_ids)
+    store.flush()
+    elsewhere = load_resident(shutil.copytree(tiny_model, tmp_path / "mounted" / "elsewhere"))
+    assert elsewhere.path != resident.path and elsewhere.content_digest == resident.content_digest
+    restarted = engine_with(PrefixStore(store.folder, 2**30))
+    assert restarted.prefill(elsewhere, prefix_ids).source == "restored"
+    answer = restarted.submit(elsewhere, prompt_ids, GREEDY).collect()
+    assert answer.cached_tokens == prefix_ids.shape[-1]
+    assert answer.token_ids == reference_generate(elsewhere, prompt_ids, GREEDY.max_tokens)
+
+
 def another_models_file(tmp_path: Path, prefix_ids) -> Path:
     """The same ids pre-filled by another model of the same shapes (other weights)."""
     from preheat.cli.devmodel import make_model
