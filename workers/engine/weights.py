@@ -9,7 +9,7 @@ transformers' own loading, or by the Run:ai Model Streamer.
   the tests (`AS_NAMED`: logits, buffers, config and generation defaults alike). It skips
   what transformers' loading does for every model, 0.18 s of which builds its table of
   renamings for every architecture it knows: on 2 cores SmolLM2-135M's float32 file is read
-  in 0.03 s against 0.15-0.21 s, and into bfloat16 in 0.14-0.17 s against 0.25-0.29 s
+  in 0.03 s against 0.14-0.22 s, and into bfloat16 in 0.14-0.17 s against 0.25-0.29 s
   (docs/benchmarks.md). A tensor already in the model's dtype is the file's pages, mapped,
   as transformers' loading keeps it: a model's files are replaced by new ones, not
   rewritten in place under a running worker.
