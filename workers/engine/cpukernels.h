@@ -55,17 +55,23 @@ static inline void store_lanes(void *row, int64_t at, __mmask16 m, __m512 value,
    The products keep too few rows' loads in flight for the memory's latency (the out-of-order
    window holds a row or two of a many-token product's instructions), and the hardware's own
    prefetch does not make up for it: on a 2-core Zen 5 the real model's one-row step took 7.5
-   ms without this and 5.7-6.1 with it, a 16-row step 32 and 13 ms (2 and 8 rows measured the same). */
+   ms without this and 5.7-6.1 with it, a 16-row step 32 and 13 ms (2 and 8 rows measured the same).
+   One row's products stream in order, which some CPUs' own prefetch follows better: on a Zen 4
+   the one-row step took 11.1 ms fetching ahead and 8.6-9.4 without (16 rows: 22-24 against 28),
+   so whether they fetch ahead depends on the CPU (`one_row_ahead`, cpukernels.c). */
 #define AHEAD_ROWS 4
 
 /* row . x over k_len bf16 pairs, summed in float32 by the CPU's bf16 dot product. Four sums
    hide the instruction's latency. */
+extern int64_t one_row_ahead; /* 0 or AHEAD_ROWS: by the CPU (cpukernels.c) */
+
 static inline float dot_bf16(const uint16_t *row, const uint16_t *x, int64_t k_len) {
     const int64_t full = k_len / 128 * 128, part = k_len / 32 * 32;
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     int64_t k = 0;
-    for (int64_t byte = 0; byte < 2 * k_len; byte += 64)
-        _mm_prefetch((const char *)(row + AHEAD_ROWS * k_len) + byte, _MM_HINT_T0);
+    if (one_row_ahead)
+        for (int64_t byte = 0; byte < 2 * k_len; byte += 64)
+            _mm_prefetch((const char *)(row + one_row_ahead * k_len) + byte, _MM_HINT_T0);
     for (; k < full; k += 128)
         for (int i = 0; i < 4; i++)
             acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(row + k + 32 * i),

@@ -62,6 +62,7 @@ NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # The kernels, C with CPython entry points: one module of these sources and the header they share.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpukernels.c", "smallstep.c", "amx.c"))
 HEADER = Path(__file__).with_suffix(".h")
+AHEAD_ROWS = 4  # cpukernels.h's: how far ahead a product fetches its weights, where it does
 KEPT = Path.home() / ".cache" / "preheat" / "kernels"  # built kernels, each beside its digest
 
 _BUILD_LOCK = threading.Lock()
@@ -117,6 +118,7 @@ def _build() -> tuple[object | None, str | None]:
     spec = importlib.util.spec_from_file_location("preheat_cpukernels", built)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    log.info("bf16 kernels: one-row products fetch %d rows ahead on this CPU", module.ahead_rows())
     return module, None
 
 

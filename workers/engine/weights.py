@@ -164,7 +164,7 @@ def _streamed(path: str, placement: Placement, pinned: dict):
     # transformers takes a state dict only without a path; the config and the generation
     # defaults are read from the folder here instead.
     model = model_class.from_pretrained(None, config=config, state_dict=state, **_AS_IS, dtype=placement.dtype)
-    model.config.name_or_path = path  # as transformers' loading records it (part of the content digest)
+    model.config.name_or_path = path  # as transformers' loading records it
     if (Path(path) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model

@@ -10,12 +10,14 @@ over a mask of those columns."""
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 import torch
 
 from preheat.workers.engine import cpukernels
 
+CPUINFO = Path("/proc/cpuinfo").read_text()
 SHAPES = [(1, 1), (7, 33), (8, 32), (9, 64), (3, 200), (192, 576), (17, 1536), (1000, 577)]
 
 
@@ -41,6 +43,28 @@ def test_the_kernel_gives_torchs_products(rows, length):
         got = torch.ops.preheat.matvec_bf16(x, weight)
     assert got.shape == (1, 1, rows) and got.dtype == torch.float32
     _close(got, x, weight)
+
+
+@pytest.mark.skipif(not cpukernels.available(), reason=f"kernel not built here: {cpukernels.why_not_built()}")
+def test_fetching_a_rows_weights_ahead_or_not_gives_the_same_sums():
+    """Whether one-row products fetch ahead depends on the CPU (a speed, never an answer):
+    either way the same float32 sums, bit for bit."""
+    module = cpukernels._built()[0]
+    chosen = module.ahead_rows()
+    zen4 = "AuthenticAMD" in CPUINFO and "\ncpu family\t: 25\n" in CPUINFO
+    assert chosen == (0 if zen4 else cpukernels.AHEAD_ROWS)
+    weight = torch.randn(1000, 577, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    x = torch.randn(1, 1, 577, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    try:
+        sums = []
+        for rows in (0, cpukernels.AHEAD_ROWS):
+            assert module.ahead_rows(rows) == rows
+            sums.append(torch.ops.preheat.matvec_bf16(x, weight))
+    finally:
+        module.ahead_rows(chosen)
+    assert torch.equal(sums[0], sums[1])
+    with pytest.raises(ValueError, match="rows must be 0 or 4"):
+        module.ahead_rows(3)
 
 
 @pytest.mark.skipif(not cpukernels.available(), reason=f"kernel not built here: {cpukernels.why_not_built()}")

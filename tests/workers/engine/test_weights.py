@@ -24,6 +24,7 @@ def same_model(one, other) -> None:
         for name in mine:
             assert mine[name].dtype == theirs[name].dtype and torch.equal(mine[name], theirs[name]), name
     assert one.model.config.to_json_string(use_diff=False) == other.model.config.to_json_string(use_diff=False)
+    assert one.model.config._attn_implementation == other.model.config._attn_implementation  # preheat's, once resident
     assert one.model.generation_config.to_dict() == other.model.generation_config.to_dict()
     assert one.content_digest == other.content_digest
     assert type(one.model) is type(other.model) and not one.model.training
