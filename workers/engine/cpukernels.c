@@ -314,5 +314,7 @@ static PyMethodDef methods[] = {{"matvec_bf16", (PyCFunction)(void (*)(void))cal
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "preheat_cpukernels", NULL, -1, methods};
 PyMODINIT_FUNC PyInit_preheat_cpukernels(void) {
     pick_one_row_ahead();
-    return PyModule_Create(&module);
+    PyObject *created = PyModule_Create(&module);
+    if (created != NULL && PyModule_AddIntConstant(created, "AHEAD_ROWS", AHEAD_ROWS) != 0) Py_CLEAR(created);
+    return created;
 }

@@ -61,10 +61,10 @@ static inline void store_lanes(void *row, int64_t at, __mmask16 m, __m512 value,
    so whether they fetch ahead depends on the CPU (`one_row_ahead`, cpukernels.c). */
 #define AHEAD_ROWS 4
 
-/* row . x over k_len bf16 pairs, summed in float32 by the CPU's bf16 dot product. Four sums
-   hide the instruction's latency. */
 extern int64_t one_row_ahead; /* 0 or AHEAD_ROWS: by the CPU (cpukernels.c) */
 
+/* row . x over k_len bf16 pairs, summed in float32 by the CPU's bf16 dot product. Four sums
+   hide the instruction's latency. */
 static inline float dot_bf16(const uint16_t *row, const uint16_t *x, int64_t k_len) {
     const int64_t full = k_len / 128 * 128, part = k_len / 32 * 32;
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};

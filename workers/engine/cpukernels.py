@@ -62,7 +62,6 @@ NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # The kernels, C with CPython entry points: one module of these sources and the header they share.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpukernels.c", "smallstep.c", "amx.c"))
 HEADER = Path(__file__).with_suffix(".h")
-AHEAD_ROWS = 4  # cpukernels.h's: how far ahead a product fetches its weights, where it does
 KEPT = Path.home() / ".cache" / "preheat" / "kernels"  # built kernels, each beside its digest
 
 _BUILD_LOCK = threading.Lock()
