@@ -115,8 +115,16 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
         def consume(model: str) -> None:
             soon(consumer.add_task_queue, infer_queue(model))
 
+        def pulse_now() -> None:  # the router sees a change of what is served now, not a beat later
+            if self.heartbeat is not None:
+                self.heartbeat.pulse_now()
+
         def stop_consuming(model: str) -> None:  # asleep: its requests wait for a worker awake
-            soon(consumer.cancel_task_queue, infer_queue(model))
+            def on_consumer_thread() -> None:
+                consumer.cancel_task_queue(infer_queue(model))
+                pulse_now()  # else a routed request lands on its own queue, woken unrecorded
+
+            soon(on_consumer_thread)
 
         def serve_once_warm(model: str) -> None:
             # The scheduler's thread, which runs every forward pass, pays its own first-call
@@ -125,8 +133,7 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
                 runtime.exercise(model)
                 consumer.add_task_queue(infer_queue(model))
                 runtime.taking_requests(model)  # /health/ready turns 200 now, not before
-                if self.heartbeat is not None:  # the router sends to it from now, not a beat later
-                    self.heartbeat.pulse_now()
+                pulse_now()
 
             soon(on_serving_thread)
 

@@ -70,6 +70,8 @@ def test_a_routed_conversation_and_an_on_demand_wake_answer_as_transformers(
     health = f"{processes.health_url(real_worker)}/health/ready"
     assert httpx.get(health).json()["reasons"] == ["model smollm2: asleep (level 1)"]
     woken = send_infer(stack_app, {"model": "smollm2", "messages": turn_one, "max_tokens": 20, "temperature": 0})
+    # Not to the worker that holds the prefix: its pulse said at once that it serves it no more.
+    assert woken.route.worker is None, woken.route.reason
     assert woken.get(timeout=180)["choices"][0]["message"]["content"] == text  # woken on demand, same answer
 
     def demand_wake():  # the wake's record may land a moment after its answer: read until it has
