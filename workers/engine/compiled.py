@@ -157,7 +157,9 @@ class CompiledSteps:
         if self.small_step is None or not self.small_step.covers(segments):
             return False
         plain = adapters is None or all(adapter is None for adapter in adapters)
-        return plain or (self.stack is not None and self.stack.targets.dtype is torch.bfloat16)
+        return plain or (
+            self.small_step.adapts and self.stack is not None and self.stack.targets.dtype is torch.bfloat16
+        )
 
     def _run(self, kv: RaggedKV, segments: list[Segment], adapters=None, stack: Stacked | None = None, small=True):
         if small and self._small(segments, adapters):

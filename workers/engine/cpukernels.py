@@ -48,6 +48,7 @@ import subprocess
 import sysconfig
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,39 +57,56 @@ from preheat.workers.engine.device import cpu_flags
 
 log = logging.getLogger(__name__)
 
-# What the kernels' instructions need of the CPU (AVX512-BF16 and the AVX-512 it extends).
-NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
-# The kernels, C with CPython entry points: one module of these sources and the header they share.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpukernels.c", "smallstep.c", "amx.c"))
-HEADER = Path(__file__).with_suffix(".h")
+@dataclass(frozen=True)
+class Kit:
+    """One module of kernels: its C sources, what its instructions need of the CPU, the flags
+    that let the compiler emit them."""
+
+    module: str  # the module's name (its PyInit_<module>)
+    sources: tuple[Path, ...]
+    needs: tuple[str, ...]
+    isa: tuple[str, ...]
+
+
+_HERE = Path(__file__).parent
+# The bfloat16 kernels (AVX512-BF16 and the AVX-512 it extends; AMX where granted), and the
+# float32 small step (smallstep_f32.c) for a CPU without fast bfloat16: AVX2 and FMA.
+BF16 = Kit(
+    "preheat_cpukernels",
+    tuple(_HERE / name for name in ("cpukernels.c", "smallstep.c", "amx.c")),
+    ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+)
+F32 = Kit("preheat_cpukernels_f32", (_HERE / "smallstep_f32.c",), ("avx2", "fma"), ("-mavx2", "-mfma"))
+HEADERS = (_HERE / "cpukernels.h", _HERE / "smallstep.h")  # what the sources include: in every kit's key
 KEPT = Path.home() / ".cache" / "preheat" / "kernels"  # built kernels, each beside its digest
 
 _BUILD_LOCK = threading.Lock()
-_BUILT: list[tuple[object | None, str | None]] = []
+_BUILT: dict[Kit, tuple[object | None, str | None]] = {}
 
 
-def why_not_built() -> str | None:
-    """Why this machine cannot run the kernels, or None when it can (they are then built)."""
-    return _built()[1]
+def why_not_built(kit: Kit = BF16) -> str | None:
+    """Why this machine cannot run `kit`'s kernels, or None when it can (they are then built)."""
+    return _built(kit)[1]
 
 
-def available() -> bool:
-    return _built()[0] is not None
+def available(kit: Kit = BF16) -> bool:
+    return _built(kit)[0] is not None
 
 
-def _built() -> tuple[object | None, str | None]:
-    """(the kernels' module, None) or (None, why not): built once a process, by the first call (two
+def _built(kit: Kit = BF16) -> tuple[object | None, str | None]:
+    """(the kit's module, None) or (None, why not): built once a process, by the first call (two
     threads' first calls build it once; later calls, a step's, take no lock)."""
-    if not _BUILT:
+    if (built := _BUILT.get(kit)) is None:
         with _BUILD_LOCK:
-            if not _BUILT:
-                _BUILT.append(_build())
-    return _BUILT[0]
+            if (built := _BUILT.get(kit)) is None:
+                built = _BUILT[kit] = _build(kit)
+    return built
 
 
-def _build() -> tuple[object | None, str | None]:
-    if missing := [flag for flag in NEEDS if flag not in cpu_flags()]:
+def _build(kit: Kit = BF16) -> tuple[object | None, str | None]:
+    if missing := [flag for flag in kit.needs if flag not in cpu_flags()]:
         return None, f"the CPU lacks {', '.join(missing)}"
     compiler = next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None)
     if compiler is None:
@@ -96,28 +114,28 @@ def _build() -> tuple[object | None, str | None]:
     headers = Path(sysconfig.get_paths()["include"])
     if not (headers / "Python.h").is_file():
         return None, f"no Python headers in {headers} (apt-get install python3-dev)"
-    isa = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-    flags = ["-O3", *isa, "-fopenmp", "-shared", "-fPIC", f"-I{headers}"]
+    flags = ["-O3", *kit.isa, "-fopenmp", "-shared", "-fPIC", f"-I{headers}"]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    texts = [path.read_text() for path in (*SOURCES, HEADER)]
+    texts = [path.read_text() for path in (*kit.sources, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, compiler, version, *flags, suffix]).encode()).hexdigest()[:32]
     built = _kept(key, suffix)
     if built is None:
         folder = Path(tempfile.mkdtemp(prefix="preheat-cpukernels-"))
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        built = folder / f"preheat_cpukernels{suffix}"
-        argv = [compiler, *flags, *map(str, SOURCES), "-o", built.name]
+        built = folder / f"{kit.module}{suffix}"
+        argv = [compiler, *flags, *map(str, kit.sources), "-o", built.name]
         done = subprocess.run(argv, cwd=folder, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no output"])[0]
             return None, f"the kernels did not build ({compiler}: {first})"
         _keep(built, key, suffix)
     # torch is loaded, so the module's libgomp is torch's: one OpenMP runtime in the process.
-    spec = importlib.util.spec_from_file_location("preheat_cpukernels", built)
+    spec = importlib.util.spec_from_file_location(kit.module, built)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    log.info("bf16 kernels: one-row products fetch %d rows ahead on this CPU", module.ahead_rows())
+    if kit is BF16:
+        log.info("bf16 kernels: one-row products fetch %d rows ahead on this CPU", module.ahead_rows())
     return module, None
 
 
@@ -304,12 +322,18 @@ def lora_add(
     return out
 
 
-def small_step(*args) -> None:
-    """A Llama-family decoder's small step (`smallstep.c`): what preheat.workers.engine.smallstep
+def small_step_kit(dtype: torch.dtype) -> Kit | None:
+    """The kit whose small step computes a model of `dtype`: `smallstep.c` for bfloat16,
+    `smallstep_f32.c` for float32; None for another dtype."""
+    return {torch.bfloat16: BF16, torch.float32: F32}.get(dtype)
+
+
+def small_step(kit: Kit, *args) -> None:
+    """A Llama-family decoder's small step (`kit`'s): what preheat.workers.engine.smallstep
     passes, its addresses proven there, its sizes, ids and places in C."""
-    kernels = _built()[0]
+    kernels = _built(kit)[0]
     if kernels is None:
-        raise RuntimeError(f"the small step's kernel does not run here: {why_not_built()}")
+        raise RuntimeError(f"the small step's kernel does not run here: {why_not_built(kit)}")
     kernels.small_step(*args)
 
 

@@ -4,8 +4,8 @@
    the output head for each row's last token, in one OpenMP parallel region whose phases meet at
    barriers, the GIL released. Each weight row is read once for all the tokens. Each op rounds
    to bf16 where transformers' eager bf16 op does (a product, a sum, a norm, a rotation). */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "smallstep.h"
+
 #include <omp.h>
 #include <stdlib.h>
 
@@ -14,12 +14,6 @@
 #define MOST_TOKENS 16      /* dot products: past it, oneDNN's products are as fast (compute bounds them) */
 #define MOST_TILE_TOKENS 64 /* AMX tiles (amx.c): four groups of 16 tokens against a block of rows */
 #define GROUP DOT_TOKENS /* the tokens of a tile: two weight rows by GROUP tokens, 2 * GROUP sums in registers */
-
-enum { NORM_IN, Q, K, V, O, NORM_POST, GATE, UP, DOWN, KEYS, VALUES, TABLE_WIDTH };
-
-typedef struct {
-    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, slots, capacity;
-} Sizes;
 
 /* Two rows' sums over the step's `padded` tokens (1, 4, or a multiple of GROUP: x's rows past
    the step's tokens are zeros) into sums[0] and sums[1]. One token: each row's own four-sum
@@ -387,81 +381,29 @@ done:
     return status;
 }
 
-/* small_step(table, embed, final_norm, head, inv_freq, logits, ids, where, tokens, keep, kept, layers, hidden,
-   heads, kv_heads, head_dim, intermediate, vocab, slots, capacity, eps, scale, rope_scaling, stacks, width,
-   columns, tiles): `stacks` [KINDS][2] the adapters' A and B (0: a kind none adapts), `columns` [tokens][2] (0: no
-   adapters). The sizes, ids, places, kept tokens and adapters' columns checked here, by value, since the
-   kernel reads and writes where the addresses point. */
+static int most_tokens(int tiles) { return tiles ? MOST_TILE_TOKENS : MOST_TOKENS; }
+
+/* small_step(...) as smallstep.h reads it: `stacks` [KINDS][2] the adapters' A and B (0: a kind
+   none adapts), `columns` [tokens][2] (0: no adapters); `tiles` proven granted and fitting here. */
 PyObject *small_step_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 27) {
-        PyErr_SetString(PyExc_TypeError, "small_step takes 27 arguments");
-        return NULL;
-    }
-    void *pointers[11];
-    long long v[12];
-    const int pointer_at[11] = {0, 1, 2, 3, 4, 5, 6, 7, 9, 23, 25};
-    const int size_at[12] = {8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 24};
-    for (int i = 0; i < 11; i++) pointers[i] = PyLong_AsVoidPtr(args[pointer_at[i]]);
-    for (int i = 0; i < 12; i++) v[i] = PyLong_AsLongLong(args[size_at[i]]);
-    const double eps = PyFloat_AsDouble(args[20]), scale = PyFloat_AsDouble(args[21]);
-    const double rope_scaling = PyFloat_AsDouble(args[22]);
-    const int tiles = PyObject_IsTrue(args[26]);
-    if (PyErr_Occurred()) return NULL;
-    const long long tokens = v[0], kept = v[1], width = v[11];
-    const Sizes z = {v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10]};
-    const int64_t *ids = pointers[6], (*where)[3] = pointers[7], *keep = pointers[8];
-    const int64_t (*stacks)[2] = pointers[9], (*columns)[2] = pointers[10];
-    if (z.layers < 1 || z.hidden < 1 || z.heads < 1 || z.kv_heads < 1 || z.heads % z.kv_heads || z.head_dim % 32 ||
-        z.head_dim < 32 || z.head_dim > 256 || z.intermediate < 1 || z.vocab < 1) {
-        PyErr_SetString(PyExc_ValueError, "small_step: heads, head size or layer sizes it does not compute");
-        return NULL;
-    }
+    StepArgs a;
+    if (step_arguments("small_step", args, nargs, most_tokens, &a) != 0) return NULL;
+    const Sizes z = a.z;
     /* tiles: 16 rows of a product a tile, 32 of its inputs a step (amx.c) */
     const int64_t q_rows = z.heads * z.head_dim, kv_rows = z.kv_heads * z.head_dim;
-    if (tiles && !(amx_ready() && z.hidden % 32 == 0 && q_rows % 32 == 0 && z.intermediate % 32 == 0 &&
-                   kv_rows % 16 == 0)) {
+    if (a.tiles && !(amx_ready() && z.hidden % 32 == 0 && q_rows % 32 == 0 && z.intermediate % 32 == 0 &&
+                     kv_rows % 16 == 0)) {
         PyErr_SetString(PyExc_ValueError, "small_step: tiles asked for, but AMX is not granted here or the sizes "
                         "are not multiples of 32 inputs and 16 rows");
         return NULL;
     }
-    const int most = tiles ? MOST_TILE_TOKENS : MOST_TOKENS;
-    if (tokens < 1 || tokens > most || kept < 1 || kept > tokens) {
-        PyErr_Format(PyExc_ValueError, "small_step: %lld tokens (1 to %d), %lld of them kept", tokens, most, kept);
-        return NULL;
-    }
-    for (long long t = 0; t < tokens; t++) {
-        const int64_t slot = where[t][0], column = where[t][1], position = where[t][2];
-        if (ids[t] < 0 || ids[t] >= z.vocab || slot < 0 || slot >= z.slots || column < 0 || column >= z.capacity ||
-            position < 0) {
-            PyErr_Format(PyExc_ValueError, "small_step: token %lld (id %lld, slot %lld, column %lld, position %lld) "
-                         "is outside the vocabulary's %lld ids, the %lld slots or the %lld columns", t,
-                         (long long)ids[t], (long long)slot, (long long)column, (long long)position,
-                         (long long)z.vocab, (long long)z.slots, (long long)z.capacity);
-            return NULL;
-        }
-    }
-    for (long long k = 0; k < kept; k++)
-        if (keep[k] < 0 || keep[k] >= tokens) {
-            PyErr_Format(PyExc_ValueError, "small_step: kept token %lld is not one of the %lld", (long long)keep[k],
-                         tokens);
-            return NULL;
-        }
-    Lora lora = {.columns = columns, .width = width, .most_rank = 0};
-    for (long long t = 0; columns && t < tokens; t++) {
-        const int64_t first = columns[t][0], rank = columns[t][1];
-        if (first < 0 || rank < 0 || first + rank > width) {
-            PyErr_Format(PyExc_ValueError, "small_step: token %lld's adapter columns (%lld from %lld) are outside the "
-                         "stacks' %lld", t, (long long)rank, (long long)first, (long long)width);
-            return NULL;
-        }
-        lora.most_rank = rank > lora.most_rank ? rank : lora.most_rank;
-    }
-    for (int k = 0; columns && k < KINDS; k++)
-        lora.a[k] = (const uint16_t *)stacks[k][0], lora.b[k] = stacks[k][0] ? (const uint16_t *)stacks[k][1] : NULL;
+    Lora lora = {.columns = a.columns, .width = a.width, .most_rank = a.most_rank};
+    for (int k = 0; a.columns && k < KINDS; k++)
+        lora.a[k] = (const uint16_t *)a.stacks[k][0], lora.b[k] = a.stacks[k][0] ? (const uint16_t *)a.stacks[k][1] : NULL;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = small_step(pointers[0], pointers[1], pointers[2], pointers[3], pointers[4], pointers[5], ids, where,
-                        tokens, keep, kept, z, (float)eps, (float)scale, (float)rope_scaling, &lora, tiles);
+    status = small_step(a.table, a.embed, a.final_norm, a.head, a.inv_freq, a.logits, a.ids, a.where, a.tokens,
+                        a.keep, a.kept, z, a.eps, a.scale, a.rope_scaling, &lora, a.tiles);
     Py_END_ALLOW_THREADS
     if (status != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;

@@ -2,7 +2,9 @@
 token, the short rest of a prompt that a cached prefix leaves, a few users decoding together,
 or these at once) through every layer of a Llama-family model, its final norm and its output
 head for each row's last token (C: `smallstep.c` and `amx.c`, built with preheat's other CPU
-kernels, preheat.workers.engine.cpukernels), in bfloat16 where the CPU has AVX512-BF16.
+kernels, preheat.workers.engine.cpukernels), in bfloat16 where the CPU has AVX512-BF16; in
+float32 where it has AVX2 and FMA (`smallstep_f32.c`: a host without fast bfloat16, where
+`PREHEAT_DTYPE=auto` is float32).
 
 **Why our own code for this step.** A single user's decode step reads every weight once for
 one token: its floor is the weights' bytes over the memory's bandwidth (10.1 ms for the real
@@ -29,8 +31,10 @@ op rounds (the norms, the rotation, each product, the residual sums), so its tok
 eager transformers' up to the order of float32 sums (tests/workers/engine/test_smallstep.py).
 It runs only where it was proven to be the model it computes: a Llama or Mistral decoder
 (their layer classes), SiLU, no bias, no sliding window, a rotary embedding of fixed
-frequencies, every weight bf16 of the expected shape. Anything else (float32, adapters' stacks
-not in bf16, more tokens, another architecture) runs the compiled graph, and
+frequencies, every weight bf16 of the expected shape. In float32 every op is transformers'
+float32 op (nothing to round), its tokens transformers' up to the order of the sums, and it
+takes no adapters. Anything else (another dtype, adapters' stacks not in bf16, more tokens,
+another architecture) runs the compiled graph, and
 `SmallStepKernel.of` says why.
 """
 
@@ -67,6 +71,8 @@ class SmallStepKernel:
 
     def __init__(self, model, weights: list[list[torch.Tensor]], sizes: dict, eps: float, scale: float) -> None:
         inner = model.model
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.kit = cpukernels.small_step_kit(self.dtype)
         self.embed, self.norm, self.head = inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight
         self.inv_freq = inner.rotary_emb.inv_freq.detach().float().contiguous()
         self.rope_scaling = float(inner.rotary_emb.attention_scaling)
@@ -78,17 +84,18 @@ class SmallStepKernel:
         # Each weight's kind as the adapters' stacks name it ("model.layers.*.self_attn.q_proj").
         first = next(name for name, module in model.named_modules() if module is inner.layers[0])
         self.kinds = [f"{first.rsplit('.', 1)[0]}.*.{path}" for path in WEIGHTS]
-        self._like = torch.empty((1, sizes["kv_heads"], 1, sizes["head_dim"]), dtype=torch.bfloat16)
+        self._like = torch.empty((1, sizes["kv_heads"], 1, sizes["head_dim"]), dtype=self.dtype)
         # Its products on AMX tiles where the CPU has them and the sizes fit (amx.c); else one
-        # AVX-512 bf16 dot product a row, token and 32 inputs.
-        self.tiles = cpukernels.amx_ready() and tiles_fit(sizes)
+        # AVX-512 bf16 dot product a row, token and 32 inputs (float32: AVX2's, 8 inputs).
+        self.tiles = self.dtype is torch.bfloat16 and cpukernels.amx_ready() and tiles_fit(sizes)
 
     @classmethod
     def of(cls, model) -> tuple[SmallStepKernel | None, str | None]:
         """The kernel of `model`, or (None, why it does not compute it)."""
-        if not cpukernels.available():
-            return None, f"preheat's CPU kernels do not run here ({cpukernels.why_not_built()})"
         config, inner = model.config, getattr(model, "model", None)
+        dtype = getattr(getattr(inner, "embed_tokens", None), "weight", torch.empty(0)).dtype
+        if (kit := cpukernels.small_step_kit(dtype)) is None:
+            return None, f"a {dtype} model (the kernels compute bfloat16 or float32)"
         layers = list(getattr(inner, "layers", []))
         if not layers or any(type(layer).__name__ not in LAYERS for layer in layers):
             return None, f"{config.model_type} layers are not a Llama-family decoder's"
@@ -114,17 +121,24 @@ class SmallStepKernel:
         eps = {float(layer.get_submodule(path).variance_epsilon) for layer in layers for path in WEIGHTS[::5]}
         scale = {float(layer.self_attn.scaling) for layer in layers}
         ends = [inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight]
-        if not all(_bf16(t, shape) for tensors in weights for t, shape in zip(tensors, shapes, strict=True)) or not all(
-            _bf16(t, shape) for t, shape in zip(ends, [(vocab, hidden), (hidden,), (vocab, hidden)], strict=True)
+        if not all(_held(t, shape, dtype) for ts in weights for t, shape in zip(ts, shapes, strict=True)) or not all(
+            _held(t, shape, dtype) for t, shape in zip(ends, [(vocab, hidden), (hidden,), (vocab, hidden)], strict=True)
         ):
-            return None, "weights that are not bf16, contiguous and of the config's shapes"
+            return None, f"weights that are not all {dtype}, contiguous and of the config's shapes"
         if len(eps) != 1 or len(scale) != 1 or float(inner.norm.variance_epsilon) not in eps:
             return None, "norms or attention scales that differ from layer to layer"
         if inner.rotary_emb.inv_freq.shape != (dim // 2,):
             return None, "a rotary embedding over part of the head"
+        if not cpukernels.available(kit):
+            return None, f"preheat's {kit.module} kernels do not run here ({cpukernels.why_not_built(kit)})"
         sizes = {"layers": len(layers), "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": dim}
         sizes |= {"intermediate": inter, "vocab": vocab}
         return cls(model, weights, sizes, eps.pop(), scale.pop()), None
+
+    @property
+    def adapts(self) -> bool:
+        """Whether it computes rows under LoRA adapters (bf16 stacks): the bf16 kernel does."""
+        return self.dtype is torch.bfloat16
 
     @property
     def most_tokens(self) -> int:
@@ -137,7 +151,7 @@ class SmallStepKernel:
         return sum(len(segment.ids) for segment in segments) <= self.most_tokens
 
     def __call__(self, kv: RaggedKV, segments: list[Segment], adapters=None) -> torch.Tensor:
-        """The logits after each segment's last id, [segments, vocab] bf16; their keys and
+        """The logits after each segment's last id, [segments, vocab] in the model's dtype; their keys and
         values written into their slots (the step's layout set on `kv`, as a step's pass sets it).
         `adapters`: (the step's stacks, each token's columns) where its rows have LoRA adapters
         (preheat.workers.engine.lorastack), each token's added to every product it adapts."""
@@ -147,16 +161,16 @@ class SmallStepKernel:
         held = [tensor for pair in kv.buffers for tensor in pair]
         if len(held) != len(self._buffers) or any(a is not b for a, b in zip(held, self._buffers, strict=True)):
             shape = (*kv.capacity[:1], self.sizes["kv_heads"], kv.capacity[1], self.sizes["head_dim"])
-            if not all(_bf16(tensor, shape) for tensor in held):
-                raise ValueError(f"the small step takes bf16 KV buffers of {shape}, got {_described(held)}")
+            if not all(_held(tensor, shape, self.dtype) for tensor in held):
+                raise ValueError(f"the small step takes {self.dtype} KV buffers of {shape}, got {_described(held)}")
             self.table[:, len(WEIGHTS) :] = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in kv.buffers])
             self._buffers = held
-        logits = torch.empty((len(keep), self.sizes["vocab"]), dtype=torch.bfloat16)
+        logits = torch.empty((len(keep), self.sizes["vocab"]), dtype=self.dtype)
         ids = torch.tensor([i for segment in segments for i in segment.ids], dtype=torch.int64)
         where, keep = torch.tensor(where, dtype=torch.int64), torch.tensor(keep, dtype=torch.int64)
         z, (slots, capacity) = self.sizes, kv.capacity
         cpukernels.small_step(
-            self.table.data_ptr(), self.embed.data_ptr(), self.norm.data_ptr(), self.head.data_ptr(),
+            self.kit, self.table.data_ptr(), self.embed.data_ptr(), self.norm.data_ptr(), self.head.data_ptr(),
             self.inv_freq.data_ptr(), logits.data_ptr(), ids.data_ptr(), where.data_ptr(), ids.shape[0],
             keep.data_ptr(), keep.shape[0], z["layers"], z["hidden"], z["heads"], z["kv_heads"], z["head_dim"],
             z["intermediate"], z["vocab"], slots, capacity, self.eps, self.scale, self.rope_scaling,
@@ -169,6 +183,8 @@ class SmallStepKernel:
         """The step's stacks as smallstep.c reads them: [kinds, 2] addresses of each adapted
         kind's A and B (0 where none adapts it), their width, the columns (a row for each of
         the step's `tokens`: the kernel reads that many); each proven first."""
+        if not self.adapts:
+            raise ValueError(f"the small step computes no adapters on a {self.dtype} model")
         width, layers = None, self.sizes["layers"]
         stacks = torch.zeros((len(ADAPTED), 2), dtype=torch.int64)
         for k, index in enumerate(ADAPTED):
@@ -178,7 +194,9 @@ class SmallStepKernel:
             a, b = stacked.a[kind], stacked.b[kind]
             out, inner = self.weights[0][index].shape
             width = a.shape[1] if width is None else width
-            if not (_bf16(a, (layers, width, inner)) and _bf16(b, (layers, width, out))):
+            if not (
+                _held(a, (layers, width, inner), torch.bfloat16) and _held(b, (layers, width, out), torch.bfloat16)
+            ):
                 raise ValueError(
                     f"the small step takes bf16 stacks of {kind} like its weights, got {_described([a, b])}"
                 )
@@ -196,8 +214,9 @@ def tiles_fit(sizes: dict) -> bool:
     return all(n % 32 == 0 for n in inputs) and (sizes["kv_heads"] * sizes["head_dim"]) % 16 == 0
 
 
-def _bf16(tensor: torch.Tensor, shape: tuple) -> bool:
-    return tensor.dtype is torch.bfloat16 and tensor.is_cpu and tensor.is_contiguous() and tuple(tensor.shape) == shape
+def _held(tensor: torch.Tensor, shape: tuple, dtype: torch.dtype) -> bool:
+    """Whether `tensor` is what the kernel reads by its address: `dtype`, on the CPU, contiguous, `shape`."""
+    return tensor.dtype is dtype and tensor.is_cpu and tensor.is_contiguous() and tuple(tensor.shape) == shape
 
 
 def _described(tensors: list[torch.Tensor]) -> str:

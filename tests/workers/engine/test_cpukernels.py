@@ -76,7 +76,7 @@ def test_a_weight_that_is_a_view_is_read_as_its_values():
 
 
 def test_where_the_kernel_cannot_be_built_torch_computes_the_same_products(monkeypatch, caplog):
-    monkeypatch.setattr(cpukernels, "_built", lambda: (None, "the CPU lacks avx512_bf16"))
+    monkeypatch.setattr(cpukernels, "_built", lambda kit=None: (None, "the CPU lacks avx512_bf16"))
     weight, x = torch.randn(19, 70).to(torch.bfloat16), torch.randn(1, 1, 70).to(torch.bfloat16)
     with caplog.at_level("WARNING"):
         got = torch.ops.preheat.matvec_bf16(x, weight)
@@ -85,7 +85,7 @@ def test_where_the_kernel_cannot_be_built_torch_computes_the_same_products(monke
 
 
 def test_without_pythons_headers_the_kernel_is_not_built_and_says_why(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpukernels, "cpu_flags", lambda: set(cpukernels.NEEDS))
+    monkeypatch.setattr(cpukernels, "cpu_flags", lambda: set(cpukernels.BF16.needs))
     monkeypatch.setattr(cpukernels.shutil, "which", lambda name: f"/usr/bin/{name}")
     monkeypatch.setattr(cpukernels.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
     assert cpukernels._build() == (None, f"no Python headers in {tmp_path} (apt-get install python3-dev)")
@@ -223,7 +223,7 @@ def test_each_token_gets_its_own_adapters_products_and_no_others(dtype, stacks, 
 
 
 def test_where_the_kernel_cannot_be_built_torch_adds_the_same_adapters(monkeypatch, caplog):
-    monkeypatch.setattr(cpukernels, "_built", lambda: (None, "the CPU lacks avx512_bf16"))
+    monkeypatch.setattr(cpukernels, "_built", lambda kit=None: (None, "the CPU lacks avx512_bf16"))
     x, y = torch.randn(1, 3, 40), torch.randn(1, 3, 24)
     a, b, columns = torch.randn(6, 40), torch.randn(6, 24), torch.tensor([[0, 2], [2, 4], [0, 0]])
     with caplog.at_level("WARNING"):
