@@ -294,6 +294,10 @@ def test_the_float32_kernel_refuses_what_it_does_not_hold_before_anything_is_wri
         kernel(kv, [Segment(slot, 1, (5,) * (MOST_TOKENS + 1))])
     with pytest.raises(ValueError, match=r"computes no adapters on a torch\.float32 model"):
         kernel(kv, [Segment(slot, 1, (5,))], (None, torch.zeros((1, 2), dtype=torch.int64)))
+    kernel.tiles = True  # asked of C all the same: refused there by name
+    with pytest.raises(ValueError, match="small_step_f32: computes no adapters and runs on no tiles"):
+        kernel(kv, [Segment(slot, 1, (5,))])
+    kernel.tiles = False
     assert torch.equal(kv.buffers[0][0][slot, :, 1:], keys)
     kv.buffers[0][0] = kv.buffers[0][0].to(torch.bfloat16)  # a layer's keys of another dtype
     with pytest.raises(ValueError, match=r"torch\.float32 KV buffers"):
