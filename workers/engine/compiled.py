@@ -125,6 +125,7 @@ class CompiledSteps:
         # preheat's (_CompiledLinear), which apply them. Elsewhere such steps run eager.
         self.stack = AdapterStack(Targets.of(model), device) if adapters and device.type == "cpu" else None
         self._replaced: list = []
+        self._packing_ms = 0.0  # the packing's time so far, while idle (`pack_next`)
         self._forward = _Forward(model, device)
         self._graphs: dict[str, object] = {}
         self.made = {"compiled": 0, "loaded": 0}  # graphs, by how each was made
@@ -339,17 +340,35 @@ class CompiledSteps:
         """A level-1 sleep: the packed copies of the weights freed, the modules (and so the
         graphs, whose guards name them) kept in this process for `resume`."""
         self.ready = False
-        for parent, name, _ in self._replaced:
-            getattr(parent, name).release()
+        for layer in self._layers():
+            layer.unpack()
 
-    def resume(self) -> float:
-        """After a level-1 wake: the weights packed again, the same graphs run at once (no
-        compile, no restore); returns the milliseconds it took."""
-        started = time.perf_counter()
-        for parent, name, _ in self._replaced:
-            getattr(parent, name).repack()
+    def resume(self) -> None:
+        """After a level-1 wake: the same graphs run at once (no compile, no restore), the
+        weights packed again while idle (`pack_next`)."""
         self.ready = True
-        return (time.perf_counter() - started) * 1000
+
+    def pack_next(self) -> bool:
+        """One linear layer's weight packed for oneDNN, the next not packed yet (linears.py:
+        until then its products run on the weight); whether any is left. The scheduler calls it
+        while no request waits or runs, one layer at a time: a request that comes meanwhile
+        waits for one layer's packing (a few ms; the output head's tens), not for all of them."""
+        unpacked = [layer for layer in self._layers() if layer.packed is None]
+        if unpacked:
+            started = time.perf_counter()
+            unpacked[0].pack()
+            self._packing_ms += (time.perf_counter() - started) * 1000
+            if len(unpacked) == 1:
+                log.info("model %s: weights packed for oneDNN in %.0f ms, while idle", self.name, self._packing_ms)
+                self._packing_ms = 0.0
+        return len(unpacked) > 1
+
+    def unpacked(self) -> int:
+        """How many linear layers' weights are not packed yet."""
+        return sum(layer.packed is None for layer in self._layers())
+
+    def _layers(self) -> list:
+        return [getattr(parent, name) for parent, name, _ in self._replaced]
 
 
 def error_line(exc: Exception) -> str:

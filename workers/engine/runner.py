@@ -99,7 +99,8 @@ class ModelRunner:
         eager, and the report says why (logged once)."""
         if self.compiled is not None:
             if not self.compiled.ready:  # a level-1 sleep kept the graphs
-                self.compile_report = CompileReport("kept", self.compiled.resume() + self._capture(self.limits))
+                self.compiled.resume()
+                self.compile_report = CompileReport("kept", self._capture(self.limits))
                 log.info(
                     "model %s: steps kept through the sleep, ready again in %.0f ms",
                     self.name,
@@ -197,6 +198,11 @@ class ModelRunner:
         step that needs it does not pay for it."""
         if self.compiled is not None and self.compiled.stack is not None:
             self.compiled.stack.admit(adapter)
+
+    def idle_work(self):
+        """What this model's steps want done while no request waits or runs, one piece a call
+        (a callable returning whether more is left), or None: its weights packed for oneDNN."""
+        return self.compiled.pack_next if self.compiled is not None and self.compiled.unpacked() else None
 
     def suspend(self) -> None:
         """A level-1 sleep: the packed weights freed, the graphs kept (`compile` resumes them);

@@ -5,8 +5,8 @@ Everything that runs a model goes through it: requests (``submit``), a template'
 Callers (HTTP handlers, Celery pool threads) hand it work and read a request's
 ``TextStream``. Each iteration of its loop:
 
-1. runs one queued *call* (a pre-fill): work that is not a request is scheduled with the
-   traffic, one piece per iteration, so decoding goes on between the pieces;
+1. runs one queued *call* (a pre-fill) or, with no request, a piece of *idle work*
+   (preheat.workers.engine.sidework), so decoding goes on between the pieces;
 2. admits waiting requests while their model's running rows, with theirs, fit the KV
    budget (``BatchLimits.running_kv_bytes``: each row as long as its prompt and
    ``max_tokens``) and the step's prompt-token budget lasts: each starts from a clone of the
@@ -36,7 +36,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -48,23 +47,16 @@ from preheat.workers.engine.prefixes import Prefilled, Prefixes, Start
 from preheat.workers.engine.raggedkv import batchable
 from preheat.workers.engine.request import Request, RequestStatus, TextStream
 from preheat.workers.engine.resident import ResidentModel, check_context
+from preheat.workers.engine.sidework import Call, IdleWork
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class _Call:
-    work: Callable[[], object]
-    finished: threading.Event = field(default_factory=threading.Event)
-    result: object = None
-    error: BaseException | None = None
 
 
 class Scheduler:
     def __init__(self, prefixes: Prefixes, limits: BatchLimits = BatchLimits()) -> None:
         self.prefixes, self.limits = prefixes, limits
         self._waiting: deque[Request] = deque()
-        self._calls: deque[_Call] = deque()
+        self._calls: deque[Call] = deque()
         self._batches: dict[str, Batch] = {}
         self.outcomes = Outcomes(prefixes)  # each token, end and failure of a running request
         self._lone = LoneRequests(self.outcomes)
@@ -72,6 +64,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._asleep: set[str] = set()  # parked models: no request is taken for them
+        self._idle = IdleWork()
         self._admitted = 0  # requests given a row so far: each row's order
 
     # What callers use -----------------------------------------------------------------
@@ -100,8 +93,12 @@ class Scheduler:
         return self._call(work, *args, **kwargs)
 
     def compile(self, runner, mode: str, store, model_digest: str, adapters: bool = False):
-        """`runner.compile` on the scheduler's thread, its CUDA decode graphs sized by these limits."""
-        return self._call(runner.compile, mode, store, model_digest, adapters, self.limits)
+        """`runner.compile` on the scheduler's thread (CUDA graphs sized by these limits), then its idle work."""
+        report = self._call(runner.compile, mode, store, model_digest, adapters, self.limits)
+        with self._wakeup:
+            self._idle.add(runner)
+            self._wakeup.notify()
+        return report
 
     def park(self, model: str, drain_s: float) -> int:
         """Take no more requests for `model` once those it runs and queues have finished
@@ -120,6 +117,7 @@ class Scheduler:
             if busy:
                 return busy
             self._asleep.add(model)
+            self._idle.drop(model)
             self._batches.pop(model, None)  # an empty batch still holds its grown buffers
             return None
 
@@ -158,7 +156,7 @@ class Scheduler:
         """Run `work` on the scheduler's thread between two steps, and return what it returns."""
         if threading.current_thread() is self._thread:
             return work(*args, **kwargs)
-        job = _Call(lambda: work(*args, **kwargs))
+        job = Call(lambda: work(*args, **kwargs))
         with self._wakeup:
             self._calls.append(job)
             self._start_thread()
@@ -180,11 +178,15 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._wakeup:
-                while not (self._busy() or self._stopping):
+                while not (self._busy() or self._stopping or self._idle):
                     self._wakeup.wait()
                 if self._stopping and not self._busy():
                     return
+                idle = None if self._busy() else self._idle.next_piece()
                 call = self._calls.popleft() if self._calls else None
+            if idle is not None:
+                self._idle.run_piece(*idle, self._wakeup)
+                continue
             if call is not None:
                 try:
                     call.result = call.work()

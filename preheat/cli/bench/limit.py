@@ -122,6 +122,8 @@ def main(*, shape: str, json_path: Path | None) -> None:
     dtype = fast if settings.dtype == "auto" else settings.dtype
     resident, _ = ResidentModels("cpu", dtype_preference=dtype).ensure(ModelSource(shape, str(model_dir)))
     report = resident.runner.compile(settings.compile, CompileStore(folder / "compiled"), resident.content_digest)
+    while (work := resident.runner.idle_work()) is not None:  # a worker's steady state: packed while idle
+        work()
     console.print(f"{shape} in {dtype}; steps {report.source}{f' ({report.reason})' if report.reason else ''}")
     weights = weight_bytes(resident.model)
     parameters = sum(p.numel() for p in resident.model.parameters())

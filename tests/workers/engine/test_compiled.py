@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -46,6 +47,20 @@ def released(scheduler, resident):
         resident.runner.release()
 
 
+def packed_while_idle(resident, timeout_s: float = 60.0) -> None:
+    """Wait until the scheduler has packed every linear layer's weight (sidework.IdleWork)."""
+    deadline = time.monotonic() + timeout_s
+    while resident.runner.idle_work() is not None:
+        assert time.monotonic() < deadline, "the weights were not packed while the scheduler was idle"
+        time.sleep(0.01)
+
+
+def compiled_layers(resident) -> list:
+    from preheat.workers.engine import linears
+
+    return [layer for layer in resident.model.modules() if isinstance(layer, linears._CompiledLinear)]
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_compiled_steps_give_the_eager_steps_tokens_batched_and_alone(dev_model, arch, store):
     from preheat.workers.engine.resident import ModelSource, ResidentModels
@@ -58,6 +73,7 @@ def test_compiled_steps_give_the_eager_steps_tokens_batched_and_alone(dev_model,
         together_eager = answers_together(eager, resident, requests)
         report = eager.compile(resident.runner, "auto", store, resident.content_digest)
         assert report.source in ("compiled", "restored") and report.ms > 0, report
+        packed_while_idle(resident)  # the steps' steady state: every layer's weight packed for oneDNN
         compiled_steps = []
         real_run = resident.runner.compiled._run
 
@@ -100,6 +116,34 @@ def test_a_long_step_and_sampling_run_through_the_compiled_graphs(dev_model, sto
     assert first.token_ids == again.token_ids and len(first.token_ids) > 0
 
 
+def test_a_layer_gives_the_same_tokens_before_its_weight_is_packed(dev_model, store):
+    """Packing the weights for oneDNN waits for moments with no request (sidework.IdleWork):
+    until a layer's is packed, its products run on the weight itself. A long prompt's
+    many-token steps with no weight packed give the tokens they give with every weight
+    packed, and transformers'; the scheduler packs every layer while idle."""
+    from preheat.workers.engine.chat import conversation, render
+    from preheat.workers.engine.resident import ModelSource, ResidentModels
+
+    resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(
+        ModelSource("llama", str(dev_model("llama")))
+    )
+    long_ids = render(resident, conversation(" ".join(f"Rule {n}: be kind." for n in range(60)), "Hi"))
+    scheduler = new_scheduler()
+    with released(scheduler, resident):
+        # The runner's own compile, not the scheduler's: no idle work is queued, nothing is packed.
+        assert scheduler.call(resident.runner.compile, "auto", store, resident.content_digest).source != "eager"
+        layers = compiled_layers(resident)
+        unpacked = scheduler.submit(resident, long_ids, greedy(8)).collect()
+        assert layers and all(layer.packed is None for layer in layers)
+        # Through the scheduler: the same steps (nothing compiled again), their packing queued.
+        assert scheduler.compile(resident.runner, "auto", store, resident.content_digest).source != "eager"
+        packed_while_idle(resident)
+        assert all(layer.packed is not None for layer in layers)
+        packed = scheduler.submit(resident, long_ids, greedy(8)).collect()
+        assert "many" in resident.runner.compiled._graphs and not resident.runner.compiled._refused
+    assert unpacked.token_ids == packed.token_ids == reference_generate(resident, long_ids, 8)[: len(packed.token_ids)]
+
+
 def test_a_level_one_sleep_keeps_the_graphs_and_the_wake_only_packs_the_weights(dev_model, store, monkeypatch):
     """A level-1 sleep frees the packed copies of the weights and keeps the graphs: the wake
     packs the weights again and runs the same graphs, with no compile and no restore, and
@@ -122,13 +166,15 @@ def _sleep_and_refusal(scheduler, resident, store, monkeypatch) -> None:
     request = (support_request(resident, "Where is my parcel?")[1], greedy(10))
     eager = scheduler.submit(resident, *request).collect()
     scheduler.compile(resident.runner, "auto", store, resident.content_digest)
-    ids = {layer.weight_id for layer in resident.model.modules() if isinstance(layer, linears._CompiledLinear)}
-    assert ids and ids <= set(linears._PACKED)
+    layers = compiled_layers(resident)
+    packed_while_idle(resident)
+    assert layers and all(layer.packed is not None and linears._LAYERS[layer.weight_id] is layer for layer in layers)
     scheduler.call(resident.runner.suspend)
-    assert not ids & set(linears._PACKED)  # the packed copies are given back while it sleeps
+    assert all(layer.packed is None for layer in layers)  # the packed copies are given back while it sleeps
     made = dict(resident.runner.compiled.made)
     report = scheduler.compile(resident.runner, "auto", store, resident.content_digest)
-    assert report.source == "kept" and ids <= set(linears._PACKED)
+    assert report.source == "kept"
+    packed_while_idle(resident)  # packed again while idle, not on the wake's path
     woken = scheduler.submit(resident, *request).collect()
     assert resident.runner.compiled.made == made  # no graph compiled or loaded for the wake
     assert woken.token_ids == eager.token_ids

@@ -19,7 +19,7 @@ from preheat.workers.engine.device import DeviceOutOfMemory
 from preheat.workers.engine.lone import LoneRequests
 from preheat.workers.engine.runner import ModelRunner
 from preheat.workers.engine.scheduler import BatchLimits, QueueFullError, Scheduler
-from tests.conftest import SUPPORT_PROMPT, greedy, load_resident, new_scheduler, reference_generate
+from tests.conftest import SUPPORT_PROMPT, greedy, load_resident, new_scheduler, reference_generate, support_request
 
 SYSTEM_PROMPTS = [
     SUPPORT_PROMPT,
@@ -399,3 +399,71 @@ def test_rows_are_as_many_as_their_kv_fits_in_the_budget(resident, monkeypatch):
     assert all(got.token_ids == truth[: len(got.token_ids)] for got in together)
     assert max(len(step) for step in steps) == 3
     scheduler.close()
+
+
+class EndlessIdleWork:
+    """A runner's part the scheduler sees at a compile (`compile`, `idle_work`), whose idle
+    work never ends: each piece records whether a request held a row while it ran."""
+
+    name = "endless"
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler, self.pieces, self.beside_a_request = scheduler, 0, 0
+
+    def compile(self, *args):
+        return None
+
+    def idle_work(self):
+        return self.piece
+
+    def piece(self) -> bool:
+        self.pieces += 1
+        self.beside_a_request += self.scheduler.load()["running"] > 0
+        time.sleep(0.002)
+        return True
+
+
+def test_idle_work_yields_to_every_request_and_never_holds_a_stop(dev_model):
+    """Idle work (a model's weights packed: sidework.IdleWork) runs only while no request
+    holds a row, a piece an iteration: requests meanwhile answer as transformers; a stop
+    completes with idle work still left."""
+    resident = load_resident(dev_model("llama"), name="llama")
+    scheduler = new_scheduler()
+    endless = EndlessIdleWork(scheduler)
+    scheduler.compile(endless, "off", None, "")
+    deadline = time.monotonic() + 30
+    while endless.pieces < 3:
+        assert time.monotonic() < deadline, "no idle work ran on an idle scheduler"
+        time.sleep(0.005)
+    prompt_ids = support_request(resident, "Where is my parcel?")[1]
+    answers = [scheduler.submit(resident, prompt_ids, greedy(6)) for _ in range(3)]
+    answers = [answer.collect() for answer in answers]
+    before = endless.pieces
+    while endless.pieces <= before:  # idle again: the pieces go on
+        assert time.monotonic() < deadline, "idle work did not go on after the requests"
+        time.sleep(0.005)
+    scheduler.close(timeout_s=10)
+    assert scheduler._thread is None  # the stop completed, the endless work left undone
+    assert endless.beside_a_request == 0
+    truth = reference_generate(resident, prompt_ids, 6)
+    assert all(answer.token_ids == truth[: len(answer.token_ids)] for answer in answers)
+
+
+def test_a_failing_piece_of_idle_work_is_dropped_and_logged(caplog):
+    """Idle work is speed, never an answer: a piece that raises drops its model's work, logged once."""
+    from preheat.workers.engine.sidework import IdleWork
+
+    class Broken:
+        name = "broken"
+
+        def idle_work(self):
+            return self.piece
+
+        def piece(self) -> bool:
+            raise RuntimeError("cannot allocate memory")
+
+    idle = IdleWork()
+    idle.add(Broken())
+    assert idle
+    idle.run_piece(*idle.next_piece(), threading.Lock())
+    assert not idle and "model broken: its idle work failed and is dropped" in caplog.text
