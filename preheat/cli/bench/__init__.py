@@ -65,7 +65,7 @@ def start_command(
         "auto", "--compile", help="auto: eager starts, then a cold compile and a warm compile cache; off: eager only."
     ),
     settle: float = typer.Option(
-        20.0, min=0.0, help="Seconds the machine rests after a cold compile, before the warm-cache launch."
+        20.0, min=0.0, help="Seconds the machine rests after a cold compile, before the limit and the other launches."
     ),
 ) -> None:
     """Launch a worker and time each stage to its first answer (and SIGTERM to exit), with an

@@ -35,11 +35,13 @@ STOP_TARGET_S = 1.0  # an idle worker, SIGTERM -> exit
 SHAPES = ("real", "135m", "tiny")
 STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): ")
 STEPS_LOGGED = re.compile(r"model \S+: steps (compiled|restored) in (\d+) ms")  # runner.compile's line
-# Each round's launches, (prefix store, steps): eager with an empty and then a warm prefix
-# store; with --compile auto, then a cold compile (the compile cache emptied) and a start from
-# the warm compile cache that one left, both with the warm prefix store.
-EAGER = (("empty", "eager"), ("warm", "eager"))
-COMPILED = (("warm", "cold compile"), ("warm", "warm compile cache"))
+# Each round's launches, (prefix store, steps): an eager start with an empty prefix store (it
+# fills it); with --compile auto then a cold compile (the compile cache emptied, reported beside
+# the others) and, once the machine has rested, the limit, an eager start with the warm prefix
+# store and a start from the warm compile cache the cold compile left: the two compared most
+# closely, next to the limit they are compared with.
+EMPTY, WARM = ("empty", "eager"), ("warm", "eager")
+COLD, WARM_CACHE = ("warm", "cold compile"), ("warm", "warm compile cache")
 
 # In a process of its own: what a worker cannot start faster than.
 LIMIT_SCRIPT = r"""
@@ -148,26 +150,27 @@ def main(shapes: str, rounds: int, timeout: float, json_path: Path, compile_mode
     for shape in wanted:
         model_dir = dev_model(folder / "models" / shape, shape, console)
         bench_catalog = _catalog(folder / f"{shape}.toml", model, model_dir, template, system_prompt, probe)
-        kinds = EAGER + (COMPILED if compile_mode == "auto" else ())
+        compiled = compile_mode == "auto"
+        kinds = (EMPTY, COLD, WARM, WARM_CACHE) if compiled else (EMPTY, WARM)
         console.print(f"{shape}: {rounds} round(s) × the limit, {', '.join(f'{s} store {k}' for s, k in kinds)} …")
         stores = (folder / "prefixes" / shape, folder / "compiled" / shape)  # prefix store, compile cache
         measured = []
         for _ in range(rounds):
-            # The limit in each round, next to the launches it is compared with: a busy
-            # moment of a shared machine then weighs on both, and the median of each is used.
-            measured.append(measure_limit(model_dir, system_prompt))
             for kind, steps in kinds:
                 if kind == "empty":
                     _empty(stores[0])
                 if steps == "cold compile":
                     shutil.rmtree(stores[1], ignore_errors=True)
-                if steps == "warm compile cache":
+                if (kind, steps) == WARM:
                     # A cold compile keeps both cores busy for a minute, and a 2-core VM here
                     # starts the next worker slower for 10-20 s after any such burst (measured:
                     # a warm-cache launch 7.0-7.2 s right after a cold compile, 6.1-6.3 s three
-                    # launches later; 7.0 s right after 60 s of `yes` on both cores, then
-                    # 6.1-6.6 s): the launch it serves waits `settle_s` first.
-                    time.sleep(settle_s)
+                    # launches later; on an Intel host 4.89 s against 4.22 for a warm eager
+                    # start before the compile): the machine rests `settle_s` first. Then the
+                    # limit, next to the launches it is compared with: a busy moment of a
+                    # shared machine weighs on both, and the median of each is used.
+                    time.sleep(settle_s if compiled else 0)
+                    measured.append(measure_limit(model_dir, system_prompt))
                 rows.append(
                     launch(
                         shape, (kind, steps), bench_catalog, stores, (model, template, probe), folder / "logs", timeout
@@ -332,7 +335,8 @@ def _report(rows: list[Launch], limits: dict[str, Limit], rounds: int, loads: di
         )
         missing = "" if "runai-streamer" in loads[shape] else "; runai-streamer: not installed (preheat[fast-load])"
         verdicts.append(f"{shape}, weights to a resident model, page cache warm: {by_loader}{missing}")
-        for kind, steps in dict.fromkeys((r.store, r.steps) for r in rows if r.shape == shape):
+        launched = {(r.store, r.steps) for r in rows if r.shape == shape}
+        for kind, steps in [k for k in (EMPTY, WARM, COLD, WARM_CACHE) if k in launched]:  # the table's order
             mine = [r for r in rows if r.shape == shape and (r.store, r.steps) == (kind, steps)]
             median = {
                 field: statistics.median(getattr(r, field) for r in mine)
