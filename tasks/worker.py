@@ -48,6 +48,13 @@ def pool_name(pool_cls) -> str:
     return getattr(pool_cls, "__module__", str(pool_cls)).rsplit(".", 1)[-1]
 
 
+def current_task_id() -> str | None:
+    """The id of the task this thread runs (the request's, for a wake it made), or None."""
+    from celery import current_task
+
+    return current_task.request.id if current_task else None
+
+
 def check_concurrency(pool: str, concurrency: int, settings) -> None:
     """The pool's threads against the engine's rows: each request holds a thread while the
     engine decodes it, so fewer threads than rows leave rows idle (said once, at start), and
@@ -155,6 +162,9 @@ class WorkerRuntimeStep(bootsteps.StartStopStep):
             )
         health_port = self.health.port
         history_outbox = outbox.open_for(worker.hostname, settings.outbox_folder, HISTORY_WRITES)
+        runtime.sleeps.on_demand_wake = lambda model, woken, began: service.report_wake_on_demand(
+            worker.hostname, model, woken.status, woken.as_record(), began, current_task_id()
+        )
         runtime.metrics.collectors.register(outbox.OutboxCollector(history_outbox))
         self.heartbeat = Heartbeat(
             worker.hostname,

@@ -19,6 +19,7 @@ bookkeeping; `Sleeps` below orders a sleep and a wake against requests and warmu
 
 from __future__ import annotations
 
+import datetime as dt
 import gc
 import logging
 import threading
@@ -218,6 +219,9 @@ class Sleeps:
         # refused with the reason at once, and only a wake (an admin's, a schedule's) tries again.
         self.failed: dict[str, str] = {}
         self.wakes_on_demand = 0
+        # Told of each wake a request made here (`ensure_awake`: model, WakeResult, when it
+        # began), whatever its outcome: the worker records it in history as a run of its own.
+        self.on_demand_wake: Callable[[str, WakeResult, dt.datetime], None] | None = None
 
     def level_of(self, model: str) -> int | None:
         state = self.asleep.get(model)
@@ -371,7 +375,13 @@ class Sleeps:
         with self.lock:
             if model not in self.asleep:
                 return False
+            began = dt.datetime.now(dt.UTC)
             result = self.wake(model)
+        if self.on_demand_wake is not None:
+            try:
+                self.on_demand_wake(model, result, began)
+            except Exception as exc:  # the record is the history's; the request goes on
+                log.warning("model %s: its wake on demand is not recorded (%s)", model, exc)
         if result.status != "awake":
             raise ModelLoadError(f"model {model} could not wake: {result.error}")
         self.wakes_on_demand += 1

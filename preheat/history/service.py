@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
+from preheat.core.states import WHOLE_MODEL
 from preheat.history import outbox
 from preheat.history.db import utcnow
 from preheat.history.models import (
@@ -328,6 +329,41 @@ def _apply_task_failure(session: Session, p: dict) -> None:
     fail_task_jobs(session, p["task_id"], p["error"], at=_at(p))
 
 
+def _apply_wake_on_demand(session: Session, p: dict) -> None:
+    """A wake a request made inline on a worker (no run dispatched it): a run of its own, with
+    the worker's whole-model job as it started and ended; once, by its key."""
+    if run_for_key(session, p["key"]) is not None:
+        return
+    detail = {"model": p["model"], "woken_by": "a request on the worker's own queue"}
+    run = create_run(
+        session,
+        trigger=TriggerKind.demand,
+        requested_by=f"request on {p['target']}",
+        detail=detail,
+        trigger_key=p["key"],
+        action=RunAction.wake,
+    )
+    add_jobs(session, run, target=p["target"], model_templates=[(p["model"], WHOLE_MODEL)], task_id=p["task_id"])
+    start_jobs(
+        session,
+        run.id,
+        target=p["target"],
+        templates=[WHOLE_MODEL],
+        task_id=p["task_id"],
+        at=dt.datetime.fromisoformat(p["started_at"]),
+    )
+    finish_job(
+        session,
+        run.id,
+        target=p["target"],
+        template=WHOLE_MODEL,
+        status=JobStatus(p["status"]),
+        measured=p["measured"],
+        at=_at(p),
+        model=p["model"],
+    )
+
+
 def _apply_keepalive(session: Session, p: dict) -> None:
     record_keepalive(
         session,
@@ -345,7 +381,8 @@ JOB_START = outbox.EntryKind("job.start", _apply_job_start)
 JOB_FINISH = outbox.EntryKind("job.finish", _apply_job_finish)
 TASK_FAILURE = outbox.EntryKind("task.fail", _apply_task_failure)
 KEEPALIVE = outbox.EntryKind("keepalive", _apply_keepalive)
-OUTBOX_KINDS = (JOB_START, JOB_FINISH, TASK_FAILURE, KEEPALIVE)
+WAKE_ON_DEMAND = outbox.EntryKind("wake.demand", _apply_wake_on_demand)
+OUTBOX_KINDS = (JOB_START, JOB_FINISH, TASK_FAILURE, KEEPALIVE, WAKE_ON_DEMAND)
 
 
 def report_job_start(run_id: str, target: str, templates: list[str], task_id: str) -> object:
@@ -366,6 +403,16 @@ def report_job_finish(
 
 def report_task_failure(task_id: str, error: str) -> None:
     outbox.record(TASK_FAILURE, {"task_id": task_id, "error": error, "at": utcnow()})
+
+
+def report_wake_on_demand(
+    target: str, model: str, status: str, measured: dict, started: dt.datetime, task_id: str | None
+) -> None:
+    """A wake a request made inline on `target` (WorkerRuntime: a request on the worker's own
+    queue while its model slept), recorded as a run of trigger `demand`, now or from the outbox."""
+    key = f"demand:{target}:{model}:{started.isoformat()}"
+    payload = {"key": key, "target": target, "model": model, "status": status, "measured": measured}
+    outbox.record(WAKE_ON_DEMAND, {**payload, "task_id": task_id, "started_at": started, "at": utcnow()})
 
 
 def report_keepalive(

@@ -15,7 +15,16 @@ from sqlalchemy.orm import Session
 from preheat.fleet import traffic
 from preheat.history import outbox, service
 from preheat.history.db import open_database
-from preheat.history.models import AppliedWrite, JobStatus, RunStatus, TrafficCount, TriggerKind, WarmupJob
+from preheat.history.models import (
+    AppliedWrite,
+    JobStatus,
+    RunAction,
+    RunStatus,
+    TrafficCount,
+    TriggerKind,
+    WarmupJob,
+    WarmupRun,
+)
 from tests.tcp_proxy import TcpProxy
 
 WORKER = "gpu0@outbox-test"
@@ -190,3 +199,33 @@ def test_the_process_outbox_is_one_file_per_worker_name(tmp_path):
     finally:
         outbox.close()
     assert outbox.current() is None
+
+
+def test_a_wake_a_request_made_waits_while_the_database_is_away_and_is_recorded_once(away, box):
+    """A wake a request made inline (a request on the worker's own queue while its model
+    slept) is a run of its own: kept while the database is away, written later with its
+    times, and once, however often it is written."""
+    key = f"demand:{WORKER}:tiny:{T0.isoformat()}"
+    payload = {
+        "key": key,
+        "target": WORKER,
+        "model": "tiny",
+        "status": "awake",
+        "measured": {"wake_ms": 812.5, "sleep_level": 1},
+        "task_id": "a-request",
+        "started_at": T0,
+        "at": T0 + dt.timedelta(seconds=1),
+    }
+    away.cut()
+    assert box.write(service.WAKE_ON_DEMAND, payload) is outbox.DEFERRED
+    away.restore()
+    assert box.replay() == 1
+    box.write(service.WAKE_ON_DEMAND, payload)  # again: the key finds the run, nothing is added
+    with away.direct() as session:
+        run = service.run_for_key(session, key)
+        [job] = run.jobs
+        assert (run.trigger, run.action, run.status) == (TriggerKind.demand, RunAction.wake, RunStatus.succeeded)
+        assert (job.target, job.model, job.template, job.status) == (WORKER, "tiny", "*", JobStatus.awake)
+        assert (job.wake_ms, job.celery_task_id, job.started_at) == (812.5, "a-request", T0)
+        assert job.finished_at == T0 + dt.timedelta(seconds=1) and run.requested_by == f"request on {WORKER}"
+        assert session.scalar(select(func.count()).select_from(WarmupRun).where(WarmupRun.trigger_key == key)) == 1

@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from preheat.celery.queues import worker_queue
 from preheat.core import processes
 from preheat.history.db import session_scope, utcnow
 from tests.tasks.test_worker import send_infer
@@ -26,6 +27,13 @@ def worker(stack, tmp_path):
             lambda: httpx.get(f"{processes.health_url(proc)}/health/ready").status_code == 200, 60, what="ready"
         )
         yield proc
+
+
+def _app():
+    from preheat.celery.app import create_app
+    from preheat.core.settings import get_settings
+
+    return create_app(get_settings())
 
 
 def _ready(proc) -> httpx.Response:
@@ -65,6 +73,26 @@ def test_sleep_and_wake_are_recorded_and_a_request_while_asleep_wakes_the_worker
     assert statuses == {"*": "skipped", "support": "warm"}
     shown = stack.cli("history", json.loads(slept.stdout)["id"][:8])
     assert "sleep" in shown.stdout and "asleep" in shown.stdout
+
+    # A request routed to this worker's own queue while its model sleeps (the router's view of
+    # the fleet is a moment old): the worker wakes inline for it, and history records that wake
+    # as a run of its own, with the request's task.
+    assert stack.cli("sleep", "--model", "tiny", "--wait", "--json").returncode == 0
+    routed = _app().send_task(
+        "preheat.infer",
+        kwargs={"template": "support", "user_input": "Where is my parcel?", "max_tokens": 6},
+        queue=worker_queue(WORKER),
+    )
+    assert routed.get(timeout=90)["token_ids"] == answer["token_ids"]
+
+    def inline_wake():  # its record may land a moment after the answer
+        runs = json.loads(stack.cli("history", "--trigger", "demand", "--json").stdout)
+        return next((run for run in runs if run["requested_by"] == f"request on {WORKER}"), None)
+
+    inline = processes.poll(inline_wake, 30, every_s=0.5, what="the inline wake recorded")
+    [job] = inline["jobs"]
+    assert (inline["action"], inline["status"], job["target"], job["model"]) == ("wake", "succeeded", WORKER, "tiny")
+    assert job["status"] == "awake" and job["wake_ms"] > 0 and job["celery_task_id"] == routed.id
 
 
 def test_a_scheduled_wake_brings_the_worker_back_warm_and_a_restart_off_peak_starts_asleep(
