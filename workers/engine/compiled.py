@@ -353,7 +353,7 @@ class CompiledSteps:
         until then its products run on the weight); whether any is left. The scheduler calls it
         while no request waits or runs, one layer at a time: a request that comes meanwhile
         waits for one layer's packing (a few ms; the output head's tens), not for all of them."""
-        unpacked = [layer for layer in self._layers() if layer.packed is None]
+        unpacked = self.unpacked()
         if unpacked:
             started = time.perf_counter()
             unpacked[0].pack()
@@ -363,9 +363,9 @@ class CompiledSteps:
                 self._packing_ms = 0.0
         return len(unpacked) > 1
 
-    def unpacked(self) -> int:
-        """How many linear layers' weights are not packed yet."""
-        return sum(layer.packed is None for layer in self._layers())
+    def unpacked(self) -> list:
+        """The linear layers whose weights are not packed yet, in the model's order."""
+        return [layer for layer in self._layers() if layer.packed is None]
 
     def _layers(self) -> list:
         return [getattr(parent, name) for parent, name, _ in self._replaced]
