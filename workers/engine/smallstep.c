@@ -6,14 +6,66 @@
    to bf16 where transformers' eager bf16 op does (a product, a sum, a norm, a rotation). */
 #include "smallstep.h"
 
+#include <limits.h>
+#include <linux/futex.h>
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "cpukernels.h"
 
 #define MOST_TOKENS 16      /* dot products: past it, oneDNN's products are as fast (compute bounds them) */
 #define MOST_TILE_TOKENS 64 /* AMX tiles (amx.c): four groups of 16 tokens against a block of rows */
 #define GROUP DOT_TOKENS /* the tokens of a tile: two weight rows by GROUP tokens, 2 * GROUP sums in registers */
+
+/* Where the step's phases meet: every thread of its parallel region, after its share of a
+   phase (each `omp for` is `nowait`, then this). OpenMP's own barrier spins GOMP_SPINCOUNT
+   turns and then sleeps on a futex; a worker sets that short (workers/__init__.py: a long
+   spin between two steps fights a neighbour), while a step's phases end apart by more: the
+   real model's one-row step on a Zen 4 spent 9-18% of each thread's time waiting at its
+   barriers, mostly after the products, the late thread changing from one to the next. This
+   one spins up to STEP_SPIN_CYCLES of the time-stamp counter (about 0.1 ms), inside the step
+   only, where the thread it waits for is the step's own, then sleeps on a futex as OpenMP's
+   does. Both builds in one process, step by step alternated (Zen 4, 2 cores): one row
+   10.9-12.7 ms against 11.5-13.2 alone, and 20.5-23.7 against 23.7-28.4 beside a neighbour
+   busy on both cores (4 rows 31.6-40.7 against 34.8-47.7); 16 rows alone the same. Measured
+   and dropped: yielding the core instead of sleeping (beside the neighbour 42 ms against
+   31: the spinner took the core back from the thread it waited for); a spin of 2^16 cycles
+   (no gain); handing the products' rows out as threads finish (OpenMP's dynamic schedule,
+   slower at every row count; a shared last quarter, 4-8% slower at 4 and 16 rows). The
+   float32 kernel keeps OpenMP's barriers: beside the neighbour this one made its one-row
+   step slower (46.6-47.9 ms against 40.0-41.1). */
+#define STEP_SPIN_CYCLES (1ull << 18)
+
+typedef struct {
+    atomic_int arrived, generation, sleepers;
+} StepBarrier;
+
+static inline void step_barrier(StepBarrier *b) {
+    const int threads = omp_get_num_threads();
+    if (threads < 2) return;
+    const int generation = atomic_load(&b->generation);
+    if (atomic_fetch_add(&b->arrived, 1) == threads - 1) {
+        /* the last to arrive: the count back to 0 before the others may arrive at the next */
+        atomic_store(&b->arrived, 0);
+        atomic_store(&b->generation, generation + 1);
+        if (atomic_load(&b->sleepers)) syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+        return;
+    }
+    const unsigned long long began = __rdtsc();
+    while (atomic_load_explicit(&b->generation, memory_order_acquire) == generation) {
+        if (__rdtsc() - began < STEP_SPIN_CYCLES) {
+            _mm_pause();
+            continue;
+        }
+        /* seq_cst: the last to arrive either sees a sleeper or changed what the futex compares */
+        atomic_fetch_add(&b->sleepers, 1);
+        syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, generation, NULL, NULL, 0);
+        atomic_fetch_sub(&b->sleepers, 1);
+    }
+}
 
 /* Two rows' sums over the step's `padded` tokens (1, 4, or a multiple of GROUP: x's rows past
    the step's tokens are zeros) into sums[0] and sums[1]. One token: each row's own four-sum
@@ -93,7 +145,7 @@ typedef struct {
    every token and kind, on this thread; unless `fused`, then the expands (64 outputs of a token
    and kind an item), split over the threads, for the caller's product phase to add. */
 static void lora_phases(const Lora *l, const int *kinds, int count, const uint16_t *x, int64_t in,
-                        const int64_t *outs, int64_t tokens) {
+                        const int64_t *outs, int64_t tokens, StepBarrier *meet) {
     const int64_t layer = l->layer;
     for (int64_t item = 0; item < tokens * count; item++) {
         const int64_t t = item / count, kind = kinds[item % count], first = l->columns[t][0];
@@ -104,7 +156,7 @@ static void lora_phases(const Lora *l, const int *kinds, int count, const uint16
     if (l->fused) return;
     int64_t blocks = 0;
     for (int i = 0; i < count; i++) blocks += (outs[i] + 63) / 64;
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(static) nowait
     for (int64_t item = 0; item < tokens * blocks; item++) {
         const int64_t t = item / blocks;
         int64_t block = item % blocks, i = 0;
@@ -121,6 +173,7 @@ static void lora_phases(const Lora *l, const int *kinds, int count, const uint16
         }
         for (int u = 0; u < 4; u++) _mm512_mask_storeu_ps(l->delta[kind] + t * out + o + 16 * u, first_lanes(out - o - 16 * u), acc[u]);
     }
+    step_barrier(meet);
 }
 
 /* A product's value for token t and output n, rounded as the graph's product then its adapter's
@@ -179,20 +232,21 @@ static void residual_tiles(uint16_t *h, int64_t block, int64_t rows, int64_t tok
 
 /* A product added to the residual h ([tokens, rows]): w [rows, k_len] against x [tokens, k_len],
    its rows split over the step's threads (an orphaned `omp for`: every thread of the region calls
-   it). On tiles where `xp` (this thread's room for x paired), else by dot products. */
+   it, and they meet at `meet` after it). On tiles where `xp` (this thread's room for x paired), else by dot products. */
 static void residual_product(uint16_t *h, int64_t rows, int64_t tokens, int64_t padded, const uint16_t *w,
                              const uint16_t *x, int64_t k_len, uint16_t *xp, float *out,
-                             float sums[2][MOST_TILE_TOKENS], const Lora *l, int kind) {
+                             float sums[2][MOST_TILE_TOKENS], const Lora *l, int kind, StepBarrier *meet) {
     if (xp) {
         pair_pack(x, k_len, tokens, k_len, xp);
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(static) nowait
         for (int64_t pair = 0; pair < (rows / 16 + 1) / 2; pair++)
             residual_tiles(h, 2 * pair, rows, tokens, w, xp, k_len, out, l, kind);
     } else {
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(static) nowait
         for (int64_t pair = 0; pair < (rows + 1) / 2; pair++)
             residual_pair(h, pair, rows, padded, tokens, w, x, k_len, sums, l, kind);
     }
+    step_barrier(meet);
 }
 
 /* The step. table [layers, TABLE_WIDTH]: each layer's addresses (weights bf16 row-major as
@@ -244,6 +298,7 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
             cs[t * dim + half + i] = from_bf16(to_bf16(sinf(angle) * rope_scaling));
         }
     }
+    StepBarrier meet = {0}; /* the phases' (each `omp for` is `nowait`) */
     #pragma omp parallel
     {
         uint16_t *x = normed + hidden * padded * omp_get_thread_num(); /* each thread's own copy of a norm */
@@ -262,10 +317,10 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
             uint16_t *keys = (uint16_t *)at[KEYS], *values = (uint16_t *)at[VALUES];
             for (int64_t t = 0; t < tokens; t++)
                 rms_norm(h + t * hidden, (const uint16_t *)at[NORM_IN], x + t * hidden, hidden, eps);
-            if (lora.columns) lora_phases(&lora, QKV, 3, x, hidden, outs, tokens);
+            if (lora.columns) lora_phases(&lora, QKV, 3, x, hidden, outs, tokens, &meet);
             if (tiles) {
                 pair_pack(x, hidden, tokens, hidden, xp);
-                #pragma omp for schedule(static)
+                #pragma omp for schedule(static) nowait
                 for (int64_t b = 0; b < qkv_rows / 16; b++) { /* 16 rows of q, k or v */
                     const int64_t n = 16 * b, kind = n < q_rows ? LQ : n < q_rows + kv_rows ? LK : LV;
                     const int64_t row = kind == LQ ? n : kind == LK ? n - q_rows : n - q_rows - kv_rows;
@@ -276,7 +331,7 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                     }
                 }
             } else
-            #pragma omp for schedule(static)
+            #pragma omp for schedule(static) nowait
             for (int64_t pair = 0; pair < (qkv_rows + 1) / 2; pair++) { /* q, k and v's rows as one matrix */
                 const int64_t n0 = 2 * pair, n1 = n0 + 1 < qkv_rows ? n0 + 1 : n0;
                 const uint16_t *rows[2];
@@ -294,7 +349,8 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                         qkv[t * qkv_rows + n] = to_bf16(with_delta(sums[i][t], &lora, kind, t, outs[kind], row));
                 }
             }
-            #pragma omp for schedule(static)
+            step_barrier(&meet);
+            #pragma omp for schedule(static) nowait
             for (int64_t item = 0; item < tokens * (z.heads + z.kv_heads); item++) {
                 /* a query rotated; or a key rotated and written, and its value written */
                 const int64_t t = item / (z.heads + z.kv_heads), g = item % (z.heads + z.kv_heads);
@@ -307,20 +363,22 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                 rotate(own + q_rows + kv * dim, keys + to, cs + t * dim, half);
                 memcpy(values + to, own + q_rows + kv_rows + kv * dim, 2 * dim);
             }
-            #pragma omp for schedule(static)
+            step_barrier(&meet);
+            #pragma omp for schedule(static) nowait
             for (int64_t item = 0; item < tokens * z.heads; item++) {
                 const int64_t t = item / z.heads, q = item % z.heads;
                 const int64_t from = (where[t][0] * z.kv_heads + q / group) * z.capacity * dim;
                 attend_head(qkv + t * qkv_rows + q * dim, keys + from, values + from, attn + t * q_rows + q * dim,
                             scores + item * most, where[t][1] + 1, dim, scale);
             }
-            if (lora.columns) lora_phases(&lora, OUT, 1, attn, q_rows, outs + LO, tokens);
-            residual_product(h, hidden, tokens, padded, wo, attn, q_rows, tiles ? xp : NULL, out, sums, &lora, LO);
+            step_barrier(&meet);
+            if (lora.columns) lora_phases(&lora, OUT, 1, attn, q_rows, outs + LO, tokens, &meet);
+            residual_product(h, hidden, tokens, padded, wo, attn, q_rows, tiles ? xp : NULL, out, sums, &lora, LO, &meet);
             for (int64_t t = 0; t < tokens; t++)
                 rms_norm(h + t * hidden, (const uint16_t *)at[NORM_POST], x + t * hidden, hidden, eps);
-            if (lora.columns) lora_phases(&lora, GATE_UP, 2, x, hidden, outs + LGATE, tokens);
+            if (lora.columns) lora_phases(&lora, GATE_UP, 2, x, hidden, outs + LGATE, tokens, &meet);
             if (tiles) pair_pack(x, hidden, tokens, hidden, xp);
-            #pragma omp for schedule(static)
+            #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < blocks; b++) { /* 16 rows of gate and of up, then their SiLU product */
                 float gate[MOST_TILE_TOKENS][16], up[MOST_TILE_TOKENS][16];
                 const int64_t first = 16 * b;
@@ -346,8 +404,9 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                     store_lanes(mlp + t * inter, first, m, silu_times(g16, u16), 1);
                 }
             }
-            if (lora.columns) lora_phases(&lora, DOWN_ONLY, 1, mlp, inter, outs + LDOWN, tokens);
-            residual_product(h, hidden, tokens, padded, wd, mlp, inter, tiles ? xp : NULL, out, sums, &lora, LDOWN);
+            step_barrier(&meet);
+            if (lora.columns) lora_phases(&lora, DOWN_ONLY, 1, mlp, inter, outs + LDOWN, tokens, &meet);
+            residual_product(h, hidden, tokens, padded, wd, mlp, inter, tiles ? xp : NULL, out, sums, &lora, LDOWN, &meet);
         }
         /* the kept tokens' final norms, packed (rows past `kept` stay zeros: padded_kept <= padded) */
         memset(x, 0, 2 * hidden * padded);
@@ -356,7 +415,7 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
         if (tiles) {
             if (kept != tokens) amx_configure(kept);
             pair_pack(x, hidden, kept, hidden, xp);
-            #pragma omp for schedule(static)
+            #pragma omp for schedule(static) nowait
             for (int64_t pair = 0; pair < (tiled / 16 + 1) / 2; pair++) {
                 const int64_t n0 = 32 * pair, count = n0 + 32 <= tiled ? 32 : 16;
                 amx_rows(head + n0 * hidden, count == 32 ? head + (n0 + 16) * hidden : NULL, hidden, xp, kept, out);
@@ -365,13 +424,14 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
                         store_lanes(logits + k * z.vocab, n, 0xFFFF, token_sums(out + (n - n0) * sums_stride(kept), sums_stride(kept), k), 1);
             }
         }
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(static) nowait
         for (int64_t pair = tiled / 2; pair < (z.vocab + 1) / 2; pair++) {
             const int64_t n0 = 2 * pair, n1 = n0 + 1 < z.vocab ? n0 + 1 : n0;
             pair_dots(padded_kept, head + n0 * hidden, head + n1 * hidden, x, hidden, hidden, sums);
             for (int64_t k = 0; k < kept; k++)
                 logits[k * z.vocab + n0] = to_bf16(sums[0][k]), logits[k * z.vocab + n1] = to_bf16(sums[1][k]);
         }
+        step_barrier(&meet); /* so the region's own closing barrier finds every thread there */
         if (tiles) amx_release();
     }
     status = 0;

@@ -304,6 +304,57 @@ def test_the_float32_kernel_refuses_what_it_does_not_hold_before_anything_is_wri
         kernel(kv, [Segment(slot, 1, (5,))])
 
 
+# One process's steps of the kernel (`kind`, the model and its threads from argv), its logits and
+# every key and value written, saved to argv[4]: three rows, a chunk among them, then decodes.
+THREADS_PROBE = r"""
+import sys, torch
+from preheat.workers.engine.raggedkv import Segment
+from preheat.workers.engine.resident import ModelSource, ResidentModels
+from preheat.workers.engine.smallstep import SmallStepKernel
+kind, model, threads, out = sys.argv[1:5]
+torch.set_num_threads(int(threads))  # OpenMP's team too (torch caps OMP_NUM_THREADS at the cores)
+resident = ResidentModels("cpu", dtype_preference="float32" if kind == "float32" else "bfloat16").ensure(
+    ModelSource("m", model))[0]
+kernel = SmallStepKernel.of(resident.model)[0]
+kernel.tiles = kind == "tiles"
+kv = resident.runner.new_batch()
+slots = [kv.add(None, 64) for _ in range(3)]
+saved = []
+for step in range(6):
+    fed = [5 if step == 0 and s == 1 else 1 for s in slots]  # a chunk in the first step
+    segments = [Segment(s, kv.lengths[s], tuple(range(3 + s, 3 + s + n))) for s, n in zip(slots, fed)]
+    saved.append(kernel(kv, segments).clone())
+    kv.stepped()
+written = [b.clone() for pair in kv.buffers for b in pair]
+torch.save({"logits": saved, "kv": written, "threads": torch.get_num_threads()}, out)
+"""
+
+
+def test_the_steps_threads_give_the_same_bits_however_many_and_however_preempted(tiny_model, kind, tmp_path):
+    """The bf16 kernel's phases meet at a barrier of its own (smallstep.c: it spins, then sleeps),
+    the float32 kernel's at OpenMP's. With more threads than cores (each preempted mid-phase,
+    the barrier's sleep taken) the step's logits and every key and value written are bit for
+    bit those of one thread: each product row, norm and head is computed whole by one thread,
+    so only a phase read before another finished could change a bit."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    saved = {}
+    for threads in (1, 2 * (os.cpu_count() or 1) + 1):
+        out = tmp_path / f"{threads}.pt"
+        argv = [sys.executable, "-c", THREADS_PROBE, kind, str(tiny_model), str(threads), str(out)]
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        saved[threads] = torch.load(out)
+        assert saved[threads]["threads"] == threads
+    one, many = saved.values()
+    assert all(torch.equal(a, b) for a, b in zip(one["logits"], many["logits"], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(one["kv"], many["kv"], strict=True))
+
+
 @pytest.mark.slow
 def test_on_the_real_model_the_kernel_agrees_with_transformers_bf16_and_float32(real_model, kind):
     """SmolLM2-135M-Instruct: the bf16 kernel gives eager bf16's top token at nearly every
