@@ -232,7 +232,8 @@ static void residual_tiles(uint16_t *h, int64_t block, int64_t rows, int64_t tok
 
 /* A product added to the residual h ([tokens, rows]): w [rows, k_len] against x [tokens, k_len],
    its rows split over the step's threads (an orphaned `omp for`: every thread of the region calls
-   it, and they meet at `meet` after it). On tiles where `xp` (this thread's room for x paired), else by dot products. */
+   it, and they meet at `meet` after it). On tiles where `xp` (this thread's room for x paired),
+   else by dot products. */
 static void residual_product(uint16_t *h, int64_t rows, int64_t tokens, int64_t padded, const uint16_t *w,
                              const uint16_t *x, int64_t k_len, uint16_t *xp, float *out,
                              float sums[2][MOST_TILE_TOKENS], const Lora *l, int kind, StepBarrier *meet) {
@@ -298,7 +299,7 @@ static int small_step(const int64_t *table, const uint16_t *embed, const uint16_
             cs[t * dim + half + i] = from_bf16(to_bf16(sinf(angle) * rope_scaling));
         }
     }
-    StepBarrier meet = {0}; /* the phases' (each `omp for` is `nowait`) */
+    StepBarrier meet = {0}; /* where the phases meet (each `omp for` is `nowait`) */
     #pragma omp parallel
     {
         uint16_t *x = normed + hidden * padded * omp_get_thread_num(); /* each thread's own copy of a norm */
