@@ -5,8 +5,8 @@ Everything that runs a model goes through it: requests (``submit``), a template'
 Callers (HTTP handlers, Celery pool threads) hand it work and read a request's
 ``TextStream``. Each iteration of its loop:
 
-1. runs one queued *call* (a pre-fill) or, with no request, a piece of *idle work*
-   (preheat.workers.engine.sidework), so decoding goes on between the pieces;
+1. runs one queued *call* (a pre-fill) or a piece of *idle work* (with no request, or its
+   share beside them: preheat.workers.engine.sidework), so decoding goes on between the pieces;
 2. admits waiting requests while their model's running rows, with theirs, fit the KV
    budget (``BatchLimits.running_kv_bytes``: each row as long as its prompt and
    ``max_tokens``) and the step's prompt-token budget lasts: each starts from a clone of the
@@ -182,8 +182,8 @@ class Scheduler:
                     self._wakeup.wait()
                 if self._stopping and not self._busy():
                     return
-                idle = None if self._busy() else self._idle.next_piece()
-                call = self._calls.popleft() if self._calls else None
+                idle = self._idle.next_piece() if not self._calls and self._idle.due(self._busy()) else None
+                call = self._calls.popleft() if self._calls and idle is None else None
             if idle is not None:
                 self._idle.run_piece(*idle, self._wakeup)
                 continue

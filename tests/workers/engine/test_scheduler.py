@@ -5,6 +5,7 @@ cannot be batched run as a batch of one."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -401,14 +402,20 @@ def test_rows_are_as_many_as_their_kv_fits_in_the_budget(resident, monkeypatch):
     scheduler.close()
 
 
-class EndlessIdleWork:
+class IdleWorkPieces:
     """A runner's part the scheduler sees at a compile (`compile`, `idle_work`), whose idle
-    work never ends: each piece records whether a request held a row while it ran."""
+    work is `count` pieces (endless where None): each records when it ran and whether a
+    request held a row meanwhile."""
 
-    name = "endless"
+    name = "pieces"
 
-    def __init__(self, scheduler) -> None:
-        self.scheduler, self.pieces, self.beside_a_request = scheduler, 0, 0
+    def __init__(self, scheduler, count: int | None = None) -> None:
+        self.scheduler, self.count = scheduler, count
+        self.ran: list[tuple[float, float, bool]] = []  # (started, ended, beside a request)
+
+    @property
+    def pieces(self) -> int:
+        return len(self.ran)
 
     def compile(self, *args):
         return None
@@ -417,19 +424,26 @@ class EndlessIdleWork:
         return self.piece
 
     def piece(self) -> bool:
-        self.pieces += 1
-        self.beside_a_request += self.scheduler.load()["running"] > 0
+        started = time.monotonic()
+        beside = self.scheduler.load()["running"] > 0
         time.sleep(0.002)
-        return True
+        self.ran.append((started, time.monotonic(), beside))
+        return self.count is None or self.pieces < self.count
+
+    def beside_requests(self) -> list[tuple[float, float, bool]]:
+        return [piece for piece in self.ran if piece[2]]
 
 
-def test_idle_work_yields_to_every_request_and_never_holds_a_stop(dev_model):
-    """Idle work (a model's weights packed: sidework.IdleWork) runs only while no request
-    holds a row, a piece an iteration: requests meanwhile answer as transformers; a stop
-    completes with idle work still left."""
+def test_idle_work_keeps_to_its_share_beside_requests_and_never_holds_a_stop(dev_model):
+    """Idle work (a model's weights packed: sidework.IdleWork) runs a piece an iteration while
+    no request holds a row, and beside requests only once the last piece's time is paid back
+    (SHARE_BESIDE_REQUESTS): requests meanwhile answer as transformers; a stop completes with
+    idle work still left."""
+    from preheat.workers.engine.sidework import SHARE_BESIDE_REQUESTS
+
     resident = load_resident(dev_model("llama"), name="llama")
     scheduler = new_scheduler()
-    endless = EndlessIdleWork(scheduler)
+    endless = IdleWorkPieces(scheduler)
     scheduler.compile(endless, "off", None, "")
     deadline = time.monotonic() + 30
     while endless.pieces < 3:
@@ -444,9 +458,35 @@ def test_idle_work_yields_to_every_request_and_never_holds_a_stop(dev_model):
         time.sleep(0.005)
     scheduler.close(timeout_s=10)
     assert scheduler._thread is None  # the stop completed, the endless work left undone
-    assert endless.beside_a_request == 0
+    # A row is held only on the scheduler's thread: a piece beside one ran while it was busy.
+    for (started, ended, _), (next_started, _, beside) in itertools.pairwise(endless.ran):
+        if beside:  # the previous piece's time paid back first
+            assert next_started - ended >= (ended - started) * (1 / SHARE_BESIDE_REQUESTS - 1)
     truth = reference_generate(resident, prompt_ids, 6)
     assert all(answer.token_ids == truth[: len(answer.token_ids)] for answer in answers)
+
+
+def test_idle_work_finishes_under_traffic_that_never_pauses(dev_model):
+    """Requests that follow each other with no moment between still leave idle work its share:
+    a model's weights get packed under steady traffic, pieces beside the requests."""
+    resident = load_resident(dev_model("llama"), name="llama")
+    scheduler = new_scheduler()
+    work = IdleWorkPieces(scheduler, count=4)
+    prompt_ids = support_request(resident, "Where is my parcel?")[1]
+    running = [scheduler.submit(resident, prompt_ids, greedy(400)) for _ in range(2)]
+    deadline = time.monotonic() + 60
+    while scheduler.load()["running"] < 2:
+        assert time.monotonic() < deadline, "the requests did not start"
+        time.sleep(0.005)
+    scheduler.compile(work, "off", None, "")  # its idle work queued while both requests run
+    try:
+        while work.pieces < 4 and scheduler.load()["running"] == 2:
+            time.sleep(0.005)
+        assert work.pieces == 4 and len(work.beside_requests()) == 4, work.ran
+    finally:
+        for answer in running:
+            answer.close()
+        scheduler.close(timeout_s=10)
 
 
 def test_a_failing_piece_of_idle_work_is_dropped_and_logged(caplog):
