@@ -434,13 +434,11 @@ class IdleWorkPieces:
         return [piece for piece in self.ran if piece[2]]
 
 
-def test_idle_work_keeps_to_its_share_beside_requests_and_never_holds_a_stop(dev_model):
+def test_idle_work_waits_for_the_moments_between_requests_and_never_holds_a_stop(dev_model):
     """Idle work (a model's weights packed: sidework.IdleWork) runs a piece an iteration while
-    no request holds a row, and beside requests only once the last piece's time is paid back
-    (SHARE_BESIDE_REQUESTS): requests meanwhile answer as transformers; a stop completes with
-    idle work still left."""
-    from preheat.workers.engine.sidework import SHARE_BESIDE_REQUESTS
-
+    no request holds a row; requests that leave such a moment within STARVED_AFTER_S never
+    have a piece run beside them, and answer as transformers; a stop completes with idle work
+    still left."""
     resident = load_resident(dev_model("llama"), name="llama")
     scheduler = new_scheduler()
     endless = IdleWorkPieces(scheduler)
@@ -458,17 +456,18 @@ def test_idle_work_keeps_to_its_share_beside_requests_and_never_holds_a_stop(dev
         time.sleep(0.005)
     scheduler.close(timeout_s=10)
     assert scheduler._thread is None  # the stop completed, the endless work left undone
-    # A row is held only on the scheduler's thread: a piece beside one ran while it was busy.
-    for (started, ended, _), (next_started, _, beside) in itertools.pairwise(endless.ran):
-        if beside:  # the previous piece's time paid back first
-            assert next_started - ended >= (ended - started) * (1 / SHARE_BESIDE_REQUESTS - 1)
+    assert endless.beside_requests() == []
     truth = reference_generate(resident, prompt_ids, 6)
     assert all(answer.token_ids == truth[: len(answer.token_ids)] for answer in answers)
 
 
-def test_idle_work_finishes_under_traffic_that_never_pauses(dev_model):
-    """Requests that follow each other with no moment between still leave idle work its share:
-    a model's weights get packed under steady traffic, pieces beside the requests."""
+def test_idle_work_finishes_under_traffic_that_never_pauses(dev_model, monkeypatch):
+    """Requests that leave no idle moment for STARVED_AFTER_S (a backlog at ready) still leave
+    idle work its share: a model's weights get packed under steady traffic, a piece beside the
+    requests once the last one's time is paid back (SHARE_BESIDE_REQUESTS)."""
+    from preheat.workers.engine import sidework
+
+    monkeypatch.setattr(sidework, "STARVED_AFTER_S", 0.1)  # the dev model's requests are short
     resident = load_resident(dev_model("llama"), name="llama")
     scheduler = new_scheduler()
     work = IdleWorkPieces(scheduler, count=4)
@@ -478,11 +477,16 @@ def test_idle_work_finishes_under_traffic_that_never_pauses(dev_model):
     while scheduler.load()["running"] < 2:
         assert time.monotonic() < deadline, "the requests did not start"
         time.sleep(0.005)
+    queued = time.monotonic()
     scheduler.compile(work, "off", None, "")  # its idle work queued while both requests run
     try:
         while work.pieces < 4 and scheduler.load()["running"] == 2:
             time.sleep(0.005)
         assert work.pieces == 4 and len(work.beside_requests()) == 4, work.ran
+        assert work.ran[0][0] - queued >= sidework.STARVED_AFTER_S
+        # A row is held only on the scheduler's thread: a piece beside one ran while it was busy.
+        for (started, ended, _), (next_started, _, _) in itertools.pairwise(work.ran):
+            assert next_started - ended >= (ended - started) * (1 / sidework.SHARE_BESIDE_REQUESTS - 1)
     finally:
         for answer in running:
             answer.close()
