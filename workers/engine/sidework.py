@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 # bf16, 4 users back to back from ready on 2 Zen 4 cores: its 211 layers packed within 6-7 s
 # (never, without pieces beside requests), and 14-30 % more requests answered in 16 s.
 SHARE_BESIDE_REQUESTS = 0.25
-# Only once no idle moment came for this long: a single user's requests leave one between
-# each two, where the pieces cost no step anything (beside its steps from ready, its decode
-# read 0.89x llama-server's, against 1.01-1.16x with the pieces in the gaps).
+# Only once no idle moment came for this long, so a burst shorter than it never has a piece
+# beside its steps. Steady traffic of any size gets them after it: a closed-loop client's
+# next request comes before the scheduler's next iteration, so even one user leaves no idle
+# moment (`bench load` on 2 Zen 4 cores: the weights never packed without this rule).
 STARVED_AFTER_S = 1.0
 
 
@@ -54,9 +55,10 @@ class IdleWork:
         return bool(self._work)
 
     def due(self, busy: bool) -> bool:
-        """Whether a piece runs now: any time no request waits or runs (`busy` False); beside
-        requests once they have left no idle moment for STARVED_AFTER_S and the last piece's
-        time has been paid back (SHARE_BESIDE_REQUESTS)."""
+        """Whether a piece runs now (called each iteration; a call with `busy` False is an idle
+        moment, noted): any time no request waits or runs; beside requests once they have left
+        no idle moment for STARVED_AFTER_S and the last piece's time has been paid back
+        (SHARE_BESIDE_REQUESTS)."""
         now = time.monotonic()
         if not busy:
             self._last_idle = now
