@@ -47,6 +47,7 @@ from preheat.workers.engine.raggedkv import RaggedKV, Segment
 
 MOST_TOKENS = 16  # smallstep.c's with dot products: a step feeding more runs the compiled graph
 MOST_TILE_TOKENS = 64  # with AMX tiles (amx.c): four groups of 16 tokens against each block of rows
+MOST_F32_TOKENS = 64  # smallstep_f32.c's: blocks of 4 rows by 3 tokens keep pace with oneDNN's packed products
 LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer"}  # transformers' classes whose forward the kernel computes
 STATIC_ROPE = {"default", "linear", "llama3"}  # rotary embeddings whose frequencies do not change with the length
 # What LoRA adapters may adapt, in smallstep.c's order (LQ ... LDOWN): indices into WEIGHTS.
@@ -143,7 +144,9 @@ class SmallStepKernel:
     @property
     def most_tokens(self) -> int:
         """The most ids a step it runs may feed: more on tiles, whose products cost little more
-        for 64 tokens than for one."""
+        for 64 tokens than for one, and in float32, whose products sum blocks of rows and tokens."""
+        if self.dtype is torch.float32:
+            return MOST_F32_TOKENS
         return MOST_TILE_TOKENS if self.tiles else MOST_TOKENS
 
     def covers(self, segments: list[Segment]) -> bool:

@@ -1,5 +1,5 @@
 /* A Llama-family decoder's small step in float32 (preheat.workers.engine.smallstep) for CPUs with
-   AVX2 and FMA: 1 to 16 tokens through every layer, then the final norm and the output head for
+   AVX2 and FMA: 1 to 64 tokens through every layer, then the final norm and the output head for
    the kept tokens, in one OpenMP parallel region whose phases meet at barriers, the GIL released.
    smallstep.c's step with every op in float32 as transformers' float32 ops compute it (nothing
    to round), without adapters or tiles: the step a host without fast bfloat16 runs. Each weight
@@ -12,8 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MOST_TOKENS 16
-#define GROUP 4 /* tokens a pass over two rows sums at once: 8 sums in registers, each row loaded once */
+#define MOST_TOKENS 64 /* past it, oneDNN's packed products and the graph's attention do better */
+#define ROWS 4          /* weight rows a pass sums at once */
+#define GROUP 3         /* tokens a pass sums at once: 12 sums in registers, each row and token loaded once */
 
 static inline float sum_lanes(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -37,43 +38,54 @@ static inline float dot(const float *row, const float *x, int64_t k_len) {
     return sum;
 }
 
-/* Two rows' sums over n (a constant, up to GROUP) tokens of x, `stride` apart, into s0 and s1. */
-static inline __attribute__((always_inline)) void pair_group(const int n, const float *r0, const float *r1,
-                                                             const float *x, int64_t stride, int64_t k_len,
-                                                             float *s0, float *s1) {
-    __m256 a0[GROUP], a1[GROUP];
-    for (int u = 0; u < n; u++) a0[u] = a1[u] = _mm256_setzero_ps();
+/* ROWS rows' sums over n (a constant, up to GROUP) tokens of x ([n, k_len]) into sums[r][at + u]:
+   one chain of 8 lanes a row and token, then its tail. Twelve chains hide an FMA's latency, and
+   a pass loads 4 + 3 vectors for 12 FMAs: two rows by four tokens (6 for 8) ran at 0.7x. */
+static inline __attribute__((always_inline)) void block_group(const int n, const float *const rows[ROWS],
+                                                              const float *x, int64_t k_len,
+                                                              float sums[ROWS][MOST_TOKENS], int64_t at) {
+    __m256 acc[ROWS][GROUP];
+    for (int r = 0; r < ROWS; r++)
+        for (int u = 0; u < n; u++) acc[r][u] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= k_len; i += 8) {
-        const __m256 w0 = _mm256_loadu_ps(r0 + i), w1 = _mm256_loadu_ps(r1 + i);
+        __m256 w[ROWS];
+        for (int r = 0; r < ROWS; r++) w[r] = _mm256_loadu_ps(rows[r] + i);
         for (int u = 0; u < n; u++) {
-            const __m256 xu = _mm256_loadu_ps(x + u * stride + i);
-            a0[u] = _mm256_fmadd_ps(w0, xu, a0[u]), a1[u] = _mm256_fmadd_ps(w1, xu, a1[u]);
+            const __m256 xu = _mm256_loadu_ps(x + u * k_len + i);
+            for (int r = 0; r < ROWS; r++) acc[r][u] = _mm256_fmadd_ps(w[r], xu, acc[r][u]);
         }
     }
-    for (int u = 0; u < n; u++) {
-        float t0 = sum_lanes(a0[u]), t1 = sum_lanes(a1[u]);
-        for (int64_t j = i; j < k_len; j++) t0 += r0[j] * x[u * stride + j], t1 += r1[j] * x[u * stride + j];
-        s0[u] = t0, s1[u] = t1;
-    }
+    for (int r = 0; r < ROWS; r++)
+        for (int u = 0; u < n; u++) {
+            float t = sum_lanes(acc[r][u]);
+            for (int64_t j = i; j < k_len; j++) t += rows[r][j] * x[u * k_len + j];
+            sums[r][at + u] = t;
+        }
 }
 
-/* Two rows' sums over the step's tokens (x [tokens, k_len]) into sums[0] and sums[1]. */
-static void pair_dots(int64_t tokens, const float *r0, const float *r1, const float *x, int64_t k_len,
-                      float sums[2][MOST_TOKENS]) {
+/* ROWS rows' sums over the step's tokens (x [tokens, k_len]) into sums[r][token]. One token
+   streams the rows (its bound is the memory's), so each row is a dot product of four chains. */
+static void row_dots(int64_t tokens, const float *const rows[ROWS], const float *x, int64_t k_len,
+                     float sums[ROWS][MOST_TOKENS]) {
     if (tokens == 1) {
-        sums[0][0] = dot(r0, x, k_len), sums[1][0] = dot(r1, x, k_len);
+        for (int r = 0; r < ROWS; r++) sums[r][0] = dot(rows[r], x, k_len);
         return;
     }
     int64_t g = 0;
-    for (; g + GROUP <= tokens; g += GROUP) pair_group(GROUP, r0, r1, x + g * k_len, k_len, k_len, sums[0] + g, sums[1] + g);
-    const float *rest = x + g * k_len;
-    switch (tokens - g) {
-    case 3: pair_group(3, r0, r1, rest, k_len, k_len, sums[0] + g, sums[1] + g); break;
-    case 2: pair_group(2, r0, r1, rest, k_len, k_len, sums[0] + g, sums[1] + g); break;
-    case 1: pair_group(1, r0, r1, rest, k_len, k_len, sums[0] + g, sums[1] + g); break;
-    }
+    for (; g + GROUP <= tokens; g += GROUP) block_group(GROUP, rows, x + g * k_len, k_len, sums, g);
+    if (tokens - g == 2) block_group(2, rows, x + g * k_len, k_len, sums, g);
+    if (tokens - g == 1) block_group(1, rows, x + g * k_len, k_len, sums, g);
 }
+
+/* The ROWS rows of w ([count, k_len]) from `first`, the last repeated past the end (its sums
+   written once: see `owned`). */
+static inline void rows_from(const float *w, int64_t first, int64_t count, int64_t k_len, const float *rows[ROWS]) {
+    for (int r = 0; r < ROWS; r++) rows[r] = w + (first + r < count ? first + r : count - 1) * k_len;
+}
+
+/* How many of the ROWS rows from `first` are w's own, not the last repeated. */
+static inline int owned(int64_t first, int64_t count) { return count - first < ROWS ? (int)(count - first) : ROWS; }
 
 /* LlamaRMSNorm in float32: x * rsqrt(mean(x^2) + eps), times the weight. */
 static void rms_norm(const float *x, const float *weight, float *out, int64_t n, float eps) {
@@ -89,6 +101,19 @@ static void rotate(const float *x, float *out, const float *cs, int64_t half) {
     }
 }
 
+/* n (a constant, 4 or 8) vectors of 8 lanes of the weighted sum of `columns` values from lane d:
+   a chain a vector, each lane's sum in the columns' order. */
+static inline __attribute__((always_inline)) void weigh_values(const int n, const float *scores, const float *values,
+                                                               float *out, int64_t columns, int64_t dim, float total) {
+    __m256 acc[8];
+    for (int j = 0; j < n; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < columns; c++) {
+        const __m256 weight = _mm256_set1_ps(scores[c]);
+        for (int j = 0; j < n; j++) acc[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(values + c * dim + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < n; j++) _mm256_storeu_ps(out + 8 * j, _mm256_div_ps(acc[j], _mm256_set1_ps(total)));
+}
+
 /* One query head against `columns` keys and values of its slot's head: softmax(q k * scale) v. */
 static void attend_head(const float *q, const float *keys, const float *values, float *out, float *scores,
                         int64_t columns, int64_t dim, float scale) {
@@ -98,26 +123,22 @@ static void attend_head(const float *q, const float *keys, const float *values, 
         most = scores[c] > most ? scores[c] : most;
     }
     for (int64_t c = 0; c < columns; c++) total += scores[c] = expf(scores[c] - most);
-    for (int64_t d = 0; d < dim; d += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t c = 0; c < columns; c++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[c]), _mm256_loadu_ps(values + c * dim + d), acc);
-        _mm256_storeu_ps(out + d, _mm256_div_ps(acc, _mm256_set1_ps(total)));
-    }
+    int64_t d = 0; /* 64 lanes a pass (8 chains: an FMA's latency hidden), then the last 32 */
+    for (; d + 64 <= dim; d += 64) weigh_values(8, scores, values + d, out + d, columns, dim, total);
+    if (d < dim) weigh_values(4, scores, values + d, out + d, columns, dim, total);
 }
 
 /* A product added to the residual h ([tokens, rows]): w [rows, k_len] against x [tokens, k_len],
-   its row pairs split over the region's threads (an orphaned `omp for`). */
+   its blocks of ROWS rows split over the region's threads (an orphaned `omp for`). */
 static void residual_product(float *h, int64_t rows, int64_t tokens, const float *w, const float *x, int64_t k_len,
-                             float sums[2][MOST_TOKENS]) {
+                             float sums[ROWS][MOST_TOKENS]) {
     #pragma omp for schedule(static)
-    for (int64_t pair = 0; pair < (rows + 1) / 2; pair++) {
-        const int64_t n0 = 2 * pair, n1 = n0 + 1 < rows ? n0 + 1 : n0;
-        pair_dots(tokens, w + n0 * k_len, w + n1 * k_len, x, k_len, sums);
-        for (int64_t t = 0; t < tokens; t++) {
-            h[t * rows + n0] += sums[0][t];
-            if (n1 != n0) h[t * rows + n1] += sums[1][t];
-        }
+    for (int64_t block = 0; block < (rows + ROWS - 1) / ROWS; block++) {
+        const float *from[ROWS];
+        rows_from(w, block * ROWS, rows, k_len, from);
+        row_dots(tokens, from, x, k_len, sums);
+        for (int r = 0; r < owned(block * ROWS, rows); r++)
+            for (int64_t t = 0; t < tokens; t++) h[t * rows + block * ROWS + r] += sums[r][t];
     }
 }
 
@@ -150,7 +171,7 @@ static int small_step(const StepArgs *a) {
     #pragma omp parallel
     {
         float *x = normed + hidden * tokens * omp_get_thread_num(); /* each thread's own copy of a norm */
-        float sums[2][MOST_TOKENS];
+        float sums[ROWS][MOST_TOKENS];
         for (int64_t layer = 0; layer < z.layers; layer++) {
             const int64_t *at = a->table + TABLE_WIDTH * layer;
             const float *wq = (const float *)at[Q], *wk = (const float *)at[K], *wv = (const float *)at[V];
@@ -159,16 +180,17 @@ static int small_step(const StepArgs *a) {
             for (int64_t t = 0; t < tokens; t++)
                 rms_norm(h + t * hidden, (const float *)at[NORM_IN], x + t * hidden, hidden, a->eps);
             #pragma omp for schedule(static)
-            for (int64_t pair = 0; pair < (qkv_rows + 1) / 2; pair++) { /* q, k and v's rows as one matrix */
-                const int64_t n[2] = {2 * pair, 2 * pair + 1 < qkv_rows ? 2 * pair + 1 : 2 * pair};
-                const float *rows[2];
-                for (int i = 0; i < 2; i++)
-                    rows[i] = n[i] < q_rows ? wq + n[i] * hidden
-                              : n[i] < q_rows + kv_rows ? wk + (n[i] - q_rows) * hidden
-                                                        : wv + (n[i] - q_rows - kv_rows) * hidden;
-                pair_dots(tokens, rows[0], rows[1], x, hidden, sums);
-                for (int64_t t = 0; t < tokens; t++)
-                    qkv[t * qkv_rows + n[0]] = sums[0][t], qkv[t * qkv_rows + n[1]] = sums[1][t];
+            for (int64_t block = 0; block < (qkv_rows + ROWS - 1) / ROWS; block++) { /* q, k and v as one matrix */
+                const float *rows[ROWS];
+                for (int r = 0; r < ROWS; r++) {
+                    const int64_t n = block * ROWS + r < qkv_rows ? block * ROWS + r : qkv_rows - 1;
+                    rows[r] = n < q_rows             ? wq + n * hidden
+                              : n < q_rows + kv_rows ? wk + (n - q_rows) * hidden
+                                                     : wv + (n - q_rows - kv_rows) * hidden;
+                }
+                row_dots(tokens, rows, x, hidden, sums);
+                for (int r = 0; r < owned(block * ROWS, qkv_rows); r++)
+                    for (int64_t t = 0; t < tokens; t++) qkv[t * qkv_rows + block * ROWS + r] = sums[r][t];
             }
             #pragma omp for schedule(static)
             for (int64_t item = 0; item < tokens * (z.heads + z.kv_heads); item++) {
@@ -194,21 +216,26 @@ static int small_step(const StepArgs *a) {
             for (int64_t t = 0; t < tokens; t++)
                 rms_norm(h + t * hidden, (const float *)at[NORM_POST], x + t * hidden, hidden, a->eps);
             #pragma omp for schedule(static)
-            for (int64_t pair = 0; pair < inter; pair++) { /* a gate row and its up row, then SiLU(gate) * up */
-                pair_dots(tokens, wg + pair * hidden, wu + pair * hidden, x, hidden, sums);
-                for (int64_t t = 0; t < tokens; t++) {
-                    const float gate = sums[0][t];
-                    mlp[t * inter + pair] = gate / (1.0f + expf(-gate)) * sums[1][t];
-                }
+            for (int64_t block = 0; block < (inter + 1) / 2; block++) { /* two gate rows and their up rows */
+                const int64_t j0 = 2 * block, j1 = j0 + 1 < inter ? j0 + 1 : j0;
+                const float *rows[ROWS] = {wg + j0 * hidden, wg + j1 * hidden, wu + j0 * hidden, wu + j1 * hidden};
+                row_dots(tokens, rows, x, hidden, sums);
+                for (int r = 0; r < (j1 != j0 ? 2 : 1); r++)
+                    for (int64_t t = 0; t < tokens; t++) { /* SiLU(gate) * up */
+                        const float gate = sums[r][t];
+                        mlp[t * inter + 2 * block + r] = gate / (1.0f + expf(-gate)) * sums[2 + r][t];
+                    }
             }
             residual_product(h, hidden, tokens, (const float *)at[DOWN], mlp, inter, sums);
         }
         for (int64_t k = 0; k < a->kept; k++) rms_norm(h + a->keep[k] * hidden, final_norm, x + k * hidden, hidden, a->eps);
         #pragma omp for schedule(static)
-        for (int64_t pair = 0; pair < (z.vocab + 1) / 2; pair++) {
-            const int64_t n0 = 2 * pair, n1 = n0 + 1 < z.vocab ? n0 + 1 : n0;
-            pair_dots(a->kept, head + n0 * hidden, head + n1 * hidden, x, hidden, sums);
-            for (int64_t k = 0; k < a->kept; k++) logits[k * z.vocab + n0] = sums[0][k], logits[k * z.vocab + n1] = sums[1][k];
+        for (int64_t block = 0; block < (z.vocab + ROWS - 1) / ROWS; block++) {
+            const float *rows[ROWS];
+            rows_from(head, block * ROWS, z.vocab, hidden, rows);
+            row_dots(a->kept, rows, x, hidden, sums);
+            for (int r = 0; r < owned(block * ROWS, z.vocab); r++)
+                for (int64_t k = 0; k < a->kept; k++) logits[k * z.vocab + block * ROWS + r] = sums[r][k];
         }
     }
     status = 0;

@@ -13,7 +13,13 @@ import torch
 
 from preheat.workers.engine import cpukernels
 from preheat.workers.engine.raggedkv import Segment
-from preheat.workers.engine.smallstep import MOST_TILE_TOKENS, MOST_TOKENS, SmallStepKernel, tiles_fit
+from preheat.workers.engine.smallstep import (
+    MOST_F32_TOKENS,
+    MOST_TILE_TOKENS,
+    MOST_TOKENS,
+    SmallStepKernel,
+    tiles_fit,
+)
 from tests.conftest import support_request
 
 
@@ -179,14 +185,14 @@ def test_rows_decoding_and_a_chunk_together_are_the_eager_steps(tiny_model, kind
 
 
 @pytest.mark.parametrize("rows, chunk", [(4, 20), (20, 40)])
-def test_a_step_past_16_tokens_on_tiles_is_the_eager_step(tiny_model, rows, chunk):
-    """On AMX tiles a step feeds up to 64 tokens (groups of 16 against each block of weight
-    rows): rows decoding beside a prompt's chunk, 23 and 59 tokens in all, each row's logits,
-    keys and values eager's."""
-    if not cpukernels.amx_ready():
-        pytest.skip("no AMX tiles on this CPU (or not granted to this process)")
-    resident = _resident(tiny_model, "tiles-past-16")
-    kernel = _kernel(resident, "tiles")
+@pytest.mark.parametrize("past_16", ["tiles", "float32"])
+def test_a_step_past_16_tokens_on_tiles_or_in_float32_is_the_eager_step(tiny_model, rows, chunk, past_16):
+    """On AMX tiles (groups of 16 tokens against each block of weight rows) and in float32
+    (blocks of 4 rows by 3 tokens) a step feeds up to 64 tokens: rows decoding beside a
+    prompt's chunk, 23 and 59 tokens in all, each row's logits, keys and values eager's."""
+    _runs_here(past_16)
+    resident = _resident(tiny_model, f"past-16-{past_16}", _dtype(past_16))
+    kernel = _kernel(resident, past_16)
     prompt = support_request(resident, "Summarise: the launch moved to March, QA goes to Dana.")[1][0].tolist()
     assert len(prompt) > chunk + 4
     kv = resident.runner.new_batch()
@@ -198,7 +204,30 @@ def test_a_step_past_16_tokens_on_tiles_is_the_eager_step(tiny_model, rows, chun
     start = kv.lengths[slots[-1]]
     segments.append(Segment(slots[-1], start, tuple(prompt[start : start + chunk])))
     assert kernel.covers(segments) and sum(len(s.ids) for s in segments) > MOST_TOKENS
-    _agrees(*_beside_eager(resident, kernel, kv, segments))
+    _agrees(*_beside_eager(resident, kernel, kv, segments), float32=past_16 == "float32")
+
+
+def test_float32_products_whose_rows_and_inputs_are_not_whole_blocks_are_eagers(tmp_path):
+    """The float32 kernel sums 4 rows by 3 tokens by 8 inputs at a time: a model whose
+    intermediate rows (99) and output head's (4,102) are not whole blocks of rows, whose down
+    projection's inputs (99) leave a tail, decoding and feeding chunks of 1, 2, 3, 10 and 23
+    tokens, gives eager's logits, keys and values."""
+    from preheat.cli.devmodel import ModelShape, make_model
+
+    _runs_here("float32")
+    shape = ModelShape(96, 99, 2, 3, 1, 4096, vocab_size=4099)
+    resident = _resident(make_model(tmp_path / "model", shape=shape), "odd-blocks-f32", "float32")
+    kernel = _kernel(resident, "float32")
+    assert kernel.sizes["vocab"] % 4 and kernel.sizes["intermediate"] % 4
+    prompt = support_request(resident, "Summarise: the launch moved to March, QA goes to Dana.")[1][0].tolist()
+    kv = resident.runner.new_batch()
+    slot, other = kv.add(None, len(prompt) + 8), kv.add(None, len(prompt) + 8)
+    resident.runner.step(kv, [Segment(slot, 0, tuple(prompt[:4])), Segment(other, 0, tuple(prompt[:6]))])
+    kv.stepped()
+    for n in (1, 2, 3, 10, 23):
+        start = kv.lengths[slot]
+        segments = [Segment(slot, start, tuple(prompt[start : start + n])), Segment(other, kv.lengths[other], (7,))]
+        _agrees(*_beside_eager(resident, kernel, kv, segments), float32=True)
 
 
 def test_rows_under_their_own_adapters_are_the_eager_steps(tiny_model, tmp_path, products):
@@ -282,16 +311,16 @@ def test_the_float32_kernel_refuses_what_it_does_not_hold_before_anything_is_wri
     _runs_here("float32")
     resident = _resident(tiny_model, "one-row-guards-f32", "float32")
     kernel, _ = SmallStepKernel.of(resident.model)
-    assert kernel.dtype is torch.float32 and not kernel.adapts and kernel.most_tokens == MOST_TOKENS
+    assert kernel.dtype is torch.float32 and not kernel.adapts and kernel.most_tokens == MOST_F32_TOKENS
     kv = resident.runner.new_batch()
-    slot = kv.add(None, MOST_TOKENS + 8)
+    slot = kv.add(None, MOST_F32_TOKENS + 8)
     kernel(kv, [Segment(slot, 0, (5,))])
     kv.stepped()
     keys = kv.buffers[0][0][slot, :, 1:].clone()
     with pytest.raises(ValueError, match=r"small_step_f32: token 1 \(id 1000000"):  # proven in C, by value
         kernel(kv, [Segment(slot, 1, (5, 1_000_000))])
-    with pytest.raises(ValueError, match=f"small_step_f32: {MOST_TOKENS + 1} tokens"):
-        kernel(kv, [Segment(slot, 1, (5,) * (MOST_TOKENS + 1))])
+    with pytest.raises(ValueError, match=f"small_step_f32: {MOST_F32_TOKENS + 1} tokens"):
+        kernel(kv, [Segment(slot, 1, (5,) * (MOST_F32_TOKENS + 1))])
     with pytest.raises(ValueError, match=r"computes no adapters on a torch\.float32 model"):
         kernel(kv, [Segment(slot, 1, (5,))], (None, torch.zeros((1, 2), dtype=torch.int64)))
     kernel.tiles = True  # asked of C all the same: refused there by name
