@@ -112,6 +112,30 @@ def test_the_serving_threads_exercise_uses_the_prefix_as_prefilled_not_a_prompt_
     assert runtime.cache.stats().inserts == inserts
 
 
+def test_the_exercise_leaves_kv_buffers_that_a_request_of_the_default_length_runs_on(tmp_path, tiny_model):
+    """The first-call exercise reads two pieces of a request of the default length and closes
+    it: the runner keeps its row's KV buffers, and the first request of that length on the
+    template runs on them instead of making its own."""
+    import time
+
+    from preheat.api.requests import DEFAULT_MAX_TOKENS
+
+    runtime = make_runtime(tmp_path, tiny_model)
+    runtime.preload()
+    runner = runtime.resident_models.get("tiny").runner
+    runner.spare_kv = None
+    runtime.exercise("tiny")
+    deadline = time.monotonic() + 30
+    while runner.spare_kv is None and time.monotonic() < deadline:  # the closed row leaves at the next step
+        time.sleep(0.01)
+    kept = runner.spare_kv
+    probe = runtime.catalog.template("support").probe
+    answer = runtime.generate("support", probe, SamplingParams(max_tokens=DEFAULT_MAX_TOKENS, temperature=0.0))
+    completion = answer.collect()
+    assert kept[1][1] >= completion.prompt_tokens + DEFAULT_MAX_TOKENS
+    assert runner.spare_kv[0][0][0] is kept[0][0][0]
+
+
 def test_a_missing_model_fails_the_job_and_the_runtime_keeps_serving(runtime):
     broken = runtime.warm_template("orphan")
     assert broken.status == "failed"

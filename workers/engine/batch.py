@@ -71,6 +71,7 @@ class Batch:
 
     kv: RaggedKV
     rows: list[Row] = field(default_factory=list)
+    runner: object | None = None  # the model's ModelRunner that made `kv`, given it back when the last row leaves
 
     @property
     def requests(self) -> list[Request]:
@@ -153,6 +154,8 @@ class Batch:
             if self.kv.remove(slot) is not None:
                 self.rows[slot] = self.rows[-1]
             self.rows.pop()
+        if slots and not self.rows and self.runner is not None:  # the scheduler lets the batch go
+            self.runner.keep_batch_kv(self.kv)
 
 
 def need(request: Request) -> int:

@@ -178,6 +178,10 @@ class RaggedKV:
         it decodes); returns the slot."""
         slot = len(self.lengths)
         length = row_cache.get_seq_length() if row_cache is not None else 0
+        if not slot and max(room, length) > self.capacity[1]:
+            # The first row, and buffers adopted from a batch before (ModelRunner.new_batch) too
+            # short for it: nothing to copy, so made at its size, not grown from theirs.
+            self.buffers, self.capacity = [None] * len(self.buffers), (0, 0)
         held = [min(length, layer.keys.shape[-2]) for layer in row_cache.layers] if length else []
         offset = length - min((h for h, w in zip(held, self.windows, strict=False) if w), default=length)
         self.lengths.append(length)

@@ -267,7 +267,7 @@ class Scheduler:
         rest of its prompt to feed (a prompt that is a cached entry has its first token now)."""
         batch = self._batches.get(request.model)
         if batch is None and (kv := request.resident.runner.new_batch()) is not None:
-            batch = self._batches[request.model] = Batch(kv)
+            batch = self._batches[request.model] = Batch(kv, runner=request.resident.runner)
         if batch is None or (start.cache is not None and not batchable(start.cache)):
             self._lone.start(request, start, self.limits.prefill_tokens_per_step)
             return

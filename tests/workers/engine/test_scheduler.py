@@ -141,6 +141,31 @@ def test_a_closed_stream_frees_its_row_at_once(resident):
     scheduler.close()
 
 
+def test_the_next_batch_runs_on_the_kv_buffers_the_last_one_left_and_answers_the_same(resident):
+    """A batch whose rows all left hands its KV buffers to the runner, and the next batch takes
+    them (a first request after a pause allocates none); what they still hold of the last
+    rows is never read: its answer is transformers'. A first row longer than they hold gets
+    buffers of its own size; a sleep frees them."""
+    known, _ = mixed_requests(resident, 1)
+    scheduler, runner = warm_scheduler(resident, known), resident.runner
+    long_ids = known[0].prompt_ids(resident, "Summarise: " + "the quarterly numbers went up. " * 6)
+    scheduler.submit(resident, long_ids, greedy(12)).collect()
+    kept = runner.spare_kv
+    assert kept is not None and kept[1][1] == long_ids.shape[-1] + 12
+    short_ids = known[1].prompt_ids(resident, "ok")
+    got = scheduler.submit(resident, short_ids, greedy(8)).collect()
+    assert got.token_ids == reference_generate(resident, short_ids, 8)[: len(got.token_ids)]
+    assert runner.spare_kv[0][0][0] is kept[0][0][0] and runner.spare_kv[1] == kept[1]
+    run_together(scheduler, resident, [(short_ids, greedy(4))] * 3)  # three rows: more slots than one
+    assert runner.spare_kv[1][0] >= 3
+    longer = scheduler.submit(resident, long_ids, greedy(40)).collect()
+    assert longer.token_ids == reference_generate(resident, long_ids, 40)[: len(longer.token_ids)]
+    assert runner.spare_kv[0][0][0] is not kept[0][0][0] and runner.spare_kv[1] == (1, long_ids.shape[-1] + 40)
+    scheduler.close()
+    runner.suspend()
+    assert runner.spare_kv is None
+
+
 def test_a_full_queue_is_refused_with_when_to_come_back(resident):
     known, _ = mixed_requests(resident, 1)
     scheduler = warm_scheduler(resident, known, BatchLimits(max_running=1, max_queued=1))
