@@ -41,8 +41,6 @@ from preheat.workers.warmup import TemplateWarmup, Warmups
 log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET = CacheBudget(max_entries=10, max_bytes=4 * 1024**3)
-# A first-call exercise reads this many pieces of a greedy request of the default length.
-EXERCISE_PIECES = 2
 
 
 @dataclass(frozen=True)
@@ -309,24 +307,18 @@ class WorkerRuntime:
             self.gate.warm(model)
 
     def _exercise(self, template: str) -> None:
-        """One request through the cache, off the books, read for its first pieces and closed:
-        the first real request must not be the one that pays for first-call costs (allocator,
-        kernel selection, the scheduler thread's own thread pool, the batch's KV buffers). Only
-        the prefix as pre-filled: a prompt file edited since is pre-filled by a warmup."""
+        """One request through the cache, off the books, read for two pieces and closed: the first real
+        request must not pay the first-call costs (allocator, kernel selection, the scheduler thread's
+        pool, the batch's KV buffers). Only the prefix as pre-filled: a prompt file edited since is a warmup's."""
         spec, known = self.catalog.template(template), self.templates.known(template)
         resident = self.resident_models.get(spec.model)
         if known is None or resident is None or known.key not in self.cache:
             return
         prompt_ids = known.prompt_ids(resident, spec.probe)
-        # As long as a request of the default length, so its row's KV buffers are too: the
-        # runner keeps them for the next batch (ModelRunner.keep_batch_kv), and the first
-        # request on the template does not fault their pages in (20 ms on a Zen 3 VM).
-        room = resident.max_context - prompt_ids.shape[-1] if resident.max_context else DEFAULT_MAX_TOKENS
-        sampling = SamplingParams(max_tokens=max(1, min(DEFAULT_MAX_TOKENS, room)), temperature=0.0)
-        stream = self.scheduler.submit(resident, prompt_ids, sampling, record=False)
-        for _ in zip(range(EXERCISE_PIECES), stream, strict=False):
-            pass
-        stream.close()
+        # Of the default length, so the KV buffers the runner keeps (keep_batch_kv) fit a first request.
+        new = max(1, min(DEFAULT_MAX_TOKENS, (resident.max_context or 1 << 30) - prompt_ids.shape[-1]))
+        sampling = SamplingParams(max_tokens=new, temperature=0.0)
+        self.scheduler.submit(resident, prompt_ids, sampling, record=False).close_after(2)
 
     def exercise(self, model: str) -> None:
         """One off-the-books request per warm template of `model`, before the process takes
