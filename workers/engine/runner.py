@@ -238,7 +238,7 @@ class ModelRunner:
 
     def keep_batch_kv(self, kv: RaggedKV) -> None:
         """A batch's rows all left: its KV buffers are kept for the next batch (`new_batch`),
-        which would make them again, each of their pages faulted in and zeroed (5-47 ms of a
+        which would make them again, each of their pages faulted in and zeroed (5-52 ms of a
         first request after a pause, on a 2-core Zen 3 VM). A sleep frees them."""
         if self.decode_graphs is None and kv.buffers and all(pair is not None for pair in kv.buffers):
             self.spare_kv = (kv.buffers, kv.capacity)
