@@ -71,7 +71,7 @@ class Batch:
 
     kv: RaggedKV
     rows: list[Row] = field(default_factory=list)
-    runner: object | None = None  # the model's ModelRunner that made `kv`, given it back when the last row leaves
+    runner: object | None = None  # the model's ModelRunner: it made `kv`, runs each step, gets `kv` back at the end
 
     @property
     def requests(self) -> list[Request]:
@@ -103,7 +103,7 @@ class Batch:
         self.drop(outcomes, [slot for slot, row in enumerate(self.rows) if row.request.cancelled.is_set()])
         if not self.rows:
             return
-        runner, segments = self.rows[0].request.resident.runner, self.plan(prefill_budget, alone)
+        runner, segments = self.runner, self.plan(prefill_budget, alone)
         before = self.kv.snapshot()
         try:
             logits = runner.step(self.kv, segments, [self.rows[s.slot].request.adapter for s in segments])
