@@ -21,6 +21,7 @@ import torch
 from preheat.workers.engine import attention, compilestore, cudagraphs, lora
 from preheat.workers.engine.compiled import CompiledSteps, CompileReport, GraphRefused, error_line, why_not_compiled
 from preheat.workers.engine.device import Placement, out_of_memory_as_error
+from preheat.workers.engine.hugepages import HugePageWeights
 from preheat.workers.engine.raggedkv import RaggedKV, Segment, batchable
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class ModelRunner:
     decode_graphs: object | None = None  # cudagraphs.DecodeGraphs: on CUDA, its decode steps captured
     limits: object | None = None  # the batch's BatchLimits its graphs were sized by
     spare_kv: tuple | None = None  # (buffers, capacity) of the last batch whose rows all left: the next one's
+    weight_pages: HugePageWeights | None = None  # its weights moving into huge pages while idle (hugepages.py)
 
     # Passes ---------------------------------------------------------------------------
 
@@ -97,7 +99,9 @@ class ModelRunner:
         the model takes requests; with `adapters` (the model declares LoRA adapters), its
         steps with adapter rows too; on CUDA, its decode steps captured as graphs sized by
         `limits` (the scheduler's BatchLimits). Never raises: what cannot be compiled runs
-        eager, and the report says why (logged once)."""
+        eager, and the report says why (logged once). Its weights move into huge pages while idle after it."""
+        if self.weight_pages is None:
+            self.weight_pages = HugePageWeights.of(self.name, self.model, self.placement.device)
         if self.compiled is not None:
             if not self.compiled.ready:  # a level-1 sleep kept the graphs
                 self.compiled.resume()
@@ -201,14 +205,24 @@ class ModelRunner:
             self.compiled.stack.admit(adapter)
 
     def idle_work(self):
-        """What this model's steps want done while no request waits or runs, one piece a call
-        (a callable returning whether more is left), or None: its weights packed for oneDNN."""
-        return self.compiled.pack_next if self.compiled is not None and self.compiled.unpacked() else None
+        """What this model wants done while no request waits or runs, one piece a call (a
+        callable returning whether more is left), or None: its weights moved into huge pages,
+        then packed for oneDNN."""
+        moving = self.weight_pages is not None and self.weight_pages.left()
+        return self._idle_piece if moving or (self.compiled is not None and self.compiled.unpacked()) else None
+
+    def _idle_piece(self) -> bool:
+        if self.weight_pages is not None and self.weight_pages.left():
+            self.weight_pages.move_next()
+            if self.compiled is not None and self.compiled.small_step is not None:
+                self.compiled.small_step.point()  # its table names the weights' storage
+            return True
+        return self.compiled is not None and bool(self.compiled.unpacked()) and self.compiled.pack_next()
 
     def suspend(self) -> None:
         """A level-1 sleep: the packed weights freed, the graphs kept (`compile` resumes them);
         CUDA graphs, which name the weights' addresses, let go (captured again on the wake)."""
-        self.decode_graphs = self.spare_kv = None
+        self.decode_graphs = self.spare_kv = self.weight_pages = None  # moved again after the wake
         if self.compiled is not None:
             self.compiled.suspend()
 
@@ -216,7 +230,7 @@ class ModelRunner:
         """The compiled steps let go (their packed weights with them): a level-2 sleep."""
         if self.compiled is not None:
             self.compiled.release()
-        self.compiled = self.compile_report = self.decode_graphs = self.spare_kv = None
+        self.compiled = self.compile_report = self.decode_graphs = self.spare_kv = self.weight_pages = None
 
     # The running rows' KV ---------------------------------------------------------------
 

@@ -79,8 +79,9 @@ class SmallStepKernel:
         self.rope_scaling = float(inner.rotary_emb.attention_scaling)
         self.weights, self.sizes, self.eps, self.scale = weights, sizes, eps, scale
         self.table = torch.zeros((len(weights), len(WEIGHTS) + 2), dtype=torch.int64)
-        for layer, tensors in enumerate(weights):
-            self.table[layer, : len(WEIGHTS)] = torch.tensor([t.data_ptr() for t in tensors])
+        self._shapes = [tuple(tensor.shape) for layer in weights for tensor in layer]
+        self._pointed_at = (0, 0)  # where the table's weights were: their first and last (`point`)
+        self.point()
         self._buffers: list[torch.Tensor] = []  # the keys and values whose addresses the table holds
         # Each weight's kind as the adapters' stacks name it ("model.layers.*.self_attn.q_proj").
         first = next(name for name, module in model.named_modules() if module is inner.layers[0])
@@ -118,7 +119,7 @@ class SmallStepKernel:
             modules = [layer.get_submodule(path) for path in WEIGHTS]
             if any(getattr(module, "bias", None) is not None for module in modules):
                 return None, "a layer with a bias"
-            weights.append([module.weight.detach() for module in modules])
+            weights.append([module.weight for module in modules])  # the parameters: see `point`
         eps = {float(layer.get_submodule(path).variance_epsilon) for layer in layers for path in WEIGHTS[::5]}
         scale = {float(layer.self_attn.scaling) for layer in layers}
         ends = [inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight]
@@ -158,6 +159,8 @@ class SmallStepKernel:
         values written into their slots (the step's layout set on `kv`, as a step's pass sets it).
         `adapters`: (the step's stacks, each token's columns) where its rows have LoRA adapters
         (preheat.workers.engine.lorastack), each token's added to every product it adapts."""
+        if self._pointed_at != (self.weights[0][1].data_ptr(), self.weights[-1][-1].data_ptr()):
+            self.point()  # a level-1 sleep's wake gave every parameter new storage
         tokens = sum(len(segment.ids) for segment in segments)
         stacks, width, columns = self._adapters(*adapters, tokens) if adapters is not None else (None, 0, None)
         where, keep = kv.small_step(segments, self._like)
@@ -181,6 +184,20 @@ class SmallStepKernel:
             self.tiles,
         )  # fmt: skip
         return logits
+
+    def point(self) -> None:
+        """The table at the layers' weights where they are now. It holds the parameters, not
+        their storage: a level-1 sleep swaps every parameter's data for nothing (and its wake
+        for what it reads back), so the storage it frees is not kept alive here; the move into
+        huge pages (hugepages.py) swaps them a piece at a time and calls this after each."""
+        tensors = [tensor for layer in self.weights for tensor in layer]
+        if not all(_held(tensor, shape, self.dtype) for tensor, shape in zip(tensors, self._shapes, strict=True)):
+            raise ValueError(
+                f"the small step reads the {self.dtype} weights it was built on, got {_described(tensors)}"
+            )
+        for layer, tensors in enumerate(self.weights):
+            self.table[layer, : len(WEIGHTS)] = torch.tensor([t.data_ptr() for t in tensors])
+        self._pointed_at = (self.weights[0][1].data_ptr(), self.weights[-1][-1].data_ptr())
 
     def _adapters(self, stacked, columns: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int, torch.Tensor]:
         """The step's stacks as smallstep.c reads them: [kinds, 2] addresses of each adapted

@@ -48,7 +48,8 @@ def released(scheduler, resident):
 
 
 def packed_while_idle(resident, timeout_s: float = 60.0) -> None:
-    """Wait until the scheduler has packed every linear layer's weight (sidework.IdleWork)."""
+    """Wait until the scheduler has moved the weights into huge pages and packed every linear
+    layer's weight (sidework.IdleWork)."""
     deadline = time.monotonic() + timeout_s
     while resident.runner.idle_work() is not None:
         assert time.monotonic() < deadline, "the weights were not packed while the scheduler was idle"
@@ -145,9 +146,10 @@ def test_a_layer_gives_the_same_tokens_before_its_weight_is_packed(dev_model, st
 
 
 def test_a_level_one_sleep_keeps_the_graphs_and_the_wake_only_packs_the_weights(dev_model, store, monkeypatch):
-    """A level-1 sleep frees the packed copies of the weights and keeps the graphs: the wake
-    packs the weights again and runs the same graphs, with no compile and no restore, and
-    gives the eager tokens. A step whose inputs a graph refuses runs eager."""
+    """A level-1 sleep frees the weights and their packed copies (the small-step kernel keeps
+    none) and keeps the graphs: the wake reads the weights back, packs them again and runs the
+    same graphs and kernel, with no compile and no restore, and gives the eager tokens. A step
+    whose inputs a graph refuses runs eager."""
     from preheat.workers.engine.resident import ModelSource, ResidentModels
 
     resident, _ = ResidentModels("cpu", dtype_preference="float32").ensure(
@@ -169,12 +171,23 @@ def _sleep_and_refusal(scheduler, resident, store, monkeypatch) -> None:
     layers = compiled_layers(resident)
     packed_while_idle(resident)
     assert layers and all(layer.packed is not None and linears._LAYERS[layer.weight_id] is layer for layer in layers)
+    from preheat.workers.sleep import offload_weights, restore_weights
+
     scheduler.call(resident.runner.suspend)
+    offloaded, _ = scheduler.call(offload_weights, resident)  # a level-1 sleep's release (sleep.py)
     assert all(layer.packed is None for layer in layers)  # the packed copies are given back while it sleeps
+    if (kernel := resident.runner.compiled.small_step) is not None:  # nor does the kernel keep the weights
+        assert all(weight.numel() == 0 for layer in kernel.weights for weight in layer)
+    scheduler.call(restore_weights, resident, offloaded)
     made = dict(resident.runner.compiled.made)
     report = scheduler.compile(resident.runner, "auto", store, resident.content_digest)
     assert report.source == "kept"
-    packed_while_idle(resident)  # packed again while idle, not on the wake's path
+    packed_while_idle(resident)  # moved into huge pages and packed again while idle, not on the wake's path
+    if (kernel := resident.runner.compiled.small_step) is not None:  # its table names the weights where they are
+        from preheat.workers.engine.smallstep import WEIGHTS
+
+        held = [weight.data_ptr() for layer in kernel.weights for weight in layer]
+        assert kernel.table[:, : len(WEIGHTS)].flatten().tolist() == held
     woken = scheduler.submit(resident, *request).collect()
     assert resident.runner.compiled.made == made  # no graph compiled or loaded for the wake
     assert woken.token_ids == eager.token_ids
