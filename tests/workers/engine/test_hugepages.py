@@ -57,7 +57,9 @@ def test_each_parameter_takes_its_new_pages_once_whole_with_the_same_bits(monkey
         assert p.data_ptr() != old[id(p)] and p.data_ptr() % hugepages.ALIGN == 0
     assert model.head.weight is model.embed.weight
     assert model.norm.data_ptr() % hugepages.HUGE_PAGE == 0  # the first on a huge page's boundary
-    assert advised_huge(model.norm.data_ptr()) and not advised_huge(before["norm"].data_ptr())
+    assert not advised_huge(before["norm"].data_ptr())
+    if hugepages.why_not(torch.device("cpu")) is None:  # where the host has them: the move's point
+        assert advised_huge(model.norm.data_ptr())
 
 
 def test_nothing_moves_where_huge_pages_are_off_or_on_another_device(tmp_path, monkeypatch):
