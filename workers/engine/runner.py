@@ -208,16 +208,22 @@ class ModelRunner:
         """What this model wants done while no request waits or runs, one piece a call (a
         callable returning whether more is left), or None: its weights moved into huge pages,
         then packed for oneDNN."""
-        moving = self.weight_pages is not None and self.weight_pages.left()
-        return self._idle_piece if moving or (self.compiled is not None and self.compiled.unpacked()) else None
+        return self._idle_piece if self._moving() or self._unpacked() else None
 
     def _idle_piece(self) -> bool:
-        if self.weight_pages is not None and self.weight_pages.left():
+        if self._moving():
             self.weight_pages.move_next()
             if self.compiled is not None and self.compiled.small_step is not None:
                 self.compiled.small_step.point()  # its table names the weights' storage
-            return True
-        return self.compiled is not None and bool(self.compiled.unpacked()) and self.compiled.pack_next()
+        elif self._unpacked():
+            self.compiled.pack_next()
+        return self._moving() or self._unpacked()
+
+    def _moving(self) -> bool:
+        return self.weight_pages is not None and self.weight_pages.left()
+
+    def _unpacked(self) -> bool:
+        return self.compiled is not None and bool(self.compiled.unpacked())
 
     def suspend(self) -> None:
         """A level-1 sleep: the packed weights freed, the graphs kept (`compile` resumes them);

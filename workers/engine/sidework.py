@@ -1,15 +1,15 @@
 """Work on the scheduler's thread that is not a request (preheat.workers.engine.scheduler).
 
-A *call* (a template's pre-fill, a model's compile) runs between two steps, one an iteration,
-its caller waiting for what it returns. *Idle work* is what a model's runner leaves for
-moments with no request (`ModelRunner.idle_work`: its weights moved into huge pages, then
-packed for oneDNN): done a piece an iteration, nobody waiting for it, so a request that
-comes meanwhile waits for one piece, never for the whole. Pieces run while no request waits or runs; once requests have
-left no such moment for `STARVED_AFTER_S`, beside them too, for at most
-`SHARE_BESIDE_REQUESTS` of the scheduler's time: a worker whose traffic is there when it
-becomes ready (a queue's backlog) and never pauses would otherwise never finish it.
-A piece that fails drops its model's idle work: it is speed, never an answer (the steps run
-without it).
+A *call* (a template's pre-fill, a model's compile) runs between two steps, one an
+iteration, its caller waiting for what it returns. *Idle work* is what a model's runner
+leaves for moments with no request (`ModelRunner.idle_work`: its weights moved into huge
+pages, then packed for oneDNN): done a piece an iteration, nobody waiting for it, so a
+request that comes meanwhile waits for one piece, never for the whole. Pieces run while no
+request waits or runs; once requests have left no such moment for `STARVED_AFTER_S`, beside
+them too, for at most `SHARE_BESIDE_REQUESTS` of the scheduler's time: a worker whose
+traffic is there when it becomes ready (a queue's backlog) and never pauses would otherwise
+never finish it. A piece that fails drops its model's idle work: it is speed, never an
+answer (the steps run without it).
 """
 
 from __future__ import annotations
